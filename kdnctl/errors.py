@@ -1,0 +1,112 @@
+"""Domain errors. The CLI maps every KdnError to one line on stderr, a hint and an exit code.
+
+Library code raises these instead of printing or exiting, so the same failures are usable
+from Python. ``EXIT_CODES`` is the one table of exit codes.
+"""
+
+from __future__ import annotations
+
+
+class KdnError(Exception):
+    """Base of every error kdnctl reports to a user."""
+
+    exit_code = 1
+    default_hint = ""
+
+    def __init__(self, message: str, hint: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint if hint is not None else self.default_hint
+
+    def one_line(self) -> str:
+        text = f"error: {self.message}"
+        if self.hint:
+            text += f" (hint: {self.hint})"
+        return " ".join(text.split())
+
+
+class UsageError(KdnError):
+    """Bad option values, e.g. a budget outside (0, 1]."""
+
+    exit_code = 2
+    default_hint = "see --help"
+
+
+class InputError(KdnError):
+    """A missing, empty, binary or undecodable input path."""
+
+    exit_code = 3
+    default_hint = "check the path you passed"
+
+
+class NotFoundError(KdnError):
+    """A document, version label, chunk or object that is not in the store."""
+
+    exit_code = 4
+    default_hint = "run `kdnctl ls` to see what is stored"
+
+
+class ModelMismatchError(KdnError):
+    """A bundle made with another model (fingerprint differs)."""
+
+    exit_code = 5
+    default_hint = "load the bundle with the model it was made with (--model), or re-ingest"
+
+
+class BundleFormatError(KdnError):
+    """A bundle that cannot be decoded: truncated, corrupted, bad shapes, unknown major version."""
+
+    exit_code = 6
+    default_hint = "run `kdnctl verify`; re-ingest the document if the object is damaged"
+
+
+class StoreCorruptError(KdnError):
+    """An object whose bytes no longer match its hash, or a dangling catalog reference."""
+
+    exit_code = 6
+    default_hint = "run `kdnctl verify` for the full list; re-ingest affected documents"
+
+
+class StoreLockedError(KdnError):
+    """A second writer tried to open the store while another holds the write lock."""
+
+    exit_code = 7
+    default_hint = "another kdnctl command is writing to this store; wait for it to finish"
+
+
+class ModelLoadError(KdnError):
+    """The model path is missing or not a model kdnctl can load."""
+
+    exit_code = 8
+    default_hint = "pass --model with a HF model directory or a .gguf file"
+
+
+class RemoteError(KdnError):
+    """A remote store (serve-files) failed or answered something unusable."""
+
+    exit_code = 9
+    default_hint = "check the URL, the token and that `kdnctl serve-files` is running"
+
+
+class UnsupportedError(KdnError):
+    """An operation this model or bundle cannot support (e.g. a RoPE type we cannot re-rotate)."""
+
+    exit_code = 10
+
+
+EXIT_CODES: dict[type[KdnError], int] = {
+    cls: cls.exit_code
+    for cls in (
+        KdnError,
+        UsageError,
+        InputError,
+        NotFoundError,
+        ModelMismatchError,
+        BundleFormatError,
+        StoreCorruptError,
+        StoreLockedError,
+        ModelLoadError,
+        RemoteError,
+        UnsupportedError,
+    )
+}
