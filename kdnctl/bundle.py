@@ -1,0 +1,348 @@
+"""KV bundles: one chunk's KV cache (plus token ids, positions, stats) as a safetensors blob.
+
+The format is specified in docs/bundle-format.md. Every byte sequence that is not a valid
+bundle turns into a one-line BundleFormatError: bundles come from disk, from a remote store
+or from an older/newer kdnctl, and a crash deep inside attention code is far harder to
+diagnose than "layer 3: keys and values differ in shape".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kdnctl.errors import BundleFormatError, ModelMismatchError
+
+FORMAT_VERSION = "1.0"
+SUPPORTED_MAJOR = 1
+
+# safetensors __metadata__ keys kdnctl writes. The header digest guards the metadata and the
+# tensor index (names, dtypes, shapes): a single flipped byte in the header could otherwise
+# change a doc id or a dtype and still parse. Payload bytes are guarded by the content
+# address of the object in the store.
+META_KEY = "kdnctl"
+DIGEST_KEY = "kdnctl_sha256"
+_ALLOWED_METADATA_KEYS = {META_KEY, DIGEST_KEY}
+
+REQUIRED_META_KEYS = (
+    "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",
+    "n_chunks", "token_start", "token_end", "chain_hash", "label", "parent", "recipe",
+    "created", "tool_version", "dtype",
+)
+REQUIRED_MODEL_KEYS = ("n_layers", "n_kv_heads", "head_dim")
+QUANT_SUFFIXES = (".q", ".scale", ".zero")
+
+# A header larger than this is certainly a corrupted length field, not a real bundle
+# (a 30-layer bundle header is a few KB); refusing early avoids a huge allocation.
+_MAX_HEADER = 64 << 20
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+
+
+@dataclass
+class KVBundle:
+    meta: dict[str, Any]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    # -- helpers; properties where the contract lists no arguments -----------------------
+    @property
+    def n_layers(self) -> int:
+        return int(self.meta["model"]["n_layers"])
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        return self.tensors["token_ids"]
+
+    @property
+    def n_tokens(self) -> int:
+        """Original chunk length T (also for pruned bundles)."""
+        return int(self.tensors["token_ids"].shape[0])
+
+    def is_quantized(self, i: int) -> bool:
+        return f"layers.{i}.keys.q" in self.tensors
+
+    def layer_len(self, i: int) -> int:
+        """T_i, the number of tokens layer i keeps (per head)."""
+        p = self.tensors.get(f"layers.{i}.positions")
+        return int(p.shape[1]) if p is not None else self.n_tokens
+
+    @property
+    def kept_tokens(self) -> float:
+        """Average kept tokens per layer (equals n_tokens for an unpruned bundle)."""
+        n = self.n_layers
+        return sum(self.layer_len(i) for i in range(n)) / n if n else 0.0
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of all tensors (what the bundle costs on disk, minus the header)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def layer_positions(self, i: int) -> torch.Tensor:
+        """Absolute original positions of layer i's kept tokens, int64 [H_kv, T_i]."""
+        p = self.tensors.get(f"layers.{i}.positions")
+        if p is not None:
+            return p
+        h = int(self.meta["model"]["n_kv_heads"])
+        return self.tensors["positions"].unsqueeze(0).expand(h, -1)
+
+    def layer_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense (keys, values) of layer i, each [H_kv, T_i, D]; dequantizes if needed."""
+        if not 0 <= i < self.n_layers:
+            raise IndexError(f"layer {i} out of range (bundle has {self.n_layers} layers)")
+        if not self.is_quantized(i):
+            return self.tensors[f"layers.{i}.keys"], self.tensors[f"layers.{i}.values"]
+        # Imported lazily: kdnctl.quant is optional for readers of dense bundles and must not
+        # be a hard import-time dependency of the bundle module.
+        from kdnctl.quant import dequantize_tensors
+
+        q = self.meta["quant"]
+        k = dequantize_tensors(self.tensors, f"layers.{i}.keys", q)
+        v = dequantize_tensors(self.tensors, f"layers.{i}.values", q)
+        dt = getattr(torch, str(self.meta.get("dtype", "")), None)
+        if isinstance(dt, torch.dtype) and dt.is_floating_point:
+            k, v = k.to(dt), v.to(dt)
+        return k, v
+
+
+def make_meta(**fields: Any) -> dict[str, Any]:
+    """A meta dict with format_version, created and tool_version filled; fields override.
+
+    `created` honours SOURCE_DATE_EPOCH so that reproducible builds (and tests) produce
+    byte-identical bundles, hence identical content addresses in the store.
+    """
+    from kdnctl import __version__
+
+    sde = os.environ.get("SOURCE_DATE_EPOCH")
+    meta: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "created": float(sde) if sde else time.time(),
+        "tool_version": __version__,
+    }
+    meta.update(fields)
+    return meta
+
+
+def header_digest(meta_json: str, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the meta JSON and the tensor index (name, dtype, shape), in name order."""
+    h = hashlib.sha256(meta_json.encode("utf-8"))
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"\n{name}|{t.dtype}|{list(t.shape)}".encode("utf-8"))
+    return h.hexdigest()
+
+
+def encode_bundle(b: KVBundle) -> bytes:
+    """Serialise a bundle; validates first so an invalid bundle never reaches the store."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, t in b.tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise BundleFormatError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        t = t.detach().to("cpu")
+        # safetensors refuses non-contiguous tensors and tensors sharing storage (views of a
+        # bigger tensor, e.g. kv[0]); a compact copy satisfies both.
+        if not t.is_contiguous() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone(memory_format=torch.contiguous_format)
+        tensors[name] = t
+    _validate(b.meta, tensors)
+    try:
+        meta_json = json.dumps(b.meta, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise BundleFormatError(f"bundle meta is not JSON-serialisable: {e}") from None
+    from safetensors.torch import save
+
+    metadata = {META_KEY: meta_json, DIGEST_KEY: header_digest(meta_json, tensors)}
+    return save(tensors, metadata=metadata)
+
+
+def _parse_header(data: bytes) -> dict[str, Any]:
+    if len(data) < 8:
+        raise BundleFormatError(f"bundle is truncated ({len(data)} bytes, not even a header length)")
+    (n,) = struct.unpack("<Q", data[:8])
+    if n > _MAX_HEADER or 8 + n > len(data):
+        raise BundleFormatError(
+            f"bundle is truncated or not a safetensors file (header length {n}, {len(data)} bytes)"
+        )
+    try:
+        header = json.loads(data[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise BundleFormatError("bundle header is not valid safetensors JSON (corrupted?)") from None
+    if not isinstance(header, dict):
+        raise BundleFormatError("bundle header is not a JSON object (corrupted?)")
+    return header
+
+
+def _load_meta(header: dict[str, Any]) -> tuple[dict[str, Any], str, str | None]:
+    md = header.get("__metadata__")
+    if not isinstance(md, dict) or META_KEY not in md:
+        raise BundleFormatError("not a kdnctl bundle: safetensors metadata has no 'kdnctl' entry")
+    unknown = sorted(set(md) - _ALLOWED_METADATA_KEYS)
+    if unknown:
+        raise BundleFormatError(f"unexpected safetensors metadata key(s) {unknown} (corrupted?)")
+    meta_json = md[META_KEY]
+    try:
+        meta = json.loads(meta_json)
+    except (TypeError, ValueError):
+        raise BundleFormatError("bundle metadata 'kdnctl' is not valid JSON (corrupted?)") from None
+    if not isinstance(meta, dict):
+        raise BundleFormatError("bundle metadata 'kdnctl' is not a JSON object")
+    return meta, meta_json, md.get(DIGEST_KEY)
+
+
+def _check_version(meta: dict[str, Any]) -> None:
+    v = meta.get("format_version")
+    m = re.fullmatch(r"(\d+)\.(\d+)", v) if isinstance(v, str) else None
+    if m is None:
+        raise BundleFormatError(f"bundle format_version {v!r} is not 'major.minor'")
+    if int(m.group(1)) != SUPPORTED_MAJOR:
+        raise BundleFormatError(
+            f"bundle format version {v} is not supported (this reader supports "
+            f"{SUPPORTED_MAJOR}.x); upgrade kdnctl or re-ingest"
+        )
+
+
+def decode_bundle(data: bytes, *, expect_fingerprint: str | None = None) -> KVBundle:
+    """Parse and validate bundle bytes. Malformed -> BundleFormatError; other model ->
+    ModelMismatchError (only when expect_fingerprint is given)."""
+    if isinstance(data, (bytearray, memoryview)):
+        data = bytes(data)
+    if not isinstance(data, bytes):
+        raise BundleFormatError(f"bundle data must be bytes, got {type(data).__name__}")
+    header = _parse_header(data)
+    meta, meta_json, digest = _load_meta(header)
+    # Version first: a future major version may change anything below, including the digest.
+    _check_version(meta)
+    from safetensors.torch import load
+
+    try:
+        tensors = load(data)
+    except (KeyboardInterrupt, SystemExit, MemoryError):
+        raise
+    except BaseException as e:  # noqa: BLE001 - pyo3 panics derive from BaseException
+        msg = " ".join(str(e).split())[:200]
+        raise BundleFormatError(f"bundle tensors cannot be read (truncated or corrupted): {msg}") from None
+    if digest is not None and digest != header_digest(meta_json, tensors):
+        raise BundleFormatError("bundle header checksum mismatch (corrupted metadata or tensor index)")
+    _validate(meta, tensors)
+    fp = meta["model_fingerprint"]
+    if expect_fingerprint is not None and fp != expect_fingerprint:
+        raise ModelMismatchError(
+            f"bundle was made with model {str(fp)[:12]}, the loaded model is "
+            f"{str(expect_fingerprint)[:12]}"
+        )
+    return KVBundle(meta=meta, tensors=tensors)
+
+
+# -- structural validation --------------------------------------------------------------
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    """Raise BundleFormatError naming the first inconsistency between meta and tensors."""
+    if not isinstance(meta, dict):
+        raise BundleFormatError("bundle meta must be a dict")
+    _check_version(meta)
+    missing = [k for k in REQUIRED_META_KEYS if k not in meta]
+    if missing:
+        raise BundleFormatError(f"bundle meta lacks required key(s): {', '.join(missing)}")
+    model = meta["model"]
+    if not isinstance(model, dict) or not all(_int(model.get(k)) and model[k] > 0 for k in REQUIRED_MODEL_KEYS):
+        raise BundleFormatError(
+            f"bundle meta 'model' must give positive integers {', '.join(REQUIRED_MODEL_KEYS)}"
+        )
+    if not isinstance(meta["model_fingerprint"], str):
+        raise BundleFormatError("bundle meta 'model_fingerprint' must be a hex string")
+    n_layers, h_kv, d = model["n_layers"], model["n_kv_heads"], model["head_dim"]
+    ts, te = meta["token_start"], meta["token_end"]
+    if not (_int(ts) and _int(te) and 0 <= ts <= te):
+        raise BundleFormatError(f"bundle token range [{ts}, {te}) is invalid")
+    quant = meta.get("quant")
+
+    ids = tensors.get("token_ids")
+    if ids is None:
+        raise BundleFormatError("bundle has no 'token_ids' tensor")
+    if ids.dtype != torch.int64 or ids.dim() != 1:
+        raise BundleFormatError(f"token_ids must be int64 [T], got {ids.dtype} {list(ids.shape)}")
+    t_full = ids.shape[0]
+    if t_full != te - ts:
+        raise BundleFormatError(f"token_ids has {t_full} tokens but the token range [{ts}, {te}) has {te - ts}")
+    pos = tensors.get("positions")
+    if pos is not None and (pos.dtype != torch.int64 or list(pos.shape) != [t_full]):
+        raise BundleFormatError(f"positions must be int64 [{t_full}], got {pos.dtype} {list(pos.shape)}")
+
+    for name in tensors:
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= n_layers:
+            raise BundleFormatError(f"tensor {name!r} is beyond the model's {n_layers} layers")
+
+    for i in range(n_layers):
+        t_i = _validate_positions(tensors, i, h_kv, pos, t_full)
+        for kind in ("keys", "values"):
+            base = f"layers.{i}.{kind}"
+            dense, coded = base in tensors, f"{base}.q" in tensors
+            if dense and coded:
+                raise BundleFormatError(f"layer {i} has both dense and quantized {kind}")
+            if coded:
+                if not quant:
+                    raise BundleFormatError(f"layer {i} {kind} are quantized but meta has no 'quant'")
+                absent = [base + s for s in QUANT_SUFFIXES if base + s not in tensors]
+                if absent:
+                    raise BundleFormatError(f"layer {i}: missing quantized tensor(s) {', '.join(absent)}")
+            elif not dense:
+                raise BundleFormatError(f"layer {i}: missing tensor {base!r}")
+        k, v = tensors.get(f"layers.{i}.keys"), tensors.get(f"layers.{i}.values")
+        for name, t in ((f"layers.{i}.keys", k), (f"layers.{i}.values", v)):
+            if t is None:
+                continue
+            if not t.dtype.is_floating_point:
+                raise BundleFormatError(f"{name} must be a floating dtype, got {t.dtype}")
+            if t.dim() != 3 or t.shape[0] != h_kv or t.shape[2] != d:
+                raise BundleFormatError(
+                    f"{name} has shape {list(t.shape)}, expected [H_kv={h_kv}, T, D={d}] from meta['model']"
+                )
+            if t.shape[1] != t_i:
+                raise BundleFormatError(f"{name} holds {t.shape[1]} tokens but its positions hold {t_i}")
+        if k is not None and v is not None and k.shape != v.shape:
+            raise BundleFormatError(f"layer {i}: keys {list(k.shape)} and values {list(v.shape)} differ in shape")
+        _validate_bias(tensors, i, model, t_i)
+
+
+def _validate_positions(tensors, i: int, h_kv: int, pos, t_full: int) -> int:
+    """Check layer i's positions; return T_i."""
+    lp = tensors.get(f"layers.{i}.positions")
+    if lp is None:
+        if pos is None:
+            raise BundleFormatError(f"layer {i} has no positions (neither 'positions' nor 'layers.{i}.positions')")
+        return t_full
+    if lp.dtype != torch.int64 or lp.dim() != 2 or lp.shape[0] != h_kv or lp.shape[1] > t_full:
+        raise BundleFormatError(
+            f"layers.{i}.positions must be int64 [H_kv={h_kv}, T_i<={t_full}], got {lp.dtype} {list(lp.shape)}"
+        )
+    # Sorted ascending per head is part of the contract; consumers rely on it to merge and
+    # to rebuild causal order, so a violation is a format error, not a soft warning.
+    if lp.shape[1] > 1 and not bool((lp[:, 1:] > lp[:, :-1]).all()):
+        raise BundleFormatError(f"layers.{i}.positions are not strictly ascending per head")
+    if lp.numel() and int(lp.min()) < 0:
+        raise BundleFormatError(f"layers.{i}.positions contain negative positions")
+    return int(lp.shape[1])
+
+
+def _validate_bias(tensors, i: int, model: dict, t_i: int) -> None:
+    bias = tensors.get(f"layers.{i}.bias")
+    if bias is None:
+        return
+    h_q = model.get("n_q_heads")
+    if not bias.dtype.is_floating_point or bias.dim() != 2 or bias.shape[1] != t_i or (
+        _int(h_q) and bias.shape[0] != h_q
+    ):
+        raise BundleFormatError(
+            f"layers.{i}.bias must be float [H_q={h_q}, T_i={t_i}], got {bias.dtype} {list(bias.shape)}"
+        )

@@ -1,0 +1,98 @@
+"""Shared CLI plumbing: output streams, progress bars, store/model options, error mapping."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from ..errors import KdnError
+
+StoreOpt = typer.Option(None, "--store", envvar="KDN_STORE", help="Store directory (default ./.kdn).")
+ModelOpt = typer.Option(None, "--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct).")
+JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
+
+
+def store_root(store: Optional[Path]) -> Path:
+    if store is not None:
+        return Path(store)
+    from ..store import default_store_root
+
+    return default_store_root()
+
+
+def open_store(store: Optional[Path], *, create: bool = False):
+    from ..store import Store
+
+    return Store(store_root(store), create=create)
+
+
+def load_lm(model: Optional[str], dtype: Optional[str] = None, device: Optional[str] = None):
+    from ..model import load_model
+
+    with status("loading model"):
+        return load_model(model, dtype=dtype, device=device)
+
+
+def message(text: str) -> None:
+    """Human messages go to stderr so stdout stays data."""
+    print(text, file=sys.stderr)
+
+
+def emit_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def interactive() -> bool:
+    return sys.stderr.isatty() and os.environ.get("CI") != "true"
+
+
+@contextmanager
+def status(text: str):
+    if interactive():
+        from rich.console import Console
+
+        with Console(stderr=True).status(text):
+            yield
+    else:
+        yield
+
+
+def progress_bar(total: int, desc: str, unit: str = "tok"):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not interactive(), file=sys.stderr)
+
+
+def run_cli(app: typer.Typer) -> None:
+    """Entry point: one place maps domain errors to a one-line message and an exit code."""
+    debug = os.environ.get("KDNCTL_DEBUG") == "1"
+    try:
+        app(standalone_mode=False)
+    except KdnError as exc:
+        if debug:
+            raise
+        message(exc.one_line())
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        message("error: interrupted")
+        sys.exit(130)
+    except (typer.Abort,):
+        sys.exit(1)
+    except Exception as exc:  # click usage errors and anything unexpected
+        import click
+
+        if isinstance(exc, click.exceptions.Exit):
+            sys.exit(exc.exit_code)
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(2)
+        if debug:
+            raise
+        message(f"error: unexpected {type(exc).__name__}: {exc} (hint: rerun with KDNCTL_DEBUG=1 for a traceback)")
+        sys.exit(1)

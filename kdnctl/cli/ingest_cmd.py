@@ -1,0 +1,55 @@
+"""`kdnctl ingest`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
+
+
+def ingest(
+    paths: List[Path] = typer.Argument(..., help="Files or directories (.txt .md .rst .html .jsonl)."),
+    store: Optional[Path] = StoreOpt,
+    model: Optional[str] = ModelOpt,
+    chunk_tokens: int = typer.Option(256, "--chunk-tokens", help="Tokens per stored chunk."),
+    window: int = typer.Option(32, "--window", help="Observation window (last W queries) for statistics."),
+    no_stats: bool = typer.Option(False, "--no-stats", help="Skip attention statistics (faster, no scoring later)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (CPU default), float16, bfloat16."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Prefill documents and store their KV per chunk."""
+    from ..corpus import read_corpus
+    from ..errors import UsageError
+    from ..ingest import IngestOptions, ingest_documents
+
+    if chunk_tokens < 1:
+        raise UsageError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
+    docs, skipped = read_corpus(paths)
+    for s in skipped:
+        message(f"warning: skipped {s.path}: {s.reason}")
+    if not docs:
+        raise UsageError("no readable documents in the given paths", hint="supported: .txt .md .rst .html .jsonl")
+    lm = load_lm(model, dtype, device)
+    st = open_store(store, create=True)
+    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)
+    total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
+    with progress_bar(total, "ingest") as bar:
+        report = ingest_documents(st, lm, docs, opts, on_progress=bar.update)
+    report.skipped = skipped
+    data = report.as_dict()
+    if as_json:
+        emit_json(data)
+    else:
+        message(
+            f"ingested {len(report.ingested)} document(s), {len(report.unchanged)} unchanged, "
+            f"{len(skipped)} skipped; {report.tokens} tokens in {report.seconds:.1f}s "
+            f"({report.tokens_per_s:.0f} tok/s); statistics = {100 * data['stats_fraction']:.2f}% of KV bytes"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ingest")(ingest)

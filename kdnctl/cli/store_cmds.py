@@ -1,0 +1,93 @@
+"""`kdnctl ls | show | verify | gc`: inspect and maintain the store."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .common import JsonOpt, StoreOpt, emit_json, message, open_store
+
+
+def _version_dict(v) -> dict:
+    return {"label": v.label, "parent": v.parent, "chunks": len(v.chunks), "bytes": v.nbytes,
+            "tokens": v.n_tokens, "mode": v.mode, "recipe": v.recipe}
+
+
+def ls(store: Optional[Path] = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """List documents, their versions, chunks and sizes."""
+    st = open_store(store)
+    docs = []
+    for d in st.list_documents():
+        versions = [_version_dict(v) for v in st.list_versions(d.doc_id)]
+        docs.append({"id": d.doc_id, "doc_version": d.doc_version, "tokens": d.n_tokens, "source": d.source,
+                     "fingerprint": d.fingerprint, "versions": versions})
+    if as_json:
+        emit_json({"documents": docs})
+        return
+    if not docs:
+        message("store is empty; run `kdnctl ingest PATH`")
+    for d in docs:
+        print(f"{d['id']}  ({d['tokens']} tokens, version {d['doc_version']})")
+        for v in d["versions"]:
+            bpt = v["bytes"] / max(d["tokens"], 1)
+            print(f"    {v['label']:<28} {v['chunks']:>4} chunks  {v['bytes'] / 1e6:8.2f} MB  {bpt:9.0f} B/token")
+
+
+def show(doc: str = typer.Argument(..., help="Document id."), version: Optional[str] = typer.Option(None, "--version", "-v"),
+         store: Optional[Path] = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """Show one document, or one version of it with its chunks."""
+    st = open_store(store)
+    d = st.get_document(doc)
+    data = {"id": d.doc_id, "doc_version": d.doc_version, "tokens": d.n_tokens, "source": d.source,
+            "content_sha256": d.content_sha256, "fingerprint": d.fingerprint,
+            "history": [h.doc_version for h in st.document_history(doc)],
+            "versions": [_version_dict(v) for v in st.list_versions(doc)]}
+    if version:
+        v = st.get_version(doc, version)
+        data["version"] = _version_dict(v) | {"chunks": [c.__dict__ for c in v.chunks]}
+    if as_json:
+        emit_json(data)
+        return
+    for key, value in data.items():
+        if key not in ("versions", "version"):
+            print(f"{key}: {value}")
+    for v in data["versions"]:
+        print(f"version {v['label']}: {v['chunks']} chunks, {v['bytes']} bytes, parent {v['parent']}")
+    if version:
+        for c in data["version"]["chunks"]:
+            print(f"  chunk {c['index']}: tokens [{c['token_start']}, {c['token_end']}) object {c['object'][:16]} {c['nbytes']} B")
+
+
+def verify(store: Optional[Path] = StoreOpt, as_json: bool = JsonOpt) -> None:
+    """Re-hash every object and check every catalog reference. Exit 1 on any problem."""
+    st = open_store(store)
+    problems = st.verify()
+    if as_json:
+        emit_json({"ok": not problems, "problems": problems})
+    else:
+        for p in problems:
+            message(f"problem: {p}")
+        message("store OK" if not problems else f"{len(problems)} problem(s) found")
+    if problems:
+        sys.exit(1)
+
+
+def gc(store: Optional[Path] = StoreOpt, dry_run: bool = typer.Option(False, "--dry-run"), as_json: bool = JsonOpt) -> None:
+    """Drop superseded document versions, unreferenced objects and stale temp files."""
+    st = open_store(store)
+    with st.writer():
+        report = st.gc(dry_run=dry_run)
+    if as_json:
+        emit_json(report)
+    else:
+        message(" ".join(f"{k}={v}" for k, v in report.items()))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("ls")(ls)
+    app.command("show")(show)
+    app.command("verify")(verify)
+    app.command("gc")(gc)

@@ -1,0 +1,91 @@
+"""kdnctl's attention function for transformers models.
+
+transformers looks attention functions up by ``config._attn_implementation``. We register one
+named ``kdnctl`` (only when a kdnctl code path asks for it, never at import) and switch a model
+to it inside ``kdn_attention(model, state)``. It computes exactly what sdpa computes, plus:
+
+* an additive per-(layer, query head, cached token) bias: steering edits (PASTA) and masking of
+  padded slots when layers hold different numbers of tokens (pyramid budgets);
+* optional statistics callbacks that see each layer's queries and keys (attention received by
+  every token), used at ingest without materialising full attention matrices.
+
+Because a name unknown to transformers' mask registry gets no mask at all, this function builds
+the causal mask itself: the ``q_len`` new queries are the last positions of the key sequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "kdnctl"
+_STATE: contextvars.ContextVar["AttentionState | None"] = contextvars.ContextVar("kdn_attention_state", default=None)
+
+
+@dataclass
+class AttentionState:
+    # layer -> [H_q, n_cached] additive bias over the first n_cached keys (None = no bias).
+    bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Called as observer(layer_idx, query [B,Hq,q,D], key [B,Hkv,kv,D], scaling) before attention.
+    observer: Callable | None = None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    if ATTN_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTN_NAME, kdn_attention_forward)
+
+
+def build_bias_mask(
+    bias: torch.Tensor | None, n_heads: int, q_len: int, kv_len: int, dtype, device
+) -> torch.Tensor | None:
+    """Float mask [1, Hq, q_len, kv_len]: causal among the new queries plus the cached-token bias."""
+    if bias is None and q_len == 1:
+        return None
+    mask = torch.zeros(1, n_heads, q_len, kv_len, dtype=dtype, device=device)
+    if q_len > 1:
+        past = kv_len - q_len
+        causal = torch.ones(q_len, q_len, dtype=torch.bool, device=device).triu(1)
+        mask[..., past:].masked_fill_(causal, float("-inf"))
+    if bias is not None:
+        n = bias.shape[-1]
+        mask[..., :n] += bias.to(dtype=dtype, device=device)[None, :, None, :]
+    return mask
+
+
+def kdn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    state = _STATE.get()
+    layer = getattr(module, "layer_idx", 0)
+    if state is not None and state.observer is not None:
+        state.observer(layer, query, key, scaling)
+    bias = state.bias.get(layer) if state is not None else None
+    q_len, kv_len = query.shape[2], key.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if bias is None and (q_len == 1 or q_len == kv_len):
+        out = F.scaled_dot_product_attention(
+            query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa
+        )
+    else:
+        mask = build_bias_mask(bias, query.shape[1], q_len, kv_len, query.dtype, query.device)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextlib.contextmanager
+def kdn_attention(model, state: AttentionState):
+    """Run ``model`` with kdnctl attention and ``state`` for the duration of the block."""
+    _register()
+    token = _STATE.set(state)
+    previous = model.config._attn_implementation
+    model.config._attn_implementation = ATTN_NAME
+    try:
+        yield state
+    finally:
+        model.config._attn_implementation = previous
+        _STATE.reset(token)

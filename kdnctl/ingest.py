@@ -1,0 +1,182 @@
+"""``kdnctl ingest``: documents -> tokens -> prefill -> per-chunk bundles -> store.
+
+Each document is committed in one catalog transaction after all its objects are on disk, so a
+crash (even SIGKILL) leaves at most unreferenced objects that ``gc`` removes; re-running skips
+every document already committed, which is what makes ingest resumable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .bundle import KVBundle, encode_bundle, make_meta
+from .chunking import chain_hashes, chunk_bounds
+from .corpus import Document, Skipped, read_corpus
+from .errors import UsageError
+from .prefill import prefill
+from .prompting import PromptFormat
+from .store import ChunkRef, DocumentRecord, Store, VersionRecord
+
+STATS_DTYPE = torch.float16
+
+
+@dataclass
+class IngestOptions:
+    chunk_tokens: int = 256
+    window: int = 32
+    stats: bool = True
+    block_tokens: int = 1024
+
+    def recipe(self) -> dict:
+        return {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
+
+
+@dataclass
+class IngestReport:
+    ingested: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    segments: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    seconds: float = 0.0
+    kv_bytes: int = 0
+    stats_bytes: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "ingested": self.ingested,
+            "unchanged": self.unchanged,
+            "skipped": [{"path": s.path, "reason": s.reason} for s in self.skipped],
+            "tokens": self.tokens,
+            "seconds": round(self.seconds, 3),
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "kv_bytes": self.kv_bytes,
+            "stats_bytes": self.stats_bytes,
+            "stats_fraction": round(self.stats_bytes / self.kv_bytes, 4) if self.kv_bytes else 0.0,
+        }
+
+
+def doc_version_for(doc: Document, fingerprint: str, opts: IngestOptions, header: str) -> str:
+    """A document version is what its bundles depend on: text, model, chunking and prompt header."""
+    key = f"{doc.content_sha256}|{fingerprint}|{opts.chunk_tokens}|{opts.window}|{opts.stats}|{header}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _segments(ids: list[int], n_header: int, max_positions: int | None) -> list[list[int]]:
+    """Split a document longer than the model's context into independent segments, each
+    starting with the prompt header again (positions restart at 0 in each)."""
+    if not max_positions or len(ids) <= max_positions:
+        return [ids]
+    header, body = ids[:n_header], ids[n_header:]
+    room = max_positions - n_header - 512  # leave room for a question and an answer
+    return [header + body[s : s + room] for s in range(0, len(body), room)]
+
+
+def build_chunk_bundles(
+    lm, doc_id: str, doc_version: str, token_ids: list[int], result, opts: IngestOptions, recipe: dict
+) -> list[KVBundle]:
+    bounds = chunk_bounds(len(token_ids), opts.chunk_tokens)
+    hashes = chain_hashes(token_ids, opts.chunk_tokens, lm.fingerprint)
+    bundles = []
+    for index, ((s, e), h) in enumerate(zip(bounds, hashes)):
+        tensors = {
+            "token_ids": torch.tensor(token_ids[s:e], dtype=torch.int64),
+            "positions": torch.arange(s, e, dtype=torch.int64),
+        }
+        for layer, (k, v) in enumerate(zip(result.keys, result.values)):
+            tensors[f"layers.{layer}.keys"] = k[:, s:e].contiguous().cpu()
+            tensors[f"layers.{layer}.values"] = v[:, s:e].contiguous().cpu()
+        for name, stat in result.stats.items():
+            part = stat[..., s:e].contiguous()
+            tensors[f"stats.{name}"] = part.to(STATS_DTYPE) if name != "surprisal" else part.float()
+        meta = make_meta(
+            model_fingerprint=lm.fingerprint,
+            model=lm.summary,
+            doc_id=doc_id,
+            doc_version=doc_version,
+            chunk_index=index,
+            n_chunks=len(bounds),
+            token_start=s,
+            token_end=e,
+            chain_hash=h,
+            label="full",
+            parent=None,
+            recipe=recipe,
+            dtype=lm.summary["dtype"],
+            mode="prefix",
+        )
+        bundles.append(KVBundle(meta=meta, tensors=tensors))
+    return bundles
+
+
+def ingest_documents(
+    store: Store,
+    lm,
+    docs: list[Document],
+    opts: IngestOptions,
+    *,
+    on_progress: Callable[[int], None] | None = None,
+    on_doc: Callable[[str, str], None] | None = None,
+) -> IngestReport:
+    if opts.chunk_tokens < 1:
+        raise UsageError(f"--chunk-tokens must be >= 1, got {opts.chunk_tokens}")
+    report = IngestReport()
+    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
+    recipe = opts.recipe()
+    t0 = time.perf_counter()
+    with store.writer():
+        for doc in docs:
+            ids, n_header = fmt.document_ids(lm.tokenizer, doc.text)
+            segments = _segments(ids, n_header, lm.summary.get("max_positions"))
+            for seg_index, seg_ids in enumerate(segments):
+                seg_id = doc.doc_id if len(segments) == 1 else f"{doc.doc_id}#{seg_index + 1}"
+                version = doc_version_for(doc, lm.fingerprint, opts, fmt.header)
+                if any(d.doc_version == version for d in store.document_history(seg_id)):
+                    current = store.get_document(seg_id)
+                    if current.doc_version == version:
+                        report.unchanged.append(seg_id)
+                        if on_progress:
+                            on_progress(len(seg_ids))
+                        continue
+                result = prefill(lm.model, seg_ids, stats=opts.stats, window=opts.window,
+                                 block_tokens=opts.block_tokens, on_progress=on_progress)
+                bundles = build_chunk_bundles(lm, seg_id, version, seg_ids, result, opts, recipe)
+                chunks = []
+                for b in bundles:
+                    data = encode_bundle(b)
+                    sha = store.put_object(data)
+                    chunks.append(ChunkRef(b.meta["chunk_index"], sha, b.meta["token_start"],
+                                           b.meta["token_end"], b.meta["chain_hash"], len(data)))
+                    report.kv_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("layers."))
+                    report.stats_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("stats."))
+                text = doc.text if len(segments) == 1 else lm.tokenizer.decode(seg_ids[n_header:])
+                text_sha = store.put_object(text.encode("utf-8"))
+                now = time.time()
+                record = DocumentRecord(seg_id, version, doc.content_sha256, doc.source, len(seg_ids),
+                                        lm.fingerprint, text_sha, now)
+                vrec = VersionRecord(seg_id, version, "full", None, recipe, lm.fingerprint, chunks, now,
+                                     len(seg_ids), "prefix")
+                store.commit_document(record, vrec)
+                report.ingested.append(seg_id)
+                report.tokens += len(seg_ids)
+                if on_doc:
+                    on_doc(seg_id, "ingested")
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def ingest_paths(store: Store, lm, paths: list[str | Path], opts: IngestOptions, **kw) -> IngestReport:
+    docs, skipped = read_corpus(paths)
+    report = ingest_documents(store, lm, docs, opts, **kw)
+    report.skipped = skipped
+    return report

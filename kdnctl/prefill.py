@@ -1,0 +1,156 @@
+"""Forward passes that produce a document's KV and the statistics compression needs.
+
+One document = one sequence, run in blocks of ``block_tokens`` queries over a growing cache
+(identical to a single pass, but memory stays bounded). In the same pass, through kdnctl's
+attention function, we record per layer, per KV head and per token:
+
+* ``window``: mean attention received from the last ``window`` queries of the sequence
+  (SnapKV's observation window);
+* ``accum``: attention summed over every query (H2O), computed blockwise over query tiles, so
+  no full T x T matrix is ever held;
+* ``surprisal``: the model's own -log p(token | prefix), from the logits of the same pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .engine.attention import AttentionState, kdn_attention
+
+QUERY_TILE = 256
+
+
+@dataclass
+class PrefillResult:
+    keys: list[torch.Tensor]  # per layer [H_kv, T, D], post-RoPE
+    values: list[torch.Tensor]
+    stats: dict[str, torch.Tensor] = field(default_factory=dict)
+    last_logits: torch.Tensor | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.keys[0].shape[1]
+
+
+def _grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: int) -> torch.Tensor:
+    """Softmax attention of query tile ``q`` [Hq, b, D] (absolute positions q_start..) over keys
+    ``k`` [Hkv, kv, D], returned grouped per KV head as [Hkv, group, b, kv] in fp32."""
+    hq, b, d = q.shape
+    hkv, kv, _ = k.shape
+    g = hq // hkv
+    logits = torch.matmul(q.float().reshape(hkv, g * b, d), k.float().transpose(1, 2)) * scaling
+    logits = logits.view(hkv, g, b, kv)
+    qpos = torch.arange(q_start, q_start + b, device=q.device)
+    future = torch.arange(kv, device=q.device)[None, :] > qpos[:, None]
+    logits.masked_fill_(future, float("-inf"))
+    return torch.softmax(logits, dim=-1)
+
+
+class StatsObserver:
+    """Accumulates ``accum`` and ``window`` statistics from each layer's queries and keys."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, window: int, device):
+        self.accum = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device)
+        self.window = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device)
+        self.window_size = window
+        self.n_tokens = n_tokens
+
+    def __call__(self, layer: int, query, key, scaling) -> None:
+        q, k = query[0], key[0]
+        b, kv = q.shape[1], k.shape[1]
+        past = kv - b
+        win_start = self.n_tokens - self.window_size
+        for s in range(0, b, QUERY_TILE):
+            e = min(b, s + QUERY_TILE)
+            probs = _grouped_probs(q[:, s:e], k, scaling, past + s)
+            self.accum[layer, :, :kv] += probs.sum(dim=(1, 2))
+            lo = max(win_start - past - s, 0)
+            if lo < e - s:
+                self.window[layer, :, :kv] += probs[:, :, lo:].sum(dim=(1, 2))
+        if past + b == self.n_tokens:
+            groups = query.shape[1] // key.shape[1]
+            self.window[layer] /= groups * min(self.window_size, self.n_tokens)
+
+
+def _block_bounds(n: int, block: int, min_last: int) -> list[tuple[int, int]]:
+    bounds = [(s, min(n, s + block)) for s in range(0, n, block)]
+    # Keep the observation window inside one block so the last block sees all of it.
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < min_last:
+        (a, _), (_, e) = bounds[-2], bounds[-1]
+        bounds[-2:] = [(a, e)]
+    return bounds
+
+
+def _decoder(model):
+    return model.model
+
+
+@torch.inference_mode()
+def prefill(
+    model,
+    token_ids: list[int],
+    *,
+    stats: bool = True,
+    window: int = 32,
+    block_tokens: int = 1024,
+    on_progress: Callable[[int], None] | None = None,
+) -> PrefillResult:
+    """Run ``token_ids`` through ``model`` and return KV (+ statistics when ``stats``)."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cfg = model.config
+    n_layers, n_kv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    n = len(token_ids)
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    cache = DynamicCache(config=cfg)
+    observer = StatsObserver(n_layers, n_kv, n, window, device) if stats else None
+    surprisal = torch.zeros(n, dtype=torch.float32)
+    last_logits = None
+    lm_head = model.get_output_embeddings()
+    with kdn_attention(model, AttentionState(observer=observer)):
+        for s, e in _block_bounds(n, block_tokens, window):
+            out = _decoder(model)(
+                input_ids=ids[:, s:e],
+                past_key_values=cache,
+                use_cache=True,
+                position_ids=torch.arange(s, e, device=device)[None],
+            )
+            hidden = out.last_hidden_state[0]
+            for hs in range(0, e - s, QUERY_TILE):
+                he = min(e - s, hs + QUERY_TILE)
+                logits = lm_head(hidden[hs:he]).float()
+                logp = torch.log_softmax(logits, dim=-1)
+                targets = ids[0, s + hs + 1 : s + he + 1]
+                got = logp[: len(targets)].gather(1, targets[:, None])[:, 0]
+                surprisal[s + hs + 1 : s + hs + 1 + len(targets)] = -got.cpu()
+                if s + he == n:
+                    last_logits = logits[-1].cpu()
+            if on_progress:
+                on_progress(e - s)
+    keys = [layer.keys[0].detach().clone() for layer in cache.layers]
+    values = [layer.values[0].detach().clone() for layer in cache.layers]
+    result = PrefillResult(keys, values, last_logits=last_logits)
+    if observer is not None:
+        result.stats = {
+            "window": observer.window.cpu(),
+            "accum": observer.accum.cpu(),
+            "surprisal": surprisal,
+        }
+    return result
+
+
+def bare_prefill_seconds(model, token_ids: list[int]) -> float:
+    """Time of a plain forward (no statistics), for benchmarks comparing ingest overhead."""
+    import time
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], device=device)
+    with torch.inference_mode():
+        t = time.perf_counter()
+        model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - t
+

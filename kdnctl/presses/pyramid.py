@@ -1,0 +1,106 @@
+"""PyramidKV-style layer budgets (Cai et al., 2024, arXiv 2406.02069) around any press.
+
+The paper observes that attention is spread widely in lower layers and concentrates on a few
+tokens in higher ones ("pyramidal information funneling"), so lower layers get larger
+caches. Quotas decrease linearly with depth: with the uniform per-layer quota a, the top
+layer gets a/beta and the bottom layer 2a - a/beta (the paper's arithmetic sequence, beta=20
+by default), so the total over layers equals the uniform total L*a. Each layer is then
+clipped to [sinks + 1, T] while keeping that total (a shift found by bisection), and
+rounded with largest remainders (ties to lower layers), which keeps quotas non-increasing.
+
+Scoring and selection are the wrapped press's; only the quotas change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from kdnctl.errors import UsageError
+from kdnctl.presses.base import Press, ScoreContext
+
+
+@dataclass
+class PyramidPress(Press):
+    name: ClassVar[str] = "pyramid"
+
+    press: Any = "snapkv"  # name or Press instance
+    press_options: dict = field(default_factory=dict)
+    beta: float = 20.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not float(self.beta) >= 1.0:
+            raise UsageError(f"pyramid: beta must be >= 1 (1 = uniform), got {self.beta!r}")
+        if isinstance(self.press, Press):
+            self.inner = self.press
+            # the wrapped press owns the forced tokens; mirror them so callers see one truth
+            self.sink_tokens = self.inner.sink_tokens
+            self.recent_tokens = self.inner.recent_tokens
+        else:
+            from kdnctl.presses import get_press  # late: the registry imports this module
+
+            opts = {"sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens}
+            opts.update(self.press_options)
+            self.inner = get_press(str(self.press), **opts)
+        if isinstance(self.inner, PyramidPress):
+            raise UsageError("pyramid cannot wrap another pyramid")
+
+    def score(self, ctx: ScoreContext) -> Tensor:
+        return self.inner.score(ctx)
+
+    def select(self, ctx: ScoreContext, quotas: list[int], *, keep_sinks: bool = True,
+               keep_recent: bool = True) -> list[Tensor]:
+        return self.inner.select(ctx, quotas, keep_sinks=keep_sinks, keep_recent=keep_recent)
+
+    def quotas_for_budget(self, budget: float, n_tokens: int, n_layers: int) -> list[int]:
+        uniform = self.inner.quotas_for_budget(budget, n_tokens, n_layers)
+        if n_layers <= 1 or n_tokens <= 0:
+            return uniform
+        lo = min(self.inner.sink_tokens + 1, n_tokens)
+        return pyramid_quotas(sum(uniform), n_layers, lo, n_tokens, float(self.beta)) or uniform
+
+
+def pyramid_quotas(total: int, n_layers: int, lo: int, hi: int, beta: float) -> list[int] | None:
+    """Integer quotas, non-increasing with depth, each in [lo, hi], summing to ``total``;
+    None when the bounds make that impossible (the caller then stays uniform)."""
+    if not n_layers * lo <= total <= n_layers * hi:
+        return None
+    avg = total / n_layers
+    top = avg / beta
+    bottom = 2 * avg - top
+    step = (bottom - top) / (n_layers - 1)
+    target = [bottom - step * i for i in range(n_layers)]
+
+    def clipped(shift: float) -> list[float]:
+        return [min(max(x + shift, lo), hi) for x in target]
+
+    # sum(clipped(c)) is continuous and non-decreasing in c: bisect for the exact total
+    a, b = lo - max(target), hi - min(target)
+    for _ in range(200):
+        c = (a + b) / 2
+        if sum(clipped(c)) < total:
+            a = c
+        else:
+            b = c
+    xs = clipped((a + b) / 2)
+    quotas = [min(max(int(math.floor(x + 1e-9)), lo), hi) for x in xs]
+    # largest remainder; ties go to the lower layer so quotas stay non-increasing
+    by_frac = sorted(range(n_layers), key=lambda i: (-(xs[i] - math.floor(xs[i] + 1e-9)), i))
+    short = total - sum(quotas)
+    for i in by_frac:
+        if short <= 0:
+            break
+        if quotas[i] < hi:
+            quotas[i] += 1
+            short -= 1
+    for i in reversed(by_frac):  # float slack the other way: take from the deepest layers
+        if short >= 0:
+            break
+        if quotas[i] > lo:
+            quotas[i] -= 1
+            short += 1
+    return quotas
