@@ -158,7 +158,24 @@ def encode_bundle(b: KVBundle) -> bytes:
     from safetensors.torch import save
 
     metadata = {META_KEY: meta_json, DIGEST_KEY: header_digest(meta_json, tensors)}
-    return save(tensors, metadata=metadata)
+    return _canonical_header(save(tensors, metadata=metadata))
+
+
+def _canonical_header(data: bytes) -> bytes:
+    """Re-emit the safetensors header in a fixed key order.
+
+    safetensors writes __metadata__ from a hash map, so with two keys their order (and hence
+    the bundle bytes and its content address) changes from run to run. Equal bundles must be
+    equal bytes, so the header is rewritten: metadata first (sorted), tensors by offset.
+    """
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    md = header.pop("__metadata__")
+    ordered = {"__metadata__": dict(sorted(md.items()))}
+    ordered.update(sorted(header.items(), key=lambda kv: (kv[1]["data_offsets"][0], kv[0])))
+    text = json.dumps(ordered, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8-byte alignment
+    return struct.pack("<Q", len(text)) + text + data[8 + n :]
 
 
 def _parse_header(data: bytes) -> dict[str, Any]:
@@ -296,6 +313,10 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
                 absent = [base + s for s in QUANT_SUFFIXES if base + s not in tensors]
                 if absent:
                     raise BundleFormatError(f"layer {i}: missing quantized tensor(s) {', '.join(absent)}")
+                # The quantizers also store the original shape; when present it must agree.
+                shp = tensors.get(f"{base}.shape")
+                if shp is not None and shp.tolist() != [h_kv, t_i, d]:
+                    raise BundleFormatError(f"{base}.shape is {shp.tolist()}, expected {[h_kv, t_i, d]}")
             elif not dense:
                 raise BundleFormatError(f"layer {i}: missing tensor {base!r}")
         k, v = tensors.get(f"layers.{i}.keys"), tensors.get(f"layers.{i}.values")

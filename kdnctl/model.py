@@ -187,6 +187,14 @@ def _fingerprint_cache_file(path: Path, dtype: str) -> Path:
     return model_cache_root() / "fingerprints" / f"{key.hexdigest()[:24]}.json"
 
 
+def _quiet_transformers() -> None:
+    """transformers prints weight-loading progress bars to stderr; kdnctl has its own output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
 def load_model(spec: str | os.PathLike | None = None, *, dtype: str | None = None, device: str | None = None) -> LoadedModel:
     """Load a model for kdnctl. ``spec``: None/"smollm2-135m" (default GGUF), a .gguf path or a
     HF model directory. ``dtype``: float32 (default on CPU), float16 or bfloat16."""
@@ -194,6 +202,7 @@ def load_model(spec: str | os.PathLike | None = None, *, dtype: str | None = Non
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(spec)
+    _quiet_transformers()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("float32" if device == "cpu" else "float16")
     if dtype not in ("float32", "float16", "bfloat16"):

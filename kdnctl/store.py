@@ -110,14 +110,14 @@ def _version_from(raw: bytes) -> VersionRecord:
 
 
 def _chunk(rec: VersionRecord, index: int) -> ChunkRef | None:
-    for c in rec.chunks:
-        if c.index == index:
-            return c
-    return None
+    return next((c for c in rec.chunks if c.index == index), None)
 
 
 def _key(*parts: str) -> bytes:
-    return SEP.join(parts).encode("utf-8")
+    key = SEP.join(parts).encode("utf-8")
+    if len(key) > 511:  # LMDB's key limit; writes check ids first, so only a lookup gets here
+        raise NotFoundError(f"{parts[0][:40]!r}... is not in the store (id too long)")
+    return key
 
 
 def _split(key: bytes) -> list[str]:
@@ -153,8 +153,7 @@ _ENVS: dict[str, list] = {}
 _ENVS_LOCK = threading.Lock()
 
 
-def _acquire_env(path: Path) -> lmdb.Environment:
-    key = str(path.resolve())
+def _acquire_env(key: str) -> lmdb.Environment:
     with _ENVS_LOCK:
         if key not in _ENVS:
             env = lmdb.open(key, subdir=True, map_size=MAP_SIZE, max_dbs=8, lock=True)
@@ -163,16 +162,14 @@ def _acquire_env(path: Path) -> lmdb.Environment:
         return _ENVS[key][0]
 
 
-def _release_env(path: Path) -> None:
-    key = str(path.resolve())
+def _release_env(key: str) -> None:
     with _ENVS_LOCK:
         entry = _ENVS.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            entry[0].close()
-            del _ENVS[key]
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] <= 0:
+                entry[0].close()
+                del _ENVS[key]
 
 
 class Store:
@@ -190,30 +187,30 @@ class Store:
                 )
             for d in (self.objects_dir, self.tmp_dir, self.catalog_dir):
                 d.mkdir(parents=True, exist_ok=True)
-        self._closed = True  # until the environment is acquired, close() has nothing to do
         self._lock_fd: int | None = None
         self._lock_depth = 0
         try:
-            self._env = _acquire_env(self.catalog_dir)
+            # the key is fixed now: a later chdir must not make close() miss the entry
+            self._env_key = str(self.catalog_dir.resolve())
+            self._env = _acquire_env(self._env_key)
         except lmdb.Error as e:
             raise StoreCorruptError(f"catalog {self.catalog_dir} cannot be opened: {e}") from None
         self._closed = False
         try:
             # open_db creates missing databases (a short LMDB write txn; LMDB serialises those).
             self._db = {name: self._env.open_db(name.encode()) for name in DBS}
+            with self._env.begin(write=True) as txn:
+                raw = txn.get(b"schema_version", db=self._db["meta"])
+                if raw is None:
+                    txn.put(b"schema_version", _dumps(SCHEMA_VERSION), db=self._db["meta"])
         except lmdb.Error as e:
             self.close()
             raise StoreCorruptError(f"catalog {self.catalog_dir} cannot be opened: {e}") from None
-        with self._env.begin(write=True) as txn:
-            raw = txn.get(b"schema_version", db=self._db["meta"])
-            if raw is None:
-                txn.put(b"schema_version", _dumps(SCHEMA_VERSION), db=self._db["meta"])
-            elif json.loads(raw) != SCHEMA_VERSION:
-                self.close()
-                raise UnsupportedError(
-                    f"store {self.root} has catalog schema {json.loads(raw)}; this kdnctl reads "
-                    f"schema {SCHEMA_VERSION}"
-                )
+        if raw is not None and json.loads(raw) != SCHEMA_VERSION:
+            self.close()
+            raise UnsupportedError(
+                f"store {self.root} has catalog schema {json.loads(raw)}; this kdnctl reads schema {SCHEMA_VERSION}"
+            )
 
     # -- lifecycle / locking -------------------------------------------------------------
     def close(self) -> None:
@@ -223,7 +220,7 @@ class Store:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing the fd releases the flock
             self._lock_fd, self._lock_depth = None, 0
-        _release_env(self.catalog_dir)
+        _release_env(self._env_key)
 
     def __enter__(self) -> "Store":
         return self
@@ -241,10 +238,8 @@ class Store:
             except BlockingIOError:
                 holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
                 os.close(fd)
-                raise StoreLockedError(
-                    f"store {self.root} is locked by another writer"
-                    + (f" (pid {holder})" if holder else "")
-                ) from None
+                who = f" (pid {holder})" if holder else ""
+                raise StoreLockedError(f"store {self.root} is locked by another writer{who}") from None
             # pid for diagnostics only: the flock, not the file content, is the lock.
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
@@ -261,10 +256,8 @@ class Store:
 
     def _require_writer(self, what: str) -> None:
         if self._lock_depth == 0:
-            raise StoreLockedError(
-                f"{what} requires the store's writer lock",
-                hint="wrap the write in `with store.writer():`",
-            )
+            raise StoreLockedError(f"{what} requires the store's writer lock",
+                                   hint="wrap the write in `with store.writer():`")
 
     # -- objects ---------------------------------------------------------------------------
     def object_path(self, sha: str) -> Path:
@@ -323,17 +316,13 @@ class Store:
         vkey = _key(v.doc_id, v.doc_version, v.label)
         old = txn.get(vkey, db=self._db["versions"])
         if old is not None:  # re-commit of a label: drop the old prefix entries first
-            self._del_prefix(txn, _version_from(old))
+            o = _version_from(old)
+            for c in o.chunks:
+                txn.delete(_key(o.fingerprint, o.label, c.chain_hash, o.doc_id, o.doc_version), db=self._db["prefix"])
         txn.put(vkey, _dumps(dataclasses.asdict(v)), db=self._db["versions"])
         for c in v.chunks:
             pkey = _key(v.fingerprint, v.label, c.chain_hash, v.doc_id, v.doc_version)
             txn.put(pkey, _dumps({"index": c.index}), db=self._db["prefix"])
-
-    def _del_prefix(self, txn, v: VersionRecord) -> int:
-        n = 0
-        for c in v.chunks:
-            n += txn.delete(_key(v.fingerprint, v.label, c.chain_hash, v.doc_id, v.doc_version), db=self._db["prefix"])
-        return n
 
     def _check_version_record(self, v: VersionRecord) -> None:
         for kind in ("doc_id", "doc_version", "label"):
@@ -397,10 +386,8 @@ class Store:
         return _doc_from(raw)
 
     def find_document(self, doc_id: str, content_sha256: str) -> DocumentRecord | None:
-        for d in self.document_history(doc_id):
-            if d.content_sha256 == content_sha256:
-                return d
-        return None
+        """The stored version of doc_id with this content (lets ingest skip unchanged files)."""
+        return next((d for d in self.document_history(doc_id) if d.content_sha256 == content_sha256), None)
 
     def list_documents(self) -> list[DocumentRecord]:
         with self._env.begin() as txn:
@@ -460,6 +447,18 @@ class Store:
                 fallback = fallback or (rec, c)
         return fallback
 
+    def chunk_sizes(self) -> list[int]:
+        """Distinct chunk lengths (recipe["chunk_tokens"]) of current versions, for prefix lookups
+        that must re-hash a prompt with each chunking the store holds."""
+        sizes = set()
+        for v in self.list_versions():
+            n = v.recipe.get("chunk_tokens") if isinstance(v.recipe, dict) else None
+            if isinstance(n, int) and n > 0:
+                sizes.add(n)
+            elif v.chunks:
+                sizes.add(v.chunks[0].token_end - v.chunks[0].token_start)
+        return sorted(sizes)
+
     # -- maintenance -------------------------------------------------------------------------
     def _object_files(self) -> Iterator[Path]:
         if self.objects_dir.is_dir():
@@ -509,10 +508,8 @@ class Store:
             rep.n_bytes += p.stat().st_size
             if _hash_file(p) != p.name:
                 used = refs.get(p.name)
-                rep.problems.append(
-                    f"object {p.name[:12]} is corrupted (hash mismatch)"
-                    + (f", used by {'; '.join(used[:3])}" if used else ", unreferenced")
-                )
+                where = f"used by {'; '.join(used[:3])}" if used else "unreferenced"
+                rep.problems.append(f"object {p.name[:12]} is corrupted (hash mismatch), {where}")
         for sha, used in sorted(refs.items()):
             if sha not in present:
                 rep.problems.append(f"object {sha[:12]} is missing, used by {'; '.join(used[:3])}")
@@ -534,57 +531,53 @@ class Store:
         unreferenced objects are deleted (their objects would look like garbage).
         """
         with self.writer():
-            stats = {"dry_run": dry_run, "doc_versions_removed": 0, "versions_removed": 0,
-                     "prefix_entries_removed": 0, "objects_removed": 0, "tmp_removed": 0, "bytes_freed": 0}
+            names = ("doc_versions_removed", "versions_removed", "prefix_entries_removed",
+                     "objects_removed", "tmp_removed", "bytes_freed")
+            stats: dict[str, Any] = {"dry_run": dry_run, **dict.fromkeys(names, 0)}
+            refs: set[str] = set()  # objects referenced once this txn is done
             with self._env.begin(write=not dry_run) as txn:
+
+                def drop(db: str, key: bytes, counter: str) -> None:
+                    stats[counter] += 1
+                    if not dry_run:
+                        txn.delete(key, db=self._db[db])
+
                 current = {_split(k)[0]: json.loads(v) for k, v in self._scan(txn, "current")}
-                live_docs = set()
-                for k, _ in list(self._scan(txn, "docs")):
+                live_docs, live_versions = set(), set()
+                for k, v in list(self._scan(txn, "docs")):
                     doc_id, dv = _split(k)
                     if current.get(doc_id) == dv:
                         live_docs.add((doc_id, dv))
+                        refs.add(_doc_from(v).text_object)
                     else:
-                        stats["doc_versions_removed"] += 1
-                        if not dry_run:
-                            txn.delete(k, db=self._db["docs"])
-                live_versions = set()
+                        drop("docs", k, "doc_versions_removed")
                 for k, v in list(self._scan(txn, "versions")):
-                    doc_id, dv, label = _split(k)
-                    if (doc_id, dv) in live_docs:
-                        live_versions.add((doc_id, dv, label))
-                        continue
-                    stats["versions_removed"] += 1
-                    if not dry_run:
-                        txn.delete(k, db=self._db["versions"])
+                    key = tuple(_split(k))
+                    if key[:2] in live_docs:
+                        live_versions.add(key)
+                        refs.update(c.object for c in _version_from(v).chunks)
+                    else:
+                        drop("versions", k, "versions_removed")
                 for k, _ in list(self._scan(txn, "prefix")):
                     _, label, _, doc_id, dv = _split(k)
                     if (doc_id, dv, label) not in live_versions:  # superseded or dangling
-                        stats["prefix_entries_removed"] += 1
-                        if not dry_run:
-                            txn.delete(k, db=self._db["prefix"])
-                # References as they will be after this txn (in dry-run: as they would be).
-                refs: set[str] = set()
-                for k, v in self._scan(txn, "docs"):
-                    if tuple(_split(k)) in live_docs:
-                        refs.add(_doc_from(v).text_object)
-                for k, v in self._scan(txn, "versions"):
-                    if tuple(_split(k)) in live_versions:
-                        refs.update(c.object for c in _version_from(v).chunks)
+                        drop("prefix", k, "prefix_entries_removed")
+
+            def reclaim(p: Path, counter: str) -> None:
+                stats[counter] += 1
+                stats["bytes_freed"] += p.stat().st_size
+                if not dry_run:
+                    p.unlink()
+
             # Files go only after the catalog txn committed: a crash in between leaves
             # unreferenced files (harmless), never a reference to a deleted file.
             for p in self._object_files():
-                if p.name not in refs:
-                    stats["objects_removed"] += 1
-                    stats["bytes_freed"] += p.stat().st_size
-                    if not dry_run:
-                        p.unlink()
+                if _SHA_RE.match(p.name) and p.name not in refs:
+                    reclaim(p, "objects_removed")
             now = time.time()
             for p in sorted(self.tmp_dir.iterdir()) if self.tmp_dir.is_dir() else []:
                 if p.is_file() and now - p.stat().st_mtime >= tmp_grace_s:
-                    stats["tmp_removed"] += 1
-                    stats["bytes_freed"] += p.stat().st_size
-                    if not dry_run:
-                        p.unlink()
+                    reclaim(p, "tmp_removed")
             return stats
 
     def catalog_dump(self) -> dict:

@@ -1,0 +1,63 @@
+"""KV-cache quantizers (KIVI layout: keys grouped per channel along T, values per token along D).
+
+``get_quantizer(name, **opts).quantize_layer(keys, values, importance=None)`` returns
+``(tensors, meta)``: tensors named by relative suffix (``keys.q``, ``keys.scale``, ``keys.zero``,
+``keys.shape``, same for ``values``, plus ``.hi.*``/``.idx`` for ``mixed``) and a JSON-able meta.
+``dequantize_tensors(tensors, prefix, quant_meta)`` rebuilds one dense float32 tensor, e.g.
+prefix ``"layers.3.keys"`` from ``layers.3.keys.q`` etc.; it needs only the scheme-level meta
+keys (scheme, group_size, layouts), so one ``meta["quant"]`` serves every layer of a bundle.
+See ``base.py`` for the tensor format and ``kdnctl.kernels.quant.reference`` for the numerics.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdnctl.errors import BundleFormatError, UsageError
+
+from .base import Quantizer, bytes_per_element
+from .fp8 import Fp8Quantizer
+from .int4 import Int4Quantizer
+from .int8 import Int8Quantizer
+from .mixed import MixedQuantizer
+from .none import NoneQuantizer
+
+QUANTIZERS: dict[str, type[Quantizer]] = {
+    "none": NoneQuantizer,
+    "int8": Int8Quantizer,
+    "int4": Int4Quantizer,
+    "fp8": Fp8Quantizer,
+    "mixed": MixedQuantizer,
+}
+
+__all__ = [
+    "QUANTIZERS",
+    "Quantizer",
+    "bytes_per_element",
+    "dequantize_tensors",
+    "get_quantizer",
+]
+
+
+def get_quantizer(name: str, **opts) -> Quantizer:
+    """Quantizer instance by registry name; unknown names/options -> UsageError."""
+    cls = QUANTIZERS.get(name)
+    if cls is None:
+        raise UsageError(
+            f"unknown quantization scheme {name!r}", hint=f"choose one of {', '.join(QUANTIZERS)}"
+        )
+    try:
+        return cls(**opts)
+    except TypeError as exc:  # unexpected keyword
+        raise UsageError(f"bad option for quantizer {name!r}: {exc}") from None
+
+
+def dequantize_tensors(
+    tensors: dict[str, torch.Tensor], prefix: str, quant_meta: dict
+) -> torch.Tensor:
+    """Dense float32 ``[H, T, D]`` for ``prefix`` (e.g. ``"layers.3.keys"``)."""
+    scheme = quant_meta.get("scheme") if isinstance(quant_meta, dict) else None
+    cls = QUANTIZERS.get(scheme)  # type: ignore[arg-type]
+    if cls is None:
+        raise BundleFormatError(f"unknown quantization scheme {scheme!r} in bundle meta")
+    return cls.dequantize(tensors, prefix, quant_meta)

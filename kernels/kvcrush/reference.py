@@ -31,12 +31,10 @@ def pack_bits(bits: Tensor) -> Tensor:
     """``[..., n]`` 0/1 -> int32 ``[..., ceil(n/32)]`` (shared by both paths, not a kernel)."""
     n = bits.shape[-1]
     n_words = max(1, -(-n // WORD_BITS))
-    pad = n_words * WORD_BITS - n
-    b = torch.nn.functional.pad(bits.to(torch.int64), (0, pad))
-    b = b.reshape(*bits.shape[:-1], n_words, WORD_BITS)
-    weights = torch.bitwise_left_shift(torch.ones(WORD_BITS, dtype=torch.int64),
-                                       torch.arange(WORD_BITS))
-    words = (b * weights).sum(-1)  # 0 .. 2**32-1 in int64
+    words = torch.zeros(*bits.shape[:-1], n_words, dtype=torch.int64, device=bits.device)
+    # one shift-or per bit: cheap for the 3..90-bit vectors KVCrush uses, no 32x padding
+    for i in range(n):
+        words[..., i // WORD_BITS] |= bits[..., i].to(torch.int64) << (i % WORD_BITS)
     # reinterpret as two's-complement int32: values >= 2**31 wrap to negatives
     words = torch.where(words >= 2**31, words - 2**32, words)
     return words.to(torch.int32)

@@ -59,7 +59,8 @@ def _round_e4m3(v):
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0
     r = tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
     r = r * quantum
-    return tl.where(v < 0, -r, r)  # keeps -0.0 for tiny negatives, like torch's cast
+    neg = v.to(tl.int32, bitcast=True) < 0  # sign bit, so -0.0 and tiny negatives stay -0.0
+    return tl.where(neg, -r, r)
 
 
 @triton.jit
