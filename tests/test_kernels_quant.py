@@ -60,7 +60,11 @@ def _poisoned_quant_outputs(expected, scale_dtype):
 
 @pytest.mark.parametrize(
     "dtype,scale_dtype",
-    [(torch.float32, torch.float16), (torch.float16, torch.float16), (torch.float32, torch.float32)],
+    [
+        (torch.float32, torch.float16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+    ],
 )
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FMTS)

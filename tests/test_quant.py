@@ -162,7 +162,8 @@ def test_fp16_scale_costs_little_accuracy():
     keys, values = kv_with_outliers()
     for scheme in ("int8", "int4", "fp8"):
         e16 = rel_err(roundtrip(get_quantizer(scheme), keys, values)[2], keys)
-        e32 = rel_err(roundtrip(get_quantizer(scheme, scale_dtype="float32"), keys, values)[2], keys)
+        q32 = get_quantizer(scheme, scale_dtype="float32")
+        e32 = rel_err(roundtrip(q32, keys, values)[2], keys)
         print(f"\n{scheme} keys rel err: float16 scale {e16:.5f} float32 scale {e32:.5f}")
         assert e16 < e32 * 1.05
 
@@ -244,6 +245,12 @@ def test_dequantize_errors():
         dequantize_tensors(wrong, "keys", meta)
     with pytest.raises(BundleFormatError):
         dequantize_tensors(tensors, "keys", {**meta, "group_size": 64})
+    no_shape = {n: t for n, t in tensors.items() if n != "keys.shape"}
+    with pytest.raises(BundleFormatError):  # int4 cannot tell T=37 from T=38 without it
+        dequantize_tensors(no_shape, "keys", meta)
+    t8, meta8 = get_quantizer("int8").quantize_layer(keys, values)
+    k8 = dequantize_tensors({n: t for n, t in t8.items() if n != "keys.shape"}, "keys", meta8)
+    assert torch.equal(k8, dequantize_tensors(t8, "keys", meta8))
 
 
 def test_bad_inputs():
@@ -335,7 +342,8 @@ def test_bytes_per_element_and_error_table(group_size):
     }
     print(f"\n[3, 256, 64] group {group_size}: scheme  B/elem  rel.err K  V")
     for scheme in ["none"] + SCHEMES:
-        q = get_quantizer(scheme) if scheme == "none" else get_quantizer(scheme, group_size=group_size)
+        opts = {} if scheme == "none" else {"group_size": group_size}
+        q = get_quantizer(scheme, **opts)
         tensors, meta, k, v = roundtrip(q, keys, values)
         bpe = bytes_per_element(tensors, n)
         print(f"  {scheme:6s} {bpe:.4f}  {rel_err(k, keys):.5f}  {rel_err(v, values):.5f}")

@@ -6,7 +6,8 @@ bundle writer) is stored as:
 - ``<name>.q``     uint8 codes (int4: two per byte along the grouped axis; fp8: e4m3 bits)
 - ``<name>.scale`` float16 (default) or float32, one per group
 - ``<name>.zero``  same dtype/shape as scale
-- ``<name>.shape`` int64 ``[3]``: the original ``[H, T, D]``
+- ``<name>.shape`` int64 ``[3]``: the original ``[H, T, D]`` (required to decode int4/mixed;
+  int8/fp8 fall back to the code tensor's shape when it is absent)
 
 ``.shape`` makes every tensor self-describing: int4 packing loses the parity of the grouped
 length, and pruned bundles keep a different T per layer, so a bundle-wide ``meta["quant"]``
@@ -155,9 +156,14 @@ def decode_tensor(
     shape: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Inverse of :func:`encode_tensor`; float32 ``[H, T, D]``. Bad shapes -> BundleFormatError."""
-    shape = shape if shape is not None else stored_shape(tensors, name)
-    q, s, z = need(tensors, f"{name}.q"), need(tensors, f"{name}.scale"), need(tensors, f"{name}.zero")
-    if q.dtype != torch.uint8 or s.dtype not in (torch.float16, torch.float32) or z.dtype != s.dtype:
+    q, s, z = (need(tensors, f"{name}.{part}") for part in ("q", "scale", "zero"))
+    if shape is None:
+        # int8/fp8 codes hold the exact shape, so a bundle without `.shape` (optional in
+        # docs/bundle-format.md) still decodes; int4 codes lose the parity of the grouped axis.
+        has_shape = f"{name}.shape" in tensors
+        shape = stored_shape(tensors, name) if has_shape or fmt == "int4" else tuple(q.shape)
+    float_scale = s.dtype in (torch.float16, torch.float32)
+    if q.dtype != torch.uint8 or not float_scale or z.dtype != s.dtype:
         raise BundleFormatError(
             f"{name}: unexpected dtypes q={q.dtype} scale={s.dtype} zero={z.dtype}"
         )
@@ -196,7 +202,9 @@ class GroupwiseQuantizer(Quantizer):
         tensors: dict[str, torch.Tensor] = {}
         for role, x in (("keys", keys), ("values", values)):
             tensors.update(
-                encode_tensor(x, role, self.fmt, self.group_size, self.layouts[role], self.scale_dtype)
+                encode_tensor(
+                    x, role, self.fmt, self.group_size, self.layouts[role], self.scale_dtype
+                )
             )
         meta = self.base_meta(keys, values)
         meta.update(bits=self.bits, format=self.fmt)

@@ -128,8 +128,9 @@ class MixedQuantizer(Quantizer):
         tensors: dict[str, torch.Tensor] = {}
         for role, x in (("keys", keys), ("values", values)):
             layout = self.layouts[role]
-            hi = encode_tensor(_take(x, idx), f"{role}.hi", HI, self.group_size, layout, self.scale_dtype)
-            lo = encode_tensor(_take(x, rest), role, LO, self.group_size, layout, self.scale_dtype)
+            g, sd = self.group_size, self.scale_dtype
+            hi = encode_tensor(_take(x, idx), f"{role}.hi", HI, g, layout, sd)
+            lo = encode_tensor(_take(x, rest), role, LO, g, layout, sd)
             hi.pop(f"{role}.hi.shape")  # implied by .idx and .shape
             tensors.update(hi)
             tensors.update(lo)
@@ -153,7 +154,9 @@ class MixedQuantizer(Quantizer):
         h, t, d = stored_shape(tensors, prefix)
         idx = need(tensors, f"{prefix}.idx")
         if idx.dim() != 2 or idx.shape[0] != h or idx.shape[1] > t or idx.is_floating_point():
-            raise BundleFormatError(f"{prefix}.idx has shape {tuple(idx.shape)} for [{h}, {t}, {d}]")
+            raise BundleFormatError(
+                f"{prefix}.idx has shape {tuple(idx.shape)} for [{h}, {t}, {d}]"
+            )
         idx = idx.to(torch.int64)
         if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= t):
             raise BundleFormatError(f"{prefix}.idx points outside the {t} tokens")

@@ -1,0 +1,76 @@
+"""`kdnctl compress`: prune and/or quantize stored versions into new labelled versions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
+
+
+def compress(
+    docs: Optional[List[str]] = typer.Argument(None, help="Document ids (default: every document)."),
+    budget: float = typer.Option(0.25, "--budget", "-b", help="Fraction of tokens kept, 0 < B <= 1."),
+    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`)."),
+    quant: str = typer.Option("none", "--quant", "-q", help="none | int8 | int4 | fp8 | mixed."),
+    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid."),
+    group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
+    kvcrush_ratio: Optional[float] = typer.Option(None, "--kvcrush-ratio", help="Share of the budget for KVCrush representatives."),
+    anchor: Optional[str] = typer.Option(None, "--anchor", help="KVCrush anchor: random | mean | alternate."),
+    page_size: Optional[int] = typer.Option(None, "--page-size", help="KVCrush page size (1 = token level)."),
+    seed: int = typer.Option(0, "--seed"),
+    source: str = typer.Option("full", "--from", help="Source version label."),
+    label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),
+    recipe_file: Optional[Path] = typer.Option(None, "--recipe", help="TOML recipe with a [compress] step."),
+    store: Optional[Path] = StoreOpt,
+    model: Optional[str] = ModelOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Prune (KVCrush and baselines) and quantize stored KV into a new version."""
+    from ..compress import CompressRecipe, compress_document
+    from ..scoring import DEFAULT_SCORER
+
+    if recipe_file is not None:
+        from ..recipes import load_recipe
+
+        recipe = load_recipe(recipe_file).compress_recipe()
+        label = label or load_recipe(recipe_file).label
+    else:
+        opts = {k: v for k, v in {"ratio": kvcrush_ratio, "anchor": anchor, "page_size": page_size}.items() if v is not None}
+        recipe = CompressRecipe(budget=budget, method=method, scorer=scorer or DEFAULT_SCORER, quant=quant,
+                                group_size=group_size, seed=seed, method_options=opts)
+    st = open_store(store)
+    doc_ids = list(docs) if docs else [d.doc_id for d in st.list_documents()]
+    lm = load_lm(model) if recipe.needs_model else None
+    fingerprint = lm.fingerprint if lm is not None else None
+    results = []
+    with st.writer(), progress_bar(len(doc_ids), "compress", unit="doc") as bar:
+        for doc_id in doc_ids:
+            results.append(compress_document(st, doc_id, recipe, lm=lm, source=source, label=label, fingerprint=fingerprint))
+            bar.update(1)
+    rows = [{"doc": r.doc_id, "label": r.label, "status": r.status, "source_bytes": r.source_bytes,
+             "bytes": r.bytes, "ratio": round(r.ratio, 2), "seconds": round(r.seconds, 3),
+             "score_seconds": round(r.score_seconds, 3)} for r in results]
+    if as_json:
+        emit_json({"results": rows})
+        return
+    for r in rows:
+        message(f"{r['doc']}: {r['label']} {r['status']}, {r['source_bytes'] / 1e6:.1f} MB -> {r['bytes'] / 1e6:.2f} MB ({r['ratio']}x)")
+
+
+def methods() -> None:
+    """List pruning methods, scorers and quantizers."""
+    from ..presses import PRESSES
+    from ..quant import QUANTIZERS
+    from ..scoring import SCORERS
+
+    print("methods:    " + " ".join(PRESSES))
+    print("scorers:    " + " ".join(SCORERS))
+    print("quantizers: " + " ".join(QUANTIZERS))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compress")(compress)
+    app.command("methods")(methods)

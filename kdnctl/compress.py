@@ -1,0 +1,174 @@
+"""``kdnctl compress``: a stored version -> a pruned and/or quantized new version.
+
+Per document: load the source chunks, score every token with a query-agnostic scorer, let the
+press pick kept tokens per layer and KV head over the WHOLE document (so the budget can go to
+the chunks that need it), split the picks back into chunks (every head of a layer keeps the
+same count within a chunk), gather K/V (and any steering bias), quantize, and commit the new
+version in one transaction. The source version stays; re-running the same recipe is a no-op.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .bundle import KVBundle, decode_bundle, encode_bundle, make_meta
+from .errors import UnsupportedError, UsageError
+from .presses import get_press
+from .presses.allocate import select_document
+from .presses.base import ScoreContext, validate_budget
+from .quant import get_quantizer
+from .scoring import DEFAULT_SCORER, NEEDS_MODEL, compute_importance
+from .store import ChunkRef, Store, VersionRecord
+
+
+@dataclass
+class CompressRecipe:
+    budget: float = 0.25
+    method: str = "kvcrush"
+    scorer: str = DEFAULT_SCORER
+    quant: str = "none"
+    group_size: int = 32
+    seed: int = 0
+    method_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.budget = validate_budget(self.budget)
+
+    def as_dict(self) -> dict:
+        return {"step": "compress", "budget": self.budget, "method": self.method, "scorer": self.scorer,
+                "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
+                "method_options": dict(sorted(self.method_options.items()))}
+
+    def default_label(self) -> str:
+        label = f"{self.method}-b{self.budget:g}" if self.budget < 1 else "b1"
+        if self.budget < 1 and self.scorer != DEFAULT_SCORER:
+            label += f"-{self.scorer}"
+        if self.quant != "none":
+            label += f"-{self.quant}"
+        return label
+
+    @property
+    def needs_model(self) -> bool:
+        return self.budget < 1 and self.scorer in NEEDS_MODEL and self.method not in ("streaming", "random", "knorm")
+
+
+@dataclass
+class CompressResult:
+    doc_id: str
+    label: str
+    status: str  # "compressed" | "unchanged"
+    source_bytes: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    score_seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float:
+        return self.source_bytes / self.bytes if self.bytes else 0.0
+
+
+def _cat_stats(bundles: list[KVBundle]) -> dict[str, torch.Tensor]:
+    names = set.intersection(*(set(n[6:] for n in b.tensors if n.startswith("stats.")) for b in bundles))
+    return {n: torch.cat([b.tensors[f"stats.{n}"].float() for b in bundles], dim=-1) for n in sorted(names)}
+
+
+def _gather_bias(bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """bias [Hq, T] follows the kept tokens of its KV group: idx [Hkv, k] -> [Hq, k]."""
+    group = bias.shape[0] // idx.shape[0]
+    return torch.gather(bias, 1, idx.repeat_interleave(group, dim=0))
+
+
+def _importance_mask(importance: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """For mixed precision: kept tokens in the top half of importance (per head) get more bits."""
+    vals = torch.gather(importance, 1, idx)
+    if vals.shape[1] == 0:
+        return torch.zeros_like(vals, dtype=torch.bool)
+    return vals >= vals.median(dim=1, keepdim=True).values
+
+
+def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=None, source: str = "full",
+                      label: str | None = None, fingerprint: str | None = None) -> CompressResult:
+    t0 = time.perf_counter()
+    label = label or recipe.default_label()
+    src = store.get_version(doc_id, source)
+    existing = {v.label: v for v in store.list_versions(doc_id)}
+    full_recipe = {"source": source, **recipe.as_dict()}
+    if label in existing:
+        if existing[label].recipe.get("steps", [existing[label].recipe])[-1] == full_recipe:
+            return CompressResult(doc_id, label, "unchanged", src.nbytes, existing[label].nbytes)
+        raise UsageError(f"label {label!r} of {doc_id} was made by another recipe", hint="pass --label NAME")
+    bundles = [decode_bundle(store.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
+    if any("quant" in b.meta for b in bundles):
+        raise UnsupportedError(f"{doc_id} [{source}] is already quantized", hint="compress from an unquantized version (--from full)")
+    if any("positions" not in b.tensors for b in bundles) and recipe.budget < 1:
+        raise UnsupportedError(f"{doc_id} [{source}] is already pruned", hint="compress from an unpruned version (--from full)")
+    n_layers = bundles[0].n_layers
+    dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]
+    keys = [torch.cat([d[i][0] for d in dense], dim=1).float() for i in range(n_layers)]
+    values = [torch.cat([d[i][1] for d in dense], dim=1).float() for i in range(n_layers)]
+    token_ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
+    bounds = [(b.meta["token_start"], b.meta["token_end"]) for b in bundles]
+    base = bounds[0][0]
+    local_bounds = [(s - base, e - base) for s, e in bounds]
+    n_heads = keys[0].shape[0]
+    t_score = time.perf_counter()
+    if recipe.budget < 1:
+        stats = _cat_stats(bundles)
+        importance = compute_importance(recipe.scorer, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
+                                        n_layers=n_layers, n_heads=n_heads) if recipe.method not in ("streaming", "random", "knorm") \
+            else torch.zeros(n_layers, n_heads, len(token_ids))
+        ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
+        press = get_press(recipe.method, **recipe.method_options)
+        picks = select_document(press, ctx, recipe.budget, local_bounds)
+    else:
+        importance = torch.zeros(n_layers, n_heads, len(token_ids))
+        picks = None
+    score_s = time.perf_counter() - t_score
+    quantizer = get_quantizer(recipe.quant, group_size=recipe.group_size) if recipe.quant != "none" else None
+    chunks, total = [], 0
+    parent_recipe = src.recipe if "steps" in src.recipe else {"steps": [src.recipe]}
+    version_recipe = {"steps": parent_recipe["steps"] + [full_recipe]}
+    for c, (b, (ls, le)) in enumerate(zip(bundles, local_bounds)):
+        tensors: dict[str, torch.Tensor] = {"token_ids": b.tensors["token_ids"]}
+        qmeta = None
+        if picks is None:
+            if "positions" in b.tensors:
+                tensors["positions"] = b.tensors["positions"]
+        for i in range(n_layers):
+            k, v = dense[c][i]
+            if picks is not None:
+                idx = picks[c][i]
+                k = torch.gather(k, 1, idx[..., None].expand(-1, -1, k.shape[-1]))
+                v = torch.gather(v, 1, idx[..., None].expand(-1, -1, v.shape[-1]))
+                tensors[f"layers.{i}.positions"] = (idx + bounds[c][0]).to(torch.int64)
+                imp = importance[i][:, ls:le]
+                mask = _importance_mask(imp, idx)
+            else:
+                if "positions" not in b.tensors:
+                    tensors[f"layers.{i}.positions"] = b.layer_positions(i)
+                idx, mask = None, None
+            bias = b.tensors.get(f"layers.{i}.bias")
+            if bias is not None:
+                tensors[f"layers.{i}.bias"] = _gather_bias(bias.float(), idx).half() if idx is not None else bias
+            if quantizer is not None:
+                qt, qmeta = quantizer.quantize_layer(k.float(), v.float(), importance=mask)
+                tensors.update({f"layers.{i}.{n}": t for n, t in qt.items()})
+            else:
+                tensors[f"layers.{i}.keys"] = k.contiguous()
+                tensors[f"layers.{i}.values"] = v.contiguous()
+        meta = make_meta(**{k: v for k, v in b.meta.items() if k not in ("format_version", "created", "tool_version", "quant")})
+        meta.update(label=label, parent=source, recipe=version_recipe)
+        if qmeta is not None:
+            meta["quant"] = qmeta
+        data = encode_bundle(KVBundle(meta=meta, tensors=tensors))
+        sha = store.put_object(data)
+        chunks.append(ChunkRef(c, sha, bounds[c][0], bounds[c][1], b.meta["chain_hash"], len(data)))
+        total += len(data)
+    record = VersionRecord(doc_id, src.doc_version, label, source, version_recipe, src.fingerprint, chunks,
+                           time.time(), src.n_tokens, src.mode)
+    store.commit_version(record)
+    return CompressResult(doc_id, label, "compressed", src.nbytes, total, time.perf_counter() - t0, score_s)

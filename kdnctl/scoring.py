@@ -1,0 +1,107 @@
+"""Query-agnostic importance scorers: which stored tokens will a *future* question need?
+
+At compress time the question is unknown. Each scorer returns ``[L, H_kv, T]`` (higher = keep):
+
+* ``window``      attention from the last W queries of the document (captured at ingest; SnapKV).
+* ``accum``       attention received from every later query, divided by how many queries could
+                  see the token (plain H2O sums favour early tokens just for being early).
+* ``surprisal``   the model's own -log p(token | prefix) at ingest, the same for every head:
+                  surprising tokens carry the information a later question asks about.
+* ``reconstruct`` KVzip's idea, spending offline compute: after the document, ask the model to
+                  repeat it and record, per layer and KV head, the most attention any repeating
+                  query pays to each original token. Tokens needed to reproduce the document
+                  are the ones answers are made of. Costs about one extra prefill.
+* ``hybrid``      rank-average of ``reconstruct`` and ``window`` (plus surprisal), measured in
+                  ``kdnctl eval`` against each alone.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .errors import UsageError
+
+REPEAT_PROMPT = "\n\nRepeat the document above exactly, word for word.\n"
+SCORERS = ("window", "accum", "surprisal", "reconstruct", "hybrid")
+DEFAULT_SCORER = "hybrid"
+NEEDS_MODEL = {"reconstruct", "hybrid"}
+
+
+def _rank01(x: torch.Tensor) -> torch.Tensor:
+    """Per (layer, head) ranks scaled to [0, 1] along tokens: makes scorers comparable."""
+    t = x.shape[-1]
+    ranks = x.float().argsort(dim=-1).argsort(dim=-1).float()
+    return ranks / max(t - 1, 1)
+
+
+def accum_normalised(accum: torch.Tensor) -> torch.Tensor:
+    t = accum.shape[-1]
+    seen_by = torch.arange(t, 0, -1, dtype=torch.float32)  # token i is visible to T - i queries
+    return accum.float() / seen_by
+
+
+@torch.inference_mode()
+def reconstruct_scores(lm, keys: list[torch.Tensor], values: list[torch.Tensor], token_ids: list[int],
+                       *, chunk_tokens: int = 256, on_progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    """KVzip-style reconstruction attention, chunked: for each chunk of the document, run
+    ``repeat prompt + chunk`` over the document's cache and keep, per key, the max attention
+    from those queries. The cache is cropped back after each chunk, so cost ~ one prefill."""
+    from transformers import DynamicCache
+
+    from .engine.attention import AttentionState, kdn_attention
+    from .prefill import _grouped_probs
+
+    model = lm.model
+    device = lm.device
+    t = len(token_ids)
+    n_layers, h_kv = len(keys), keys[0].shape[0]
+    best = torch.zeros(n_layers, h_kv, t, device=device)
+
+    def observer(layer, query, key, scaling):
+        q, k = query[0], key[0]
+        b, kv = q.shape[1], k.shape[1]
+        probs = _grouped_probs(q, k, scaling, kv - b)  # [Hkv, g, b, kv]
+        best[layer] = torch.maximum(best[layer], probs[..., :t].amax(dim=(1, 2)))
+
+    cache = DynamicCache(ddp_cache_data=[(k[None].to(device, lm.dtype), v[None].to(device, lm.dtype))
+                                         for k, v in zip(keys, values)], config=model.config)
+    prompt = lm.tokenizer(REPEAT_PROMPT, add_special_tokens=False).input_ids
+    with kdn_attention(model, AttentionState(observer=observer)):
+        for s in range(0, t, chunk_tokens):
+            piece = prompt + list(token_ids[s : s + chunk_tokens])
+            ids = torch.tensor([piece], device=device)
+            pos = torch.arange(t, t + len(piece), device=device)[None]
+            model.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+            cache.crop(t)
+            if on_progress:
+                on_progress(min(chunk_tokens, t - s))
+    return best.cpu()
+
+
+def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, keys=None, values=None,
+                       token_ids=None, n_layers: int, n_heads: int) -> torch.Tensor:
+    """The ``[L, H_kv, T]`` importance of scorer ``name`` for one document."""
+    if name not in SCORERS:
+        raise UsageError(f"unknown scorer {name!r}", hint=f"choose one of {', '.join(SCORERS)}")
+    if name in ("window", "accum", "surprisal") or name in NEEDS_MODEL:
+        missing = [s for s in ("window", "accum", "surprisal") if s not in stats and (s == name or name == "hybrid")]
+        if missing:
+            raise UsageError(
+                f"scorer {name!r} needs ingest statistics {missing} that this version lacks",
+                hint="re-ingest without --no-stats, or use --scorer reconstruct",
+            )
+    if name == "window":
+        return stats["window"].float()
+    if name == "accum":
+        return accum_normalised(stats["accum"])
+    if name == "surprisal":
+        return stats["surprisal"].float().expand(n_layers, n_heads, -1).clone()
+    if lm is None:
+        raise UsageError(f"scorer {name!r} runs the model", hint="pass --model (or use --scorer window)")
+    recon = reconstruct_scores(lm, keys, values, token_ids)
+    if name == "reconstruct":
+        return recon
+    surprisal = _rank01(stats["surprisal"].float()).expand(n_layers, n_heads, -1)
+    return 0.5 * _rank01(recon) + 0.3 * _rank01(stats["window"]) + 0.2 * surprisal
