@@ -9,6 +9,10 @@ attention function, we record per layer, per KV head and per token:
 * ``accum``: attention summed over every query (H2O), computed blockwise over query tiles, so
   no full T x T matrix is ever held;
 * ``surprisal``: the model's own -log p(token | prefix), from the logits of the same pass.
+
+``bias`` (optional, for steering edits that re-prefill) maps a layer to an additive attention
+bias ``[H_q, T]`` over the document's keys; every query of the pass gets it on the keys it can
+see (each block passes the first ``e`` columns). The statistics ignore the bias.
 """
 
 from __future__ import annotations
@@ -97,8 +101,11 @@ def prefill(
     window: int = 32,
     block_tokens: int = 1024,
     on_progress: Callable[[int], None] | None = None,
+    bias: dict[int, torch.Tensor] | None = None,
 ) -> PrefillResult:
-    """Run ``token_ids`` through ``model`` and return KV (+ statistics when ``stats``)."""
+    """Run ``token_ids`` through ``model`` and return KV (+ statistics when ``stats``).
+
+    ``bias``: optional ``{layer: [H_q, T]}`` additive attention bias over the keys (steering)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -111,8 +118,11 @@ def prefill(
     surprisal = torch.zeros(n, dtype=torch.float32)
     last_logits = None
     lm_head = model.get_output_embeddings()
-    with kdn_attention(model, AttentionState(observer=observer)):
+    state = AttentionState(observer=observer)
+    with kdn_attention(model, state):
         for s, e in _block_bounds(n, block_tokens, window):
+            if bias:
+                state.bias = {layer: b[:, :e].to(device) for layer, b in bias.items()}
             out = _decoder(model)(
                 input_ids=ids[:, s:e],
                 past_key_values=cache,

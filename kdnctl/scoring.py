@@ -74,7 +74,7 @@ def reconstruct_scores(lm, keys: list[torch.Tensor], values: list[torch.Tensor],
             ids = torch.tensor([piece], device=device)
             pos = torch.arange(t, t + len(piece), device=device)[None]
             model.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
-            cache.crop(t)
+            cache.crop(-len(piece))  # back to the document alone (transformers 5: negative = drop)
             if on_progress:
                 on_progress(min(chunk_tokens, t - s))
     return best.cpu()

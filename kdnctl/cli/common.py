@@ -85,12 +85,11 @@ def run_cli(app: typer.Typer) -> None:
     except (typer.Abort,):
         sys.exit(1)
     except Exception as exc:  # click usage errors and anything unexpected
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
+        # Typer may use its own copy of click, so usage errors are recognised by shape.
+        if type(exc).__name__ == "Exit" and hasattr(exc, "exit_code"):
             sys.exit(exc.exit_code)
-        if isinstance(exc, click.ClickException):
-            exc.show()
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            message(f"error: {exc.format_message()} (hint: see --help)")
             sys.exit(2)
         if debug:
             raise

@@ -15,6 +15,9 @@ def ingest(
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = ModelOpt,
     chunk_tokens: int = typer.Option(256, "--chunk-tokens", help="Tokens per stored chunk."),
+    mode: str = typer.Option("prefix", "--mode", help="prefix: chunks reusable behind the same prefix (label full); "
+                             "independent: each chunk prefilled on its own after the prompt header, composable "
+                             "in any order (label independent, see docs/compose.md)."),
     window: int = typer.Option(32, "--window", help="Observation window (last W queries) for statistics."),
     no_stats: bool = typer.Option(False, "--no-stats", help="Skip attention statistics (faster, no scoring later)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (CPU default), float16, bfloat16."),
@@ -28,6 +31,8 @@ def ingest(
 
     if chunk_tokens < 1:
         raise UsageError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
+    if mode not in ("prefix", "independent"):
+        raise UsageError(f"--mode must be prefix or independent, got {mode!r}")
     docs, skipped = read_corpus(paths)
     for s in skipped:
         message(f"warning: skipped {s.path}: {s.reason}")
@@ -38,11 +43,22 @@ def ingest(
     opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
-        report = ingest_documents(st, lm, docs, opts, on_progress=bar.update)
+        if mode == "independent":
+            from ..ingest_independent import ingest_independent
+
+            report = ingest_independent(st, lm, docs, opts, on_progress=bar.update)
+        else:
+            report = ingest_documents(st, lm, docs, opts, on_progress=bar.update)
     report.skipped = skipped
     data = report.as_dict()
     if as_json:
         emit_json(data)
+    elif mode == "independent":
+        message(
+            f"ingested {len(report.ingested)} document(s) as independent chunks, {len(report.unchanged)} unchanged, "
+            f"{len(skipped)} skipped; {report.chunks_stored} chunk(s) stored, {report.chunks_reused} reused; "
+            f"{report.tokens} tokens prefilled in {report.seconds:.1f}s"
+        )
     else:
         message(
             f"ingested {len(report.ingested)} document(s), {len(report.unchanged)} unchanged, "

@@ -11,6 +11,9 @@ to it inside ``kdn_attention(model, state)``. It computes exactly what sdpa comp
 
 Because a name unknown to transformers' mask registry gets no mask at all, this function builds
 the causal mask itself: the ``q_len`` new queries are the last positions of the key sequence.
+When ``AttentionState.query_positions`` and ``key_positions`` are set, the mask is built from
+those explicit positions instead (query i sees key j iff ``key_positions[j] <= query_positions[i]``),
+which lets a pass recompute tokens that sit in the MIDDLE of a cached context (kdnctl.engine.compose).
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ class AttentionState:
     bias: dict[int, torch.Tensor] = field(default_factory=dict)
     # Called as observer(layer_idx, query [B,Hq,q,D], key [B,Hkv,kv,D], scaling) before attention.
     observer: Callable | None = None
+    # Optional explicit positions, int64 [q_len] and [kv_len] (same for every layer). Unset (the
+    # default) keeps the "new queries are the last keys" causal mask.
+    query_positions: torch.Tensor | None = None
+    key_positions: torch.Tensor | None = None
 
 
 def _register() -> None:
@@ -59,6 +66,24 @@ def build_bias_mask(
     return mask
 
 
+def build_position_mask(
+    query_positions: torch.Tensor, key_positions: torch.Tensor, bias: torch.Tensor | None,
+    n_heads: int, dtype, device,
+) -> torch.Tensor:
+    """Float mask [1, Hq or 1, q_len, kv_len]: key j visible to query i iff kpos[j] <= qpos[i],
+    plus the cached-token bias over the first keys."""
+    qpos = query_positions.to(device=device)
+    kpos = key_positions.to(device=device)
+    hidden = kpos[None, :] > qpos[:, None]
+    mask = torch.zeros(1, 1, qpos.shape[0], kpos.shape[0], dtype=dtype, device=device)
+    mask.masked_fill_(hidden, float("-inf"))
+    if bias is not None:
+        mask = mask.expand(1, n_heads, -1, -1).clone()
+        n = bias.shape[-1]
+        mask[..., :n] += bias.to(dtype=dtype, device=device)[None, :, None, :]
+    return mask
+
+
 def kdn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     state = _STATE.get()
     layer = getattr(module, "layer_idx", 0)
@@ -67,6 +92,16 @@ def kdn_attention_forward(module, query, key, value, attention_mask, dropout=0.0
     bias = state.bias.get(layer) if state is not None else None
     q_len, kv_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
+    if state is not None and state.query_positions is not None:
+        qp, kp = state.query_positions, state.key_positions
+        if kp is None or qp.shape[0] != q_len or kp.shape[0] != kv_len:
+            raise ValueError(
+                f"layer {layer}: explicit positions cover {qp.shape[0]} queries / "
+                f"{None if kp is None else kp.shape[0]} keys, attention has {q_len} / {kv_len}"
+            )
+        mask = build_position_mask(qp, kp, bias, query.shape[1], query.dtype, query.device)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous(), None
     if bias is None and (q_len == 1 or q_len == kv_len):
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa

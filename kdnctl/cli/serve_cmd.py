@@ -1,0 +1,79 @@
+"""`kdnctl serve-files` (publish a store read-only over HTTP) and `kdnctl pull` (mirror one)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from .common import JsonOpt, StoreOpt, emit_json, message, open_store, store_root
+
+TokenFileOpt = typer.Option(None, "--token-file", help="File holding the bearer token to send.")
+
+
+def serve_files(
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (0.0.0.0 = all)."),
+    port: int = typer.Option(8700, "--port", help="TCP port."),
+    token_file: Optional[Path] = typer.Option(
+        None, "--token-file", help="Require bearer tokens: one `TOKEN namespace1,namespace2` per line, `*` = all."),
+    max_body: int = typer.Option(4 << 20, "--max-body-bytes", help="Largest accepted request body (lookups)."),
+    no_access_log: bool = typer.Option(False, "--no-access-log", help="Do not log every request to stderr."),
+    store: Optional[Path] = StoreOpt,
+) -> None:
+    """Serve the store's bundles read-only over HTTP (see docs/serve-files.md)."""
+    from ..errors import UsageError
+    from ..server import serve
+
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be 0..65535, got {port}")
+    root = store_root(store)
+    open_store(store).close()  # fail fast, with the usual message, when there is no store
+    auth = f"tokens from {token_file}" if token_file else "no authentication"
+    message(f"serving {root} read-only on http://{host}:{port} ({auth}); Ctrl-C stops")
+    serve(root, host, port, token_file, max_body_bytes=max_body, access_log=not no_access_log)
+
+
+def pull(
+    url: str = typer.Argument(..., help="A `kdnctl serve-files` URL, e.g. http://10.0.0.5:8700."),
+    docs: Optional[List[str]] = typer.Argument(None, help="Document ids (default: every document the token sees)."),
+    label: Optional[str] = typer.Option(None, "--label", help="Only this version label (default: all labels)."),
+    token_file: Optional[Path] = TokenFileOpt,
+    store: Optional[Path] = StoreOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Mirror documents' bundles from a remote store into the local store (verified)."""
+    from ..client import RemoteStore, mirror
+
+    token = _read_token(token_file)
+    st = open_store(store, create=True)
+    try:
+        with RemoteStore(url, token=token) as remote:
+            report = mirror(remote, st, docs or None, label,
+                            on_doc=None if as_json else lambda d, s: message(f"{s} {d}"))
+    finally:
+        st.close()
+    if as_json:
+        emit_json(report)
+        return
+    message(f"pulled {len(report['pulled'])} document(s), {len(report['unchanged'])} unchanged, "
+            f"{len(report['skipped'])} skipped; {report['objects']} object(s), {report['bytes'] / 1e6:.1f} MB")
+
+
+def _read_token(path: Optional[Path]) -> Optional[str]:
+    if path is None:
+        return None
+    from ..errors import InputError
+
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read token file {path}: {exc}") from None
+    if not token or len(token.split()) != 1:
+        raise InputError(f"token file {path} must hold exactly one token")
+    return token
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve-files")(serve_files)
+    app.command("pull")(pull)

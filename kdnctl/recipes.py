@@ -1,0 +1,76 @@
+"""Recipes: a TOML file naming a pipeline's steps and their settings.
+
+    name = "kvcrush-0.25-int4"
+    label = "kvcrush-b0.25-int4"        # optional: label of the final version
+    [ingest]
+    chunk_tokens = 256
+    window = 32
+    [compress]
+    method = "kvcrush"
+    budget = 0.25
+    scorer = "hybrid"
+    quant = "int4"
+    group_size = 32
+    [compress.options]                   # method options, e.g. KVCrush's ratio/anchor/page_size
+    ratio = 0.25
+
+Every version made by a recipe stores the same step dicts in its ``recipe`` metadata
+(``{"steps": [ingest, compress, ...]}``), so a version can be rebuilt from its metadata.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InputError, UsageError
+
+KNOWN_SECTIONS = {"name", "label", "description", "ingest", "compress", "edit"}
+
+
+@dataclass
+class Recipe:
+    name: str
+    label: str | None = None
+    ingest: dict = field(default_factory=dict)
+    compress: dict | None = None
+    edit: dict | None = None
+    path: Path | None = None
+
+    def ingest_options(self):
+        from .ingest import IngestOptions
+
+        allowed = {"chunk_tokens", "window", "stats", "block_tokens"}
+        bad = set(self.ingest) - allowed
+        if bad:
+            raise UsageError(f"recipe {self.name}: unknown [ingest] keys {sorted(bad)}", hint=f"allowed: {sorted(allowed)}")
+        return IngestOptions(**self.ingest)
+
+    def compress_recipe(self):
+        from .compress import CompressRecipe
+
+        if self.compress is None:
+            raise UsageError(f"recipe {self.name} has no [compress] step")
+        c = dict(self.compress)
+        options = c.pop("options", {})
+        allowed = {"method", "budget", "scorer", "quant", "group_size", "seed"}
+        bad = set(c) - allowed
+        if bad:
+            raise UsageError(f"recipe {self.name}: unknown [compress] keys {sorted(bad)}", hint=f"allowed: {sorted(allowed)}")
+        return CompressRecipe(**c, method_options=options)
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"recipe {path} does not exist", hint="shipped recipes are in recipes/")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"recipe {path} is not valid TOML: {exc}") from None
+    unknown = set(data) - KNOWN_SECTIONS
+    if unknown:
+        raise UsageError(f"recipe {path}: unknown sections {sorted(unknown)}", hint=f"known: {sorted(KNOWN_SECTIONS)}")
+    return Recipe(name=data.get("name", path.stem), label=data.get("label"), ingest=data.get("ingest", {}),
+                  compress=data.get("compress"), edit=data.get("edit"), path=path)
