@@ -133,12 +133,23 @@ class _State:
         self.store, self.tokens, self.max_body = store, tokens, max_body
         self._view: CatalogView | None = None
         self._view_gen: object = None
+        self._sizes: dict[tuple, list[int]] = {}  # (generation, grants) -> chunk sizes
 
     def view(self) -> CatalogView:
         gen = self._generation()
         if self._view is None or gen is None or gen != self._view_gen:
             self._view, self._view_gen = CatalogView(self.store), gen
         return self._view
+
+    def chunk_sizes(self, access: Access) -> list[int]:
+        # every lookup needs these; recomputing means parsing every version record
+        gen = self._generation()
+        key = (gen, access.grants)
+        if gen is None or key not in self._sizes:
+            versions = [v for v in self.store.list_versions() if access.sees(v.doc_id)]
+            self._sizes = {k: v for k, v in self._sizes.items() if k[0] == gen}  # drop stale entries
+            self._sizes[key] = _chunk_sizes(versions)
+        return self._sizes[key]
 
     def _generation(self):
         # LMDB bumps last_txnid on every committed write txn: a cheap "catalog changed" check.
@@ -348,8 +359,7 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         return JSONResponse({"version": _record(hit[0]), "chunk": dataclasses.asdict(hit[1])})
 
     async def chunk_sizes(request: Request, access: Access):
-        versions = [v for v in store.list_versions() if access.sees(v.doc_id)]
-        return JSONResponse({"chunk_sizes": _chunk_sizes(versions)})
+        return JSONResponse({"chunk_sizes": state.chunk_sizes(access)})
 
     async def lookup(request: Request, access: Access):
         size = request.headers.get("content-length")
@@ -379,7 +389,7 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         if sizes is not None and (not isinstance(sizes, int) or isinstance(sizes, bool) or sizes < 1):
             return _error(400, "`chunk_tokens` must be a positive integer")
         fp, label = req["fingerprint"], req["label"]
-        sizes = [sizes] if sizes else _chunk_sizes(v for v in store.list_versions() if access.sees(v.doc_id))
+        sizes = [sizes] if sizes else state.chunk_sizes(access)
         best: tuple[int, int | None, list] = (0, None, [])
         for n in sizes:  # the store may hold several chunkings; keep the longest match
             chain = []
@@ -394,12 +404,8 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
                 best = (matched, n, chain)
         return JSONResponse({"matched_tokens": best[0], "chunk_tokens": best[1], "chunks": best[2]})
 
-    async def objects(request: Request):
+    async def objects(request: Request, access: Access):
         sha = request.path_params["sha"]
-        access = _authorize(request, state.tokens)
-        if access is None:
-            return _error(401, "missing or unknown bearer token", "send `Authorization: Bearer TOKEN`",
-                          headers={"WWW-Authenticate": 'Bearer realm="kdnctl"'})
         # Only a bare hash names an object: "../catalog/data.mdb" and friends never reach the disk.
         if not _SHA_RE.match(sha):
             return _error(404, "no such object", "object ids are 64 lowercase hex characters")
@@ -432,10 +438,8 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        try:
-            yield
-        finally:
-            store.close()
+        yield
+        store.close()
 
     routes = [
         Route("/v1/health", health, methods=["GET"]),
@@ -444,7 +448,7 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         Route("/v1/chunks/{rest:path}", guarded(chunk), methods=["GET"]),
         Route("/v1/chunk-sizes", guarded(chunk_sizes), methods=["GET"]),
         Route("/v1/lookup", guarded(lookup), methods=["POST"]),
-        Route("/v1/objects/{sha:path}", objects, methods=["GET", "HEAD"]),
+        Route("/v1/objects/{sha:path}", guarded(objects), methods=["GET", "HEAD"]),
     ]
 
     async def not_found(request, exc):

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The main job: ingest the example corpus with the default model, compress it with a shipped
-# recipe, then answer a question from the stored KV and compare with a full prefill.
+# The main job: ingest the example corpus with the default model and compress it with a shipped
+# recipe (kdnctl run), then answer a question from the stored KV, compared with a full prefill.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
 export KDN_STORE="${KDN_STORE:-.kdn}"
-kdnctl ingest examples/corpus
+kdnctl run recipes/kvcrush-0.25-int4.toml examples/corpus
 kdnctl ls
-kdnctl ask zephyr-x200-manual.md "How long does it take to charge the Zephyr X200 battery to 80 %?" --compare
+Q="How long does it take to charge the Zephyr X200 battery to 80 %?"
+kdnctl ask zephyr-x200-manual.md "$Q" --compare
+kdnctl ask zephyr-x200-manual.md "$Q" --version kvcrush-b0.25-int4

@@ -17,7 +17,7 @@ import torch
 
 from kdnctl.corpus import Document
 
-from .conftest import cli_json, run_cli
+from conftest import cli_json, run_cli
 
 P1 = ("The Orrin valley cooperative grows pears and quinces on terraces above the river. Its members "
       "meet every spring to agree on picking dates and on the price of cider for the coming year.")

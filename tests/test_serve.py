@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import http.client
 import json
-import os
 import random
 import shutil
 import signal
