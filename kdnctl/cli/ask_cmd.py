@@ -48,18 +48,35 @@ def ask(
     if not 0.0 <= recompute <= 1.0:
         raise UsageError(f"--recompute must be in [0, 1], got {recompute}")
 
-    lm = load_lm(model)
     if remote:
         from ..client import RemoteStore
 
         st = RemoteStore(remote, token=token_file.read_text().strip() if token_file else None)
     else:
         st = open_store(store)
+    picked = None
+    if chunks is not None or (not composing and version == "independent"):
+        picked = _pick_chunks(st, doc, chunks)  # before loading the model: bad ids fail fast
+    lm = load_lm(model)
     suffix = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, question)
     if not composing and version != "independent":
         _ask_document(lm, st, doc, version, suffix, compare, max_new_tokens, as_json)
     else:
-        _ask_composed(lm, st, doc, question, chunks, retrieve, recompute, suffix, compare, max_new_tokens, as_json)
+        _ask_composed(lm, st, doc, question, picked, retrieve, recompute, suffix, compare, max_new_tokens, as_json)
+
+
+def _pick_chunks(st, doc, chunks):
+    from ..retrieval import list_chunks, resolve_chunks
+
+    if chunks is not None:
+        return resolve_chunks(st, chunks.split(","), doc_id=doc)
+    picked = list_chunks(st, doc_id=doc)  # DOC --version independent: every chunk, in order
+    if not picked:
+        from ..errors import NotFoundError
+
+        raise NotFoundError(f"document {doc!r} has no independent version",
+                            hint=f"kdnctl ingest --mode independent {doc}")
+    return picked
 
 
 def _ask_document(lm, st, doc, version, suffix, compare, max_new_tokens, as_json) -> None:
@@ -77,23 +94,14 @@ def _ask_document(lm, st, doc, version, suffix, compare, max_new_tokens, as_json
     _report(out, result, full, as_json, f"from stored KV [{version}], {ctx.n_tokens} context tokens")
 
 
-def _ask_composed(lm, st, doc, question, chunks, retrieve, recompute, suffix, compare, max_new_tokens, as_json) -> None:
+def _ask_composed(lm, st, doc, question, picked, retrieve, recompute, suffix, compare, max_new_tokens, as_json) -> None:
     from ..engine.hf import full_prefill_generate, generate
-    from ..retrieval import compose_chunks, list_chunks, resolve_chunks
+    from ..retrieval import compose_chunks
     from ..retrieval import retrieve as bm25_retrieve
 
     t0 = time.perf_counter()
-    if chunks is not None:
-        picked = resolve_chunks(st, chunks.split(","), doc_id=doc)
-    elif retrieve is not None:
+    if picked is None:
         picked = bm25_retrieve(st, question, retrieve, doc_id=doc, fingerprint=lm.fingerprint)
-    else:  # DOC --version independent: every chunk of the document, in order
-        picked = list_chunks(st, doc_id=doc)
-        if not picked:
-            from ..errors import NotFoundError
-
-            raise NotFoundError(f"document {doc!r} has no independent version",
-                                hint=f"kdnctl ingest --mode independent {doc}")
     info: dict = {}
     ctx = compose_chunks(lm, st, picked, suffix, recompute, info=info)
     result = generate(lm, ctx, suffix, max_new_tokens=max_new_tokens, t0=t0)

@@ -41,12 +41,12 @@ def pack_bits(bits: Tensor) -> Tensor:
 
 
 def popcount32(x: Tensor) -> Tensor:
-    """Set bits of each int32 word, as int32 (the high bit of a negative word counts too)."""
-    u = x.to(torch.int64) & 0xFFFFFFFF
-    total = torch.zeros_like(u)
-    for i in range(WORD_BITS):
-        total += (u >> i) & 1
-    return total.to(torch.int32)
+    """Set bits of each int32 word, as int32 (the high bit of a negative word counts too).
+
+    A 256-entry table over the word's bytes: four lookups instead of 32 shift-and-adds."""
+    table = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32, device=x.device)
+    as_bytes = x.to(torch.int32).contiguous().view(torch.uint8).long()
+    return table[as_bytes].view(*x.shape, 4).sum(-1, dtype=torch.int32)
 
 
 def hamming(words: Tensor, anchor: Tensor, out: Tensor | None = None) -> Tensor:
