@@ -2,6 +2,7 @@
 head_dim 128, float16 cache), printed as a markdown table.
 
     python bench/kernels.py [--tokens 4096,16384,32768] [--layers 32] [--out results.json]
+    python bench/kernels.py --threads 1     # CPU: reference only, 4k tokens, 4 layers
 
 On a CUDA machine every kernel runs through its dispatcher (-> Triton) and through its torch
 reference on the same GPU; the table gives the kernel's time, its achieved bandwidth (bytes it
@@ -83,7 +84,13 @@ def copy_bandwidth(device: torch.device, bench) -> float:
     """GB/s of a plain device copy: the practical ceiling for a memory-bound kernel."""
     n = (1 << 30) if device.type == "cuda" else (1 << 27)  # 1 GiB on GPU, 128 MiB on CPU
     x = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
-    ms = bench(lambda: torch.empty_like(x).copy_(x))
+    if device.type == "cuda":
+        ms = bench(lambda: torch.empty_like(x).copy_(x))  # caching allocator: empty_like is free
+    else:
+        # A fresh 128 MiB CPU buffer is mmap'ed per call, so empty_like would time page faults.
+        y = torch.empty_like(x).fill_(0)
+        ms = bench(lambda: y.copy_(x))
+        del y
     del x
     return 2 * n / (ms * 1e-3) / 1e9
 
@@ -154,12 +161,16 @@ def main() -> None:
     ap.add_argument("--tokens", default="4096,16384,32768" if cuda else "4096")
     ap.add_argument("--layers", type=int, default=32 if cuda else 4)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, help="CPU only: torch intra-op threads (1 avoids "
+                    "thread spin-waits swamping small ops on a shared, oversubscribed machine)")
     ap.add_argument("--out", help="also write the rows as JSON here")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if cuda else "cpu")
     bench = timer(device, args.repeats)
     peak = copy_bandwidth(device, bench)
-    name = torch.cuda.get_device_name(device) if cuda else "CPU"
+    name = torch.cuda.get_device_name(device) if cuda else f"CPU, {torch.get_num_threads()} threads"
     print(f"device: {name}; copy bandwidth {peak:.1f} GB/s; torch {torch.__version__}")
     if not cuda:
         print("no CUDA: only the torch reference path is timed (the Triton kernels are checked "

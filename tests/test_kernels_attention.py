@@ -79,7 +79,7 @@ def _dense(x):
     return x.dense() if isinstance(x, QuantizedKV) else x.float()
 
 
-def _sdpa(query, k, v, bias, scale=None):
+def _sdpa(query, k, v, bias=None, scale=None):
     """Ground truth: torch sdpa on the dequantized cache, KV heads repeated for GQA."""
     q3 = query.float()[:, None] if query.dim() == 2 else query.float()
     rep = q3.shape[0] // _dense(k).shape[0]
@@ -159,6 +159,19 @@ def test_head_dims_and_groups(cache, d, group):
     query = _query(8, d, torch.float32, seed=d)  # GQA 4:1, as in 7-8B models
     bias = _bias("randn", 8, t, seed=d)
     _assert_close(_run_triton(query, k, v, bias), ref.decode_attention(query, k, v, bias), "triton", f"{cache}/D{d}/G{group}")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_swapped_layouts(fmt):
+    """Keys per token and values per channel also work (the layout is per operand), as does
+    a dense K with a quantized V."""
+    t = 53
+    k, v = _kv("dense32", HKV, t, D, seed=6)
+    kq = QuantizedKV.quantize(k, fmt, 16, "token")
+    vq = QuantizedKV.quantize(v, fmt, 16, "channel")
+    query = _query(HQ, D, torch.float32, seed=6)
+    for kk, vv in ((kq, vq), (k, vq)):
+        _assert_close(_run_triton(query, kk, vv), _sdpa(query, kk, vv), "triton", f"swapped {fmt}")
 
 
 @pytest.mark.parametrize("cache", ["dense32", "int4"])
