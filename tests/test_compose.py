@@ -229,5 +229,8 @@ def test_cli_ingest_independent_and_ask_chunks_retrieve(tmp_path):
     out = cli_json("ask", "--retrieve", "2", QUESTION + " zorbulite", "--recompute", "0",
                    "--max-new-tokens", "8", store=st)
     assert out["chunks"][0]["id"] == "a.md#1" and len(out["chunks"]) == 2 and out["recomputed_tokens"] == 0
+    out = cli_json("ask", "a.md", QUESTION, "--version", "independent", "--recompute", "0",
+                   "--max-new-tokens", "4", store=st)
+    assert [c["id"] for c in out["chunks"]] == ["a.md#0", "a.md#1", "a.md#2"]
     bad = run_cli("ask", "--chunks", "a.md#9", QUESTION, store=st)
     assert bad.returncode == 4 and "no independent chunk" in bad.stderr

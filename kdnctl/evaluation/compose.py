@@ -10,7 +10,8 @@ The same context is then answered by
 * selective recompute at each requested ratio (CacheBlend-style),
 * a full prefill of ``header + chunks + question`` (no stored KV),
 
-all in the same run. Accuracy: the greedy answer contains the answer or an alias
+all in the same run. Fidelity to the full prefill: the greedy answer is identical, the first
+token is the same, and KL(full || method) of the first-token distribution. Accuracy: the greedy answer contains the answer or an alias
 (case-insensitive, normalised). TTFT counts from before the chunks are read from the store
 (objects are read once beforehand so every method sees a warm OS page cache) to the first
 token's logits; the full prefill starts its clock at its forward pass.
@@ -25,6 +26,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from ..engine.hf import full_prefill_generate, generate
 from ..errors import InputError, NotFoundError
@@ -123,7 +126,8 @@ def evaluate_compose(lm, store, cases: list[Case], *, recompute_levels=(0.0, 0.1
                      on_step=None) -> dict:
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     methods: list[float | None] = [float(r) for r in recompute_levels] + [None]
-    score = {m: {"correct": 0, "agree_full": 0, "ttft": [], "load": [], "recomputed": []} for m in methods}
+    score = {m: {"correct": 0, "agree_full": 0, "ttft": [], "load": [], "recomputed": [], "kl": [], "top1": 0}
+             for m in methods}
     rows = []
     generate(lm, None, fmt.question_ids(lm.tokenizer, "warm-up"), max_new_tokens=1)  # first-call overheads
     for case in cases:
@@ -134,7 +138,7 @@ def evaluate_compose(lm, store, cases: list[Case], *, recompute_levels=(0.0, 0.1
         token_ids = context_token_ids(header, bundles)
         context_tokens = len(token_ids)
         del header, bundles
-        answers = {}
+        answers, first = {}, {}
         for m in methods:
             if m is None:
                 res = full_prefill_generate(lm, token_ids, suffix, max_new_tokens=max_new_tokens)
@@ -146,6 +150,7 @@ def evaluate_compose(lm, store, cases: list[Case], *, recompute_levels=(0.0, 0.1
                 res = generate(lm, ctx, suffix, max_new_tokens=max_new_tokens, t0=t0)
                 load_s, recomputed = ctx.load_s, info.get("recomputed_tokens", 0)
                 del ctx
+            first[m] = torch.log_softmax(res.first_logits.float(), dim=-1)
             ok = is_correct(res.answer, qa)
             s = score[m]
             s["correct"] += ok
@@ -156,8 +161,13 @@ def evaluate_compose(lm, store, cases: list[Case], *, recompute_levels=(0.0, 0.1
             if on_step:
                 on_step(1)
         full_answer = answers[_method_name(None)]["answer"]
+        ref = first[None]
         for m in methods:
             score[m]["agree_full"] += answers[_method_name(m)]["answer"] == full_answer
+            kl = float((ref.exp() * (ref - first[m])).sum())
+            score[m]["kl"].append(kl)
+            score[m]["top1"] += int(first[m].argmax()) == int(ref.argmax())
+            answers[_method_name(m)]["first_token_kl"] = round(kl, 5)
         rows.append({"question": case.item.question, "answer": case.item.answer, "chunks": [c.id for c in case.chunks],
                      "evidence_chunks": case.evidence_ids, "unmatched_evidence": case.unmatched_evidence,
                      "context_tokens": context_tokens, "methods": answers})
@@ -170,7 +180,9 @@ def evaluate_compose(lm, store, cases: list[Case], *, recompute_levels=(0.0, 0.1
                       "correct": s["correct"], "n": n, "ttft_mean_s": mean(s["ttft"]),
                       "ttft_median_s": round(statistics.median(s["ttft"]), 4) if s["ttft"] else None,
                       "load_mean_s": mean(s["load"]), "recomputed_tokens_mean": mean(s["recomputed"]),
-                      "same_answer_as_full": round(s["agree_full"] / n, 4) if n else None})
+                      "same_answer_as_full": round(s["agree_full"] / n, 4) if n else None,
+                      "first_token_kl_mean": mean(s["kl"]),
+                      "first_token_same_as_full": round(s["top1"] / n, 4) if n else None})
     ctx_tokens = [r["context_tokens"] for r in rows]
     return {"methods": table, "cases": rows,
             "summary": {"questions": n, "context_tokens_mean": mean(ctx_tokens),
