@@ -15,6 +15,7 @@ from kdnctl.presses.kvcrush import KVCrushPress
 from kdnctl.presses.pyramid import PyramidPress
 from kdnctl.presses.random import RandomPress
 from kdnctl.presses.snapkv import SnapKVPress
+from kdnctl.presses.spans import SpansPress
 from kdnctl.presses.streaming import StreamingPress
 
 PRESSES: dict[str, type[Press]] = {
@@ -27,6 +28,7 @@ PRESSES: dict[str, type[Press]] = {
         RandomPress,
         KVCrushPress,
         PyramidPress,
+        SpansPress,
     )
 }
 
