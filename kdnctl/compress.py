@@ -123,6 +123,11 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
             else torch.zeros(n_layers, n_heads, len(token_ids))
         ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
         press = get_press(recipe.method, **recipe.method_options)
+        header = int(bundles[0].meta.get("header_tokens", 0))
+        if header > press.sink_tokens:
+            # The prompt header (system prompt, start of the user turn) precedes every question
+            # and is where attention sinks live: it is always kept, as the press's sinks.
+            press = get_press(recipe.method, **{**recipe.method_options, "sink_tokens": header})
         picks = select_document(press, ctx, recipe.budget, local_bounds)
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))

@@ -83,7 +83,8 @@ def _segments(ids: list[int], n_header: int, max_positions: int | None) -> list[
 
 
 def build_chunk_bundles(
-    lm, doc_id: str, doc_version: str, token_ids: list[int], result, opts: IngestOptions, recipe: dict
+    lm, doc_id: str, doc_version: str, token_ids: list[int], result, opts: IngestOptions, recipe: dict,
+    header_tokens: int = 0,
 ) -> list[KVBundle]:
     bounds = chunk_bounds(len(token_ids), opts.chunk_tokens)
     hashes = chain_hashes(token_ids, opts.chunk_tokens, lm.fingerprint)
@@ -114,6 +115,7 @@ def build_chunk_bundles(
             recipe=recipe,
             dtype=lm.summary["dtype"],
             mode="prefix",
+            header_tokens=header_tokens,
         )
         bundles.append(KVBundle(meta=meta, tensors=tensors))
     return bundles
@@ -150,7 +152,7 @@ def ingest_documents(
                         continue
                 result = prefill(lm.model, seg_ids, stats=opts.stats, window=opts.window,
                                  block_tokens=opts.block_tokens, on_progress=on_progress)
-                bundles = build_chunk_bundles(lm, seg_id, version, seg_ids, result, opts, recipe)
+                bundles = build_chunk_bundles(lm, seg_id, version, seg_ids, result, opts, recipe, n_header)
                 chunks = []
                 for b in bundles:
                     data = encode_bundle(b)

@@ -42,7 +42,7 @@ def _compress(store, recipe, lm=None, **kw):
         return compress_document(store, DOC, recipe, lm=lm, **kw)
 
 
-@pytest.mark.parametrize("method", ["kvcrush", "snapkv", "h2o", "streaming", "knorm", "random", "pyramid"])
+@pytest.mark.parametrize("method", ["kvcrush", "snapkv", "h2o", "streaming", "knorm", "random", "pyramid", "spans"])
 def test_every_method_meets_budget_and_loads(lm, faq_store, method):
     store, _ = faq_store
     res = _compress(store, CompressRecipe(budget=0.25, method=method, scorer="window"))
@@ -60,6 +60,11 @@ def test_every_method_meets_budget_and_loads(lm, faq_store, method):
         if pos.numel() == 0:  # e.g. streaming keeps nothing from middle chunks
             continue
         assert (pos.diff(dim=1) > 0).all() and pos.min() >= b.meta["token_start"] and pos.max() < b.meta["token_end"]
+    # the prompt header (recorded at ingest) is never pruned, in any layer or head
+    header = bundles[0].meta["header_tokens"]
+    assert header == len(PromptFormat.for_tokenizer(lm.tokenizer).header_ids(lm.tokenizer)) > 4
+    for i in range(30):
+        assert (bundles[0].layer_positions(i)[:, :header] == torch.arange(header)).all()
     ctx = load_document(lm, store, DOC, res.label)
     assert ctx.next_position == n and ctx.keys[0].shape[2] == kept[0]
     q = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, "What does the tool library lend?")

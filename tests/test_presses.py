@@ -91,7 +91,7 @@ def test_quotas_for_budget_rounding_and_bounds():
 
 
 def test_registry_and_options():
-    assert set(PRESSES) == {"snapkv", "h2o", "streaming", "knorm", "random", "kvcrush", "pyramid"}
+    assert set(PRESSES) == {"snapkv", "h2o", "streaming", "knorm", "random", "kvcrush", "pyramid", "spans"}
     with pytest.raises(UsageError) as e:
         get_press("nope")
     assert "snapkv" in e.value.hint and "kvcrush" in e.value.hint
@@ -396,3 +396,43 @@ def test_select_document_rejects_bad_chunk_bounds():
         with pytest.raises(UsageError):
             select_document(StreamingPress(), ctx, 0.5, bounds)
     assert math.isclose(validate_budget("0.5"), 0.5)
+
+
+def test_spans_keep_whole_top_spans_identically_in_every_head():
+    # 2 layers, 3 heads, 20 tokens, spans of 4: spans 1 and 3 are the most important on average,
+    # span 4 next, even though single heads disagree about individual tokens
+    imp = torch.zeros(2, 3, 20)
+    span_rank = {0: 0.1, 1: 0.9, 2: 0.2, 3: 0.8, 4: 0.5}
+    gen = torch.Generator().manual_seed(7)
+    for t in range(20):
+        imp[..., t] = span_rank[t // 4] + 0.05 * torch.rand(2, 3, generator=gen)
+    ctx = make_ctx(n_layers=2, n_heads=3, n_tokens=20, importance=imp)
+    press = get_press("spans", span_tokens=4, sink_tokens=0)
+    kept = press.select(ctx, [8, 8])
+    for layer in kept:
+        assert layer.tolist() == [[4, 5, 6, 7, 12, 13, 14, 15]] * 3
+    # a quota that splits a span fills it from its earliest tokens, still the same in every head
+    kept = press.select(ctx, [10, 10])
+    assert all(layer.tolist() == [[4, 5, 6, 7, 12, 13, 14, 15, 16, 17]] * 3 for layer in kept)
+    # sinks are forced inside the quota
+    kept = get_press("spans", span_tokens=4, sink_tokens=2).select(ctx, [8, 8])
+    assert kept[0][0].tolist() == [0, 1, 4, 5, 6, 7, 12, 13]
+    with pytest.raises(UsageError):
+        get_press("spans", span_tokens=0)
+
+
+def test_spans_through_chunked_document_keep_spans_whole():
+    imp = torch.rand(3, 3, 64, generator=torch.Generator().manual_seed(3))
+    ctx = make_ctx(n_layers=3, n_heads=3, n_tokens=64, importance=imp)
+    press = get_press("spans", span_tokens=8, sink_tokens=0)
+    picks = select_document(press, ctx, 0.25, [(0, 32), (32, 64)])
+    total = 0
+    for c, chunk in enumerate(picks):
+        for layer in chunk:
+            assert all(row.tolist() == layer[0].tolist() for row in layer)  # same in every head
+            pos = [p + 32 * c for p in layer[0].tolist()]
+            # quota 16 of 64 at span 8: whole spans only (2 of them, in some chunk split)
+            assert len(pos) % 8 == 0 and all(p % 8 == 0 for p in pos[::8]) and all(
+                pos[i + 1] == pos[i] + 1 for i in range(len(pos) - 1) if (i + 1) % 8)
+        total += chunk[0].shape[1]
+    assert total == 16
