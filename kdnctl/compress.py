@@ -52,8 +52,13 @@ class CompressRecipe:
         return label
 
     @property
+    def uses_scorer(self) -> bool:
+        """The scorer ranks tokens for presses that use it, and picks int8 tokens for ``mixed``."""
+        return self.quant == "mixed" or get_press(self.method, **self.method_options).uses_importance
+
+    @property
     def needs_model(self) -> bool:
-        return self.budget < 1 and self.scorer in NEEDS_MODEL and self.method not in ("streaming", "random", "knorm")
+        return self.budget < 1 and self.scorer in NEEDS_MODEL and self.uses_scorer
 
 
 @dataclass
@@ -115,14 +120,16 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     base = bounds[0][0]
     local_bounds = [(s - base, e - base) for s, e in bounds]
     n_heads = keys[0].shape[0]
-    t_score = time.perf_counter()
+    score_s = 0.0
     if recipe.budget < 1:
         stats = _cat_stats(bundles)
-        importance = compute_importance(recipe.scorer, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
-                                        n_layers=n_layers, n_heads=n_heads) if recipe.method not in ("streaming", "random", "knorm") \
-            else torch.zeros(n_layers, n_heads, len(token_ids))
-        ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
         press = get_press(recipe.method, **recipe.method_options)
+        t_score = time.perf_counter()  # the scorer alone (model passes): reported apart from selection
+        importance = compute_importance(recipe.scorer, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
+                                        n_layers=n_layers, n_heads=n_heads) if recipe.uses_scorer \
+            else torch.zeros(n_layers, n_heads, len(token_ids))
+        score_s = time.perf_counter() - t_score
+        ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
         header = int(bundles[0].meta.get("header_tokens", 0))
         if header > press.sink_tokens:
             # The prompt header (system prompt, start of the user turn) precedes every question
@@ -132,7 +139,6 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
         picks = None
-    score_s = time.perf_counter() - t_score
     quantizer = get_quantizer(recipe.quant, group_size=recipe.group_size) if recipe.quant != "none" else None
     chunks, total = [], 0
     parent_recipe = src.recipe if "steps" in src.recipe else {"steps": [src.recipe]}

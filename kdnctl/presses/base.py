@@ -171,6 +171,9 @@ class Press:
     """
 
     name: ClassVar[str] = "base"
+    # True when the press ranks by ``ctx.importance`` (the user's --scorer); presses with their
+    # own statistic (snapkv: window, h2o: accum, ...) skip the scorer and its model passes.
+    uses_importance: ClassVar[bool] = False
 
     sink_tokens: int = 4
     recent_tokens: int = 0

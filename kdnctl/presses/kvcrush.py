@@ -70,6 +70,7 @@ BITS = ("heads", "layers")
 @dataclass
 class KVCrushPress(Press):
     name: ClassVar[str] = "kvcrush"
+    uses_importance: ClassVar[bool] = True
 
     ratio: float = 0.25
     page_size: int = 1

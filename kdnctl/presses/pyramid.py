@@ -49,6 +49,10 @@ class PyramidPress(Press):
         if isinstance(self.inner, PyramidPress):
             raise UsageError("pyramid cannot wrap another pyramid")
 
+    @property
+    def uses_importance(self) -> bool:  # type: ignore[override]
+        return self.inner.uses_importance
+
     def score(self, ctx: ScoreContext) -> Tensor:
         return self.inner.score(ctx)
 

@@ -33,6 +33,7 @@ def rank01(x: Tensor) -> Tensor:
 @dataclass
 class SpansPress(Press):
     name: ClassVar[str] = "spans"
+    uses_importance: ClassVar[bool] = True
 
     span_tokens: int = 16
 
