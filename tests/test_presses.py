@@ -91,7 +91,7 @@ def test_quotas_for_budget_rounding_and_bounds():
 
 
 def test_registry_and_options():
-    assert set(PRESSES) == {"snapkv", "h2o", "streaming", "knorm", "random", "kvcrush", "pyramid", "spans"}
+    assert set(PRESSES) == {"snapkv", "h2o", "streaming", "knorm", "random", "kvcrush", "pyramid", "spans", "adaptive"}
     with pytest.raises(UsageError) as e:
         get_press("nope")
     assert "snapkv" in e.value.hint and "kvcrush" in e.value.hint
@@ -364,7 +364,7 @@ def test_select_document_equal_heads_and_layer_sums(name):
     press = get_press(name, recent_tokens=3) if name != "h2o" else get_press(name)
     bounds = [(0, 32), (32, 64), (64, 90)]
     res = select_document(press, ctx, 0.3, bounds)
-    quotas = press.quotas_for_budget(0.3, 90, 5)
+    quotas = press.quotas_for(ctx, 0.3)
     for layer in range(5):
         assert sum(res[c][layer].shape[1] for c in range(3)) == quotas[layer]
     for c, (s, e) in enumerate(bounds):
@@ -436,3 +436,27 @@ def test_spans_through_chunked_document_keep_spans_whole():
                 pos[i + 1] == pos[i] + 1 for i in range(len(pos) - 1) if (i + 1) % 8)
         total += chunk[0].shape[1]
     assert total == 16
+
+
+def test_adaptive_quotas_follow_attention_concentration():
+    # layer 0 spreads its attention evenly, layer 1 puts it all on 2 tokens: layer 0 gets more
+    t = 40
+    accum = torch.zeros(2, 3, t)
+    accum[0] = 1.0
+    accum[1, :, 5] = 10.0
+    accum[1, :, 9] = 5.0
+    ctx = make_ctx(n_layers=2, n_heads=3, n_tokens=t, stats={"accum": accum})
+    press = get_press("adaptive", press="kvcrush", floor=0.25, sink_tokens=0)
+    quotas = press.quotas_for(ctx, 0.25)
+    assert sum(quotas) == 2 * 10 and quotas[0] > quotas[1] >= 2  # floor 0.25 * 10 rounds to 3
+    assert quotas == [17, 3]
+    kept = select_document(press, ctx, 0.25, [(0, 20), (20, 40)])
+    assert [sum(c[layer].shape[1] for c in kept) for layer in range(2)] == quotas
+    # uniform attention everywhere: the allocation stays (almost) uniform and exact
+    ctx_u = make_ctx(n_layers=3, n_heads=3, n_tokens=t, stats={"accum": torch.ones(3, 3, t)})
+    q = get_press("adaptive", sink_tokens=0).quotas_for(ctx_u, 0.25)
+    assert sum(q) == 30 and max(q) - min(q) <= 1
+    with pytest.raises(UsageError):
+        get_press("adaptive", floor=2.0)
+    with pytest.raises(UnsupportedError):  # no accumulated-attention statistic recorded
+        get_press("adaptive").quotas_for(make_ctx(stats={}), 0.25)

@@ -13,7 +13,7 @@ from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, op
 def compress(
     docs: Optional[List[str]] = typer.Argument(None, help="Document ids (default: every document)."),
     budget: float = typer.Option(0.25, "--budget", "-b", help="Fraction of tokens kept, 0 < B <= 1."),
-    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`); pyramid:METHOD wraps one."),
+    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`); pyramid:METHOD / adaptive:METHOD wrap one."),
     quant: str = typer.Option("none", "--quant", "-q", help="none | int8 | int4 | fp8 | mixed."),
     scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
@@ -23,7 +23,7 @@ def compress(
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
     label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),
-    recipe_file: Optional[Path] = typer.Option(None, "--recipe", help="TOML recipe with a [compress] step."),
+    recipe_file: Optional[Path] = typer.Option(None, "--recipe", help="TOML recipe with a \\[compress] step."),
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = ModelOpt,
     as_json: bool = JsonOpt,
@@ -39,8 +39,9 @@ def compress(
         label = label or load_recipe(recipe_file).label
     else:
         opts = {k: v for k, v in {"ratio": kvcrush_ratio, "anchor": anchor, "page_size": page_size}.items() if v is not None}
-        if method.startswith("pyramid:"):  # pyramid wraps any method: --method pyramid:kvcrush
-            method, inner = "pyramid", method.split(":", 1)[1]
+        if method.split(":", 1)[0] in ("pyramid", "adaptive") and ":" in method:
+            # per-layer budget wrappers take any method: --method pyramid:kvcrush, adaptive:kvcrush
+            method, inner = method.split(":", 1)
             opts = {"press": inner, "press_options": opts} if opts else {"press": inner}
         recipe = CompressRecipe(budget=budget, method=method, scorer=scorer or DEFAULT_SCORER, quant=quant,
                                 group_size=group_size, seed=seed, method_options=opts)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from kdnctl.errors import UsageError
+from kdnctl.presses.adaptive import AdaptivePress
 from kdnctl.presses.base import Press, ScoreContext, press_fields, validate_budget
 from kdnctl.presses.h2o import H2OPress
 from kdnctl.presses.knorm import KNormPress
@@ -29,6 +30,7 @@ PRESSES: dict[str, type[Press]] = {
         KVCrushPress,
         PyramidPress,
         SpansPress,
+        AdaptivePress,
     )
 }
 
@@ -70,7 +72,7 @@ def get_press(name: str, **opts: Any) -> Press:
         )
     cls = PRESSES[key]
     defaults = press_fields(cls)
-    if cls is PyramidPress:
+    if cls in (PyramidPress, AdaptivePress):  # wrappers: other options go to the wrapped press
         inner = {k: v for k, v in opts.items() if k not in defaults}
         opts = {k: v for k, v in opts.items() if k in defaults}
         if inner:
@@ -90,6 +92,7 @@ __all__ = [
     "H2OPress",
     "KNormPress",
     "KVCrushPress",
+    "AdaptivePress",
     "Press",
     "PyramidPress",
     "RandomPress",

@@ -76,7 +76,7 @@ def select_document(
     ascending); for every layer, sum over chunks of k_{c,l} == the document's layer quota."""
     budget = validate_budget(budget)
     check_chunk_bounds(chunk_bounds, ctx.n_tokens)
-    quotas = press.quotas_for_budget(budget, ctx.n_tokens, ctx.n_layers)
+    quotas = press.quotas_for(ctx, budget)
     doc_kept = press.select(ctx, quotas)
     per_chunk = chunk_quotas(doc_kept, chunk_bounds)
     last = len(chunk_bounds) - 1

@@ -201,6 +201,10 @@ class Press:
         k = max(round_half_up(b * n_tokens), self.sink_tokens, 1)
         return [min(k, n_tokens)] * n_layers
 
+    def quotas_for(self, ctx: ScoreContext, budget: float) -> list[int]:
+        """Per-layer quotas for a document; presses that allocate from the data override this."""
+        return self.quotas_for_budget(budget, ctx.n_tokens, ctx.n_layers)
+
     def check_quotas(self, ctx: ScoreContext, quotas: list[int]) -> list[int]:
         if len(quotas) != ctx.n_layers:
             raise ValueError(f"{len(quotas)} quotas for {ctx.n_layers} layers")

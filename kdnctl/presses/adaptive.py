@@ -1,0 +1,80 @@
+"""Adaptive per-layer budgets: give each layer the share of the document's quota that its own
+attention says it needs, then let any press pick the tokens within each layer's share.
+
+PyramidKV fixes the shape of the allocation in advance (more tokens in lower layers). Offline
+we can measure it instead: ingest records, per layer and KV head, the attention every token
+received from all later queries (``stats.accum``). Normalised per head, that is how the layer
+spreads its attention mass. A layer whose mass sits on a few tokens loses little when the rest
+go; a layer that spreads it needs more. Allocation is a greedy water-filling over layers:
+every layer first gets ``floor`` times the uniform quota (never starve a layer), then the rest
+of the document's total goes, one token at a time, to the layer whose next-best token holds the
+most attention mass (mean over heads of each head's sorted, normalised mass). The total over
+layers equals the uniform total exactly; the question is never used.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from kdnctl.errors import UsageError
+from kdnctl.presses.base import Press, ScoreContext, round_half_up, sanitize
+
+
+@dataclass
+class AdaptivePress(Press):
+    name: ClassVar[str] = "adaptive"
+
+    press: Any = "kvcrush"  # name or Press instance
+    press_options: dict = field(default_factory=dict)
+    floor: float = 0.25
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 <= float(self.floor) <= 1.0:
+            raise UsageError(f"adaptive: floor must be in [0, 1], got {self.floor!r}")
+        if isinstance(self.press, Press):
+            self.inner = self.press
+            self.sink_tokens, self.recent_tokens = self.inner.sink_tokens, self.inner.recent_tokens
+        else:
+            from kdnctl.presses import get_press  # late: the registry imports this module
+
+            opts = {"sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens, **self.press_options}
+            self.inner = get_press(str(self.press), **opts)
+        if isinstance(self.inner, AdaptivePress):
+            raise UsageError("adaptive cannot wrap another adaptive press")
+
+    @property
+    def uses_importance(self) -> bool:  # type: ignore[override]
+        return self.inner.uses_importance
+
+    def score(self, ctx: ScoreContext) -> Tensor:
+        return self.inner.score(ctx)
+
+    def select(self, ctx: ScoreContext, quotas: list[int], *, keep_sinks: bool = True,
+               keep_recent: bool = True) -> list[Tensor]:
+        return self.inner.select(ctx, quotas, keep_sinks=keep_sinks, keep_recent=keep_recent)
+
+    def quotas_for(self, ctx: ScoreContext, budget: float) -> list[int]:
+        uniform = self.inner.quotas_for_budget(budget, ctx.n_tokens, ctx.n_layers)
+        return adaptive_quotas(ctx.stat("accum", self.name), uniform, float(self.floor), self.inner.sink_tokens)
+
+
+def adaptive_quotas(accum: Tensor, uniform: list[int], floor: float, min_tokens: int = 0) -> list[int]:
+    """Per-layer quotas summing to ``sum(uniform)`` from ``[L, H, T]`` attention mass."""
+    l, h, t = accum.shape
+    total = sum(uniform)
+    mass = sanitize(accum).clamp_min(0)
+    mass = mass / mass.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+    gains = mass.sort(dim=-1, descending=True).values.mean(dim=1)  # [L, T], non-increasing per layer
+    base = min(max(round_half_up(floor * total / max(l, 1)), min_tokens), t)
+    if base * l >= total:
+        return uniform
+    # token-major order + stable sort: equal gains go round-robin over layers (deterministic)
+    rest = gains[:, base:].T.flatten()
+    top = torch.sort(rest, descending=True, stable=True).indices[: total - base * l]
+    extra = torch.bincount(top % l, minlength=l)
+    return [base + int(e) for e in extra]
