@@ -38,6 +38,8 @@ VARIANTS: dict[str, dict] = {
     "kvcrush, bits=layers": {"options": {"bits": "layers"}},
     "kvcrush, page 4": {"options": {"page_size": 4}},
     "pyramid:kvcrush": {"method": "pyramid", "options": {"press": "kvcrush"}},
+    "adaptive:kvcrush": {"method": "adaptive", "options": {"press": "kvcrush"}},
+    "adaptive:kvcrush, floor 0.5": {"method": "adaptive", "options": {"press": "kvcrush", "floor": 0.5}},
     "spans 16": {"method": "spans"},
     "spans 32": {"method": "spans", "options": {"span_tokens": 32}},
     "snapkv": {"method": "snapkv"},

@@ -17,6 +17,7 @@ import torch
 
 from .bundle import KVBundle, decode_bundle, encode_bundle, make_meta
 from .errors import UnsupportedError, UsageError
+from .kernels.kvcrush import gather_layers
 from .presses import get_press
 from .presses.allocate import select_document
 from .presses.base import ScoreContext, validate_budget
@@ -149,12 +150,14 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
         if picks is None:
             if "positions" in b.tensors:
                 tensors["positions"] = b.tensors["positions"]
+        else:  # one gather launch for all layers' K and one for V (kernel dispatch: Triton on CUDA)
+            kept_k = gather_layers([kv[0] for kv in dense[c]], picks[c])
+            kept_v = gather_layers([kv[1] for kv in dense[c]], picks[c])
         for i in range(n_layers):
             k, v = dense[c][i]
             if picks is not None:
                 idx = picks[c][i]
-                k = torch.gather(k, 1, idx[..., None].expand(-1, -1, k.shape[-1]))
-                v = torch.gather(v, 1, idx[..., None].expand(-1, -1, v.shape[-1]))
+                k, v = kept_k[i], kept_v[i]
                 tensors[f"layers.{i}.positions"] = (idx + bounds[c][0]).to(torch.int64)
                 imp = importance[i][:, ls:le]
                 mask = _importance_mask(imp, idx)

@@ -298,3 +298,43 @@ def test_gpu_matches_reference(cache, hq, hkv, t, d):
     out = torch.full((hq, d), float("nan"), device="cuda")
     got = ka.decode_attention(query.cuda(), cuda(k), cuda(v), bias.cuda(), out=out)
     _assert_close(got.cpu(), want, "gpu", f"cuda {cache}/{hq}x{hkv}/T{t}/D{d}")
+
+
+def test_engine_decode_steps_run_the_kernel_via_dispatch(monkeypatch):
+    """kdnctl's attention function sends single-token decode steps to the Triton decode kernel
+    when the dispatch says so (CUDA; here the interpreter, forced): greedy tokens and logits
+    equal the sdpa path, with a steering bias on one layer."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from kdnctl.engine.attention import AttentionState, kdn_attention
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=8, max_position_embeddings=64)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 96, (1, 11))
+    bias = {1: torch.randn(6, 11) * 2}
+    calls = []
+    import kdnctl.engine.attention as eng
+
+    real = eng.decode_attention
+    monkeypatch.setattr(eng, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def run(force: str):
+        monkeypatch.setenv("KDNCTL_FORCE_TRITON", force)
+        out, tok = [], None
+        with torch.inference_mode(), kdn_attention(model, AttentionState(bias=bias)):
+            cache = DynamicCache(config=cfg)
+            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            for step in range(4):
+                tok = int(logits.argmax())
+                out.append(logits)
+                logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
+                               position_ids=torch.tensor([[11 + step]])).logits[0, -1]
+        return torch.stack(out + [logits])
+
+    plain = run("0")
+    assert not calls
+    kernel = run("1")
+    assert len(calls) == 4 * cfg.num_hidden_layers  # every decode step, every layer
+    assert (kernel - plain).abs().max().item() < 1e-4

@@ -26,6 +26,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..kernels.attention import decode_attention
+from ..kernels.dispatch import use_triton
+
 ATTN_NAME = "kdnctl"
 _STATE: contextvars.ContextVar["AttentionState | None"] = contextvars.ContextVar("kdn_attention_state", default=None)
 
@@ -102,6 +105,16 @@ def kdn_attention_forward(module, query, key, value, attention_mask, dropout=0.0
         mask = build_position_mask(qp, kp, bias, query.shape[1], query.dtype, query.device)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
         return out.transpose(1, 2).contiguous(), None
+    if q_len == 1 and query.shape[0] == 1 and use_triton(query, key):
+        # A decode step on CUDA: kdnctl's Triton decode kernel (GQA + bias over the cached
+        # tokens) via the kernel dispatch layer. On CPU, sdpa below computes the same thing as
+        # the kernel's torch reference (tests/test_kernels_attention.py) and is faster there.
+        full_bias = None
+        if bias is not None:
+            full_bias = torch.zeros(query.shape[1], kv_len, dtype=torch.float32, device=query.device)
+            full_bias[:, : bias.shape[-1]] = bias.to(device=query.device, dtype=torch.float32)
+        out = decode_attention(query[0, :, 0], key[0], value[0], full_bias, scaling)
+        return out.to(query.dtype)[None, None], None
     if bias is None and (q_len == 1 or q_len == kv_len):
         out = F.scaled_dot_product_attention(
             query, key, value, is_causal=q_len > 1, scale=scaling, enable_gqa=gqa
