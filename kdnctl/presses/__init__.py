@@ -18,6 +18,7 @@ from kdnctl.presses.random import RandomPress
 from kdnctl.presses.snapkv import SnapKVPress
 from kdnctl.presses.spans import SpansPress
 from kdnctl.presses.streaming import StreamingPress
+from kdnctl.presses.wrapper import LayerBudgetWrapper
 
 PRESSES: dict[str, type[Press]] = {
     cls.name: cls
@@ -72,7 +73,7 @@ def get_press(name: str, **opts: Any) -> Press:
         )
     cls = PRESSES[key]
     defaults = press_fields(cls)
-    if cls in (PyramidPress, AdaptivePress):  # wrappers: other options go to the wrapped press
+    if issubclass(cls, LayerBudgetWrapper):  # wrappers: other options go to the wrapped press
         inner = {k: v for k, v in opts.items() if k not in defaults}
         opts = {k: v for k, v in opts.items() if k in defaults}
         if inner:

@@ -14,49 +14,28 @@ layers equals the uniform total exactly; the question is never used.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from kdnctl.errors import UsageError
-from kdnctl.presses.base import Press, ScoreContext, round_half_up, sanitize
+from kdnctl.presses.base import ScoreContext, round_half_up, sanitize
+from kdnctl.presses.wrapper import LayerBudgetWrapper
 
 
 @dataclass
-class AdaptivePress(Press):
+class AdaptivePress(LayerBudgetWrapper):
     name: ClassVar[str] = "adaptive"
 
-    press: Any = "kvcrush"  # name or Press instance
-    press_options: dict = field(default_factory=dict)
+    press: Any = "kvcrush"
     floor: float = 0.25
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if not 0.0 <= float(self.floor) <= 1.0:
             raise UsageError(f"adaptive: floor must be in [0, 1], got {self.floor!r}")
-        if isinstance(self.press, Press):
-            self.inner = self.press
-            self.sink_tokens, self.recent_tokens = self.inner.sink_tokens, self.inner.recent_tokens
-        else:
-            from kdnctl.presses import get_press  # late: the registry imports this module
-
-            opts = {"sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens, **self.press_options}
-            self.inner = get_press(str(self.press), **opts)
-        if isinstance(self.inner, AdaptivePress):
-            raise UsageError("adaptive cannot wrap another adaptive press")
-
-    @property
-    def uses_importance(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_importance
-
-    def score(self, ctx: ScoreContext) -> Tensor:
-        return self.inner.score(ctx)
-
-    def select(self, ctx: ScoreContext, quotas: list[int], *, keep_sinks: bool = True,
-               keep_recent: bool = True) -> list[Tensor]:
-        return self.inner.select(ctx, quotas, keep_sinks=keep_sinks, keep_recent=keep_recent)
+        super().__post_init__()
 
     def quotas_for(self, ctx: ScoreContext, budget: float) -> list[int]:
         uniform = self.inner.quotas_for_budget(budget, ctx.n_tokens, ctx.n_layers)

@@ -14,51 +14,23 @@ Scoring and selection are the wrapped press's; only the quotas change.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
-
-from torch import Tensor
+from dataclasses import dataclass
+from typing import ClassVar
 
 from kdnctl.errors import UsageError
-from kdnctl.presses.base import Press, ScoreContext
+from kdnctl.presses.wrapper import LayerBudgetWrapper
 
 
 @dataclass
-class PyramidPress(Press):
+class PyramidPress(LayerBudgetWrapper):
     name: ClassVar[str] = "pyramid"
 
-    press: Any = "snapkv"  # name or Press instance
-    press_options: dict = field(default_factory=dict)
     beta: float = 20.0
 
     def __post_init__(self) -> None:
-        super().__post_init__()
         if not float(self.beta) >= 1.0:
             raise UsageError(f"pyramid: beta must be >= 1 (1 = uniform), got {self.beta!r}")
-        if isinstance(self.press, Press):
-            self.inner = self.press
-            # the wrapped press owns the forced tokens; mirror them so callers see one truth
-            self.sink_tokens = self.inner.sink_tokens
-            self.recent_tokens = self.inner.recent_tokens
-        else:
-            from kdnctl.presses import get_press  # late: the registry imports this module
-
-            opts = {"sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens}
-            opts.update(self.press_options)
-            self.inner = get_press(str(self.press), **opts)
-        if isinstance(self.inner, PyramidPress):
-            raise UsageError("pyramid cannot wrap another pyramid")
-
-    @property
-    def uses_importance(self) -> bool:  # type: ignore[override]
-        return self.inner.uses_importance
-
-    def score(self, ctx: ScoreContext) -> Tensor:
-        return self.inner.score(ctx)
-
-    def select(self, ctx: ScoreContext, quotas: list[int], *, keep_sinks: bool = True,
-               keep_recent: bool = True) -> list[Tensor]:
-        return self.inner.select(ctx, quotas, keep_sinks=keep_sinks, keep_recent=keep_recent)
+        super().__post_init__()
 
     def quotas_for_budget(self, budget: float, n_tokens: int, n_layers: int) -> list[int]:
         uniform = self.inner.quotas_for_budget(budget, n_tokens, n_layers)
