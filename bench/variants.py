@@ -35,13 +35,9 @@ VARIANTS: dict[str, dict] = {
     "kvcrush, scorer window": {"scorer": "window"},
     "kvcrush, scorer surprisal": {"scorer": "surprisal"},
     "kvcrush, ratio 0 (importance only)": {"options": {"ratio": 0.0}},
-    "kvcrush, bits=layers": {"options": {"bits": "layers"}},
-    "kvcrush, page 4": {"options": {"page_size": 4}},
     "pyramid:kvcrush": {"method": "pyramid", "options": {"press": "kvcrush"}},
     "adaptive:kvcrush": {"method": "adaptive", "options": {"press": "kvcrush"}},
-    "adaptive:kvcrush, floor 0.5": {"method": "adaptive", "options": {"press": "kvcrush", "floor": 0.5}},
     "spans 16": {"method": "spans"},
-    "spans 32": {"method": "spans", "options": {"span_tokens": 32}},
     "snapkv": {"method": "snapkv"},
     "streaming": {"method": "streaming"},
 }
