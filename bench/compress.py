@@ -54,6 +54,14 @@ def table(rows: list[dict], full: dict, title: str) -> str:
     return "\n".join(out)
 
 
+def print_timings(timings: list[dict], ingest_s: float) -> None:
+    print("\n### Compression time vs ingest (prefill) time of the same documents\n")
+    print(f"ingest: {ingest_s:.1f}s\n\n| version | compress s | fraction of ingest | offline model scoring s | scoring / ingest |\n|---|---:|---:|---:|---:|")
+    for t in timings:
+        print(f"| {t['label']} | {t['seconds']:.2f} | {100 * t['fraction_of_ingest']:.2f}% | "
+              f"{t['model_scoring_seconds']:.2f} | {100 * t['model_scoring_fraction']:.1f}% |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default=str(ROOT / ".bench-store"))
@@ -61,6 +69,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probes", type=int, default=4)
+    ap.add_argument("--timing-only", action="store_true", help="time ingest and compression only (no eval)")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -112,6 +121,9 @@ def main() -> None:
                         "fraction_of_ingest": round(total / ingest_s, 4),
                         "model_scoring_fraction": round(model_s / ingest_s, 4)})
         print(f"compressed {label}: {total:.2f}s", file=sys.stderr, flush=True)
+    if args.timing_only:
+        print_timings(timings, ingest_s)
+        return
     labels = [t["label"] for t in timings]
     qa = load_qa(args.qa)
     result = evaluate(lm, store, labels, qa=qa, probes_per_doc=args.probes)
@@ -123,11 +135,7 @@ def main() -> None:
     print(table([full] + [by[l] for l in labels if l.endswith("-b0.25") and l in by], full, "Methods at budget 0.25 (default scorer)"))
     print(table([by[l] for l in labels if "-b0.25-int" in l and l in by] + [by[l] for l in labels if l.startswith("b1") and l in by], full, "With quantization"))
     print(table([by[l] for l in labels if l.startswith("kvcrush-b0.25") and "int" not in l and l in by], full, "KVCrush scorers at 0.25"))
-    print("\n### Compression time vs ingest (prefill) time of the same documents\n")
-    print(f"ingest: {ingest_s:.1f}s\n\n| version | compress s | fraction of ingest | offline model scoring s | scoring / ingest |\n|---|---:|---:|---:|---:|")
-    for t in timings:
-        print(f"| {t['label']} | {t['seconds']:.2f} | {100 * t['fraction_of_ingest']:.2f}% | "
-              f"{t['model_scoring_seconds']:.2f} | {100 * t['model_scoring_fraction']:.1f}% |")
+    print_timings(timings, ingest_s)
     plot = plot_quality(result, ROOT / "docs" / "img" / "quality_vs_budget.png") if not args.quick else None
     if plot:
         print(f"\nplot: {plot.relative_to(ROOT)}")
