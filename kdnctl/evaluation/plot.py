@@ -1,9 +1,15 @@
-"""Quality-vs-budget plot for ``kdnctl eval --plot``."""
+"""Quality-vs-budget plot for ``kdnctl eval --plot``: one line per method (and quantizer, and
+scorer when not the default) over the budgets evaluated, accuracy and KL vs the full cache side
+by side (accuracy counts are small; KL is the steadier signal)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
+
+from ..scoring import DEFAULT_SCORER
+
+METRICS = ("accuracy", "kl")
 
 
 def _step(recipe: dict) -> dict:
@@ -11,7 +17,23 @@ def _step(recipe: dict) -> dict:
     return next((s for s in reversed(steps) if s.get("step") == "compress"), {})
 
 
-def plot_quality(result: dict, out: str | Path, metric: str = "accuracy") -> Path:
+def _series(versions: list[dict], full: dict, metric: str) -> dict[str, list[tuple[float, float]]]:
+    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for v in versions:
+        step = _step(v.get("recipe") or {})
+        if not step or v.get(metric) is None or step["budget"] >= 1:
+            continue
+        name = step["method"]
+        if step.get("scorer", DEFAULT_SCORER) != DEFAULT_SCORER and step["method"] in ("kvcrush", "spans"):
+            name += f" ({step['scorer']})"
+        if step.get("quant", "none") != "none":
+            name += f"+{step['quant']}"
+        series[name].append((step["budget"], v[metric]))
+    # a line needs a sweep: single-budget variants are in the tables, not the plot
+    return {n: sorted(p) + [(1.0, full[metric])] for n, p in series.items() if len(p) > 1}
+
+
+def plot_quality(result: dict, out: str | Path, metrics: tuple[str, ...] = METRICS) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -19,24 +41,17 @@ def plot_quality(result: dict, out: str | Path, metric: str = "accuracy") -> Pat
 
     versions = result["versions"]
     full = next(v for v in versions if v["label"] == "full")
-    series: dict[str, list[tuple[float, float]]] = defaultdict(list)
-    for v in versions:
-        step = _step(v.get("recipe") or {})
-        if not step or v.get(metric) is None:
-            continue
-        name = step["method"] + ("" if step.get("quant", "none") == "none" else f"+{step['quant']}")
-        series[name].append((step["budget"], v[metric]))
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, pts in sorted(series.items()):
-        pts = sorted(pts) + ([(1.0, full[metric])] if "+" not in name else [])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
-    ax.axhline(full[metric], color="grey", linestyle="--", linewidth=1, label="full cache")
-    ax.set_xlabel("budget (fraction of tokens kept)")
-    ax.set_ylabel(metric)
-    ax.set_title(f"{metric} vs budget")
-    ax.legend(fontsize=8)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(5.5 * len(metrics), 4.2), squeeze=False)
+    for ax, metric in zip(axes[0], metrics):
+        for i, (name, pts) in enumerate(sorted(_series(versions, full, metric).items())):
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="osD^v<>"[i % 7], label=name)
+        ax.axhline(full[metric], color="grey", linestyle="--", linewidth=1, label="full cache")
+        ax.set_xlabel("budget (fraction of tokens kept)")
+        ax.set_ylabel(metric if metric != "kl" else "KL(full || version)")
+        ax.set_title(f"{metric} vs budget")
+        ax.legend(fontsize=8)
     fig.tight_layout()
     out = Path(out)
-    fig.savefig(out, dpi=120)
+    fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
