@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--qa", default=str(ROOT / "examples" / "qa.jsonl"))
     ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--only", help="comma-separated variant names to run (default: all)")
     args = ap.parse_args()
     lm = load_model()
     store = Store(args.store)
@@ -65,7 +66,11 @@ def main() -> None:
 
     scoring.reconstruct_scores = cached_recon
     labels = {}
-    for i, (name, v) in enumerate(VARIANTS.items()):
+    chosen = [n.strip() for n in args.only.split(",")] if args.only else list(VARIANTS)
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown:
+        ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+    for i, (name, v) in enumerate((n, VARIANTS[n]) for n in chosen):
         label = f"variant-{i}"
         recipe = CompressRecipe(budget=args.budget, method=v.get("method", "kvcrush"),
                                 scorer=v.get("scorer", scoring.DEFAULT_SCORER), method_options=v.get("options", {}))
