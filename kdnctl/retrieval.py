@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .bundle import KVBundle, decode_bundle
 from .errors import ModelMismatchError, NotFoundError, UsageError
-from .ingest_independent import HEADER_INDEX, LABEL, read_bundle_meta
+from .ingest.independent import HEADER_INDEX, LABEL, read_bundle_meta
 
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
 _STOP = frozenset(

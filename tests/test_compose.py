@@ -40,7 +40,7 @@ def _doc(doc_id: str, text: str) -> Document:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, lm):
     from kdnctl.ingest import IngestOptions, ingest_documents
-    from kdnctl.ingest_independent import ingest_independent
+    from kdnctl.ingest.independent import ingest_independent
     from kdnctl.store import Store
 
     st = Store(tmp_path_factory.mktemp("compose-store"))
@@ -174,7 +174,7 @@ def test_recompute_zero_is_rerotated_concatenation(lm, parts):
 def test_independent_ingest_header_once_chunks_by_content(lm, store):
     from kdnctl.chunking import chunk_content_hash
     from kdnctl.ingest import IngestOptions
-    from kdnctl.ingest_independent import HEADER_INDEX, ingest_independent, read_bundle_meta
+    from kdnctl.ingest.independent import HEADER_INDEX, ingest_independent, read_bundle_meta
 
     va, vb = store.get_version("a.md", "independent"), store.get_version("b.md", "independent")
     assert va.mode == vb.mode == "independent"

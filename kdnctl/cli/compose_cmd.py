@@ -47,7 +47,7 @@ def eval_compose(
     if corpus:
         from ..corpus import read_corpus
         from ..ingest import IngestOptions
-        from ..ingest_independent import ingest_independent
+        from ..ingest.independent import ingest_independent
 
         docs, skipped = read_corpus(corpus)
         for s in skipped:

@@ -44,7 +44,7 @@ def ingest(
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
         if mode == "independent":
-            from ..ingest_independent import ingest_independent
+            from ..ingest.independent import ingest_independent
 
             report = ingest_independent(st, lm, docs, opts, on_progress=bar.update)
         else:

@@ -35,14 +35,14 @@ from typing import Callable
 
 import torch
 
-from .bundle import KVBundle, encode_bundle, make_meta
-from .chunking import chunk_content_hash
-from .corpus import Document, read_corpus
-from .errors import NotFoundError, UnsupportedError, UsageError
-from .ingest import STATS_DTYPE, IngestOptions, IngestReport, doc_version_for
-from .prefill import prefill
-from .prompting import PromptFormat
-from .store import ChunkRef, DocumentRecord, Store, VersionRecord
+from ..bundle import KVBundle, encode_bundle, make_meta
+from ..chunking import chunk_content_hash
+from ..corpus import Document, read_corpus
+from ..errors import NotFoundError, UnsupportedError, UsageError
+from .prefix import STATS_DTYPE, IngestOptions, IngestReport, doc_version_for
+from ..prefill import prefill
+from ..prompting import PromptFormat
+from ..store import ChunkRef, DocumentRecord, Store, VersionRecord
 
 LABEL = "independent"
 MODE = "independent"
@@ -125,7 +125,7 @@ def read_bundle_meta(store, sha: str) -> dict:
     import json
     import struct
 
-    from .bundle import decode_bundle
+    from ..bundle import decode_bundle
 
     path_of = getattr(store, "object_path", None)
     if path_of is None:

@@ -15,13 +15,13 @@ from typing import Callable
 
 import torch
 
-from .bundle import KVBundle, encode_bundle, make_meta
-from .chunking import chain_hashes, chunk_bounds
-from .corpus import Document, Skipped, read_corpus
-from .errors import UsageError
-from .prefill import prefill
-from .prompting import PromptFormat
-from .store import ChunkRef, DocumentRecord, Store, VersionRecord
+from ..bundle import KVBundle, encode_bundle, make_meta
+from ..chunking import chain_hashes, chunk_bounds
+from ..corpus import Document, Skipped, read_corpus
+from ..errors import UsageError
+from ..prefill import prefill
+from ..prompting import PromptFormat
+from ..store import ChunkRef, DocumentRecord, Store, VersionRecord
 
 STATS_DTYPE = torch.float16
 
