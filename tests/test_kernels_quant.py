@@ -34,7 +34,22 @@ CASES = [
     ((2, 37, 40), 6),
     ((1, 5, 3), 6),
 ]
-FMTS = ["int8", "int4", "fp8"]
+# int3/int2 need groups divisible by 8: 24 is not a power of two (masked lanes), 8 is the
+# smallest, (1, 5, 3) leaves a group with fewer than one full byte of codes.
+LOWBIT_CASES = [
+    ((3, 37, 64), 32),
+    ((3, 37, 64), 64),
+    ((3, 1, 64), 32),
+    ((2, 37, 40), 24),
+    ((2, 37, 40), 8),
+    ((1, 5, 3), 8),
+    ((2, 45, 19), 16),
+]
+FMTS = ["int8", "int4", "int3", "int2", "fp8"]
+
+
+def cases_for(fmt):
+    return LOWBIT_CASES if fmt in ("int3", "int2") else CASES
 LAYOUTS = ["channel", "token"]
 
 
@@ -69,7 +84,7 @@ def _poisoned_quant_outputs(expected, scale_dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_quantize_matches_reference(fmt, layout, dtype, scale_dtype):
-    for i, (shape, g) in enumerate(CASES):
+    for i, (shape, g) in enumerate(cases_for(fmt)):
         x = _data(shape, dtype, seed=i)
         expected = ref.quantize(x, fmt, g, layout, scale_dtype)
         out = _poisoned_quant_outputs(expected, scale_dtype)
@@ -84,7 +99,7 @@ def test_quantize_matches_reference(fmt, layout, dtype, scale_dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("fmt", FMTS)
 def test_dequantize_matches_reference(fmt, layout, dtype):
-    for i, (shape, g) in enumerate(CASES):
+    for i, (shape, g) in enumerate(cases_for(fmt)):
         x = _data(shape, dtype, seed=10 + i)
         q, s, z = ref.quantize(x, fmt, g, layout)
         expected = ref.dequantize(q, s, z, fmt, g, layout, shape)
@@ -108,6 +123,25 @@ def test_empty_tensor():
     q, s, z = tq.quantize(x, "int4", 32, "channel")
     assert q.shape == (3, 0, 64) and s.shape == (3, 0, 64)
     assert tq.dequantize(q, s, z, "int4", 32, "channel", (3, 0, 64)).shape == (3, 0, 64)
+
+
+@pytest.mark.parametrize("fmt,bits", [("int3", 3), ("int2", 2)])
+def test_lowbit_packing_is_exact(fmt, bits):
+    """Known codes survive pack/unpack, the stored size is exactly ``bits`` per code (rounded
+    up per plane), and every element is within scale/2 of its input."""
+    g = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 2**bits, (2, 3, 45), generator=g, dtype=torch.uint8)
+    packed = ref.pack_codes(codes, fmt)
+    assert packed.shape[-1] == ref.packed_len(45, fmt) == ((45 + 3) // 4 + (45 + 7) // 8 if bits == 3 else 12)
+    assert torch.equal(ref.unpack_codes(packed, 45, fmt), codes)
+    x = _data((3, 45, 19), torch.float32, seed=3)
+    for layout in LAYOUTS:
+        q, s, z = tq.quantize(x, fmt, 16, layout)
+        y = tq.dequantize(q, s, z, fmt, 16, layout, x.shape)
+        step = ref.dequantize(q, s, z, fmt, 16, layout, x.shape) - y
+        assert float(step.abs().max()) <= 1e-5
+        bound = s.float().max() / 2 + 1e-4
+        assert float((x - y).abs().max()) <= float(bound)
 
 
 def test_fp8_rounding_at_every_midpoint():
@@ -178,7 +212,11 @@ def test_bad_arguments():
     with pytest.raises(ValueError):
         tq.quantize(x, "int4", 5, "channel")  # int4 needs an even group
     with pytest.raises(ValueError):
-        tq.quantize(x, "int3", 4, "channel")
+        tq.quantize(x, "int5", 4, "channel")
+    with pytest.raises(ValueError):
+        tq.quantize(x, "int3", 4, "channel")  # int3/int2 need groups divisible by 8
+    with pytest.raises(ValueError):
+        tq.quantize(x, "int2", 12, "token")
     with pytest.raises(ValueError):
         tq.quantize(x, "int8", 4, "rows")
     q, s, z = ref.quantize(x, "int8", 4, "channel")

@@ -17,6 +17,8 @@ from kdnctl.errors import BundleFormatError, UsageError
 
 from .base import Quantizer, bytes_per_element
 from .fp8 import Fp8Quantizer
+from .int2 import Int2Quantizer
+from .int3 import Int3Quantizer
 from .int4 import Int4Quantizer
 from .int8 import Int8Quantizer
 from .mixed import MixedQuantizer
@@ -26,6 +28,8 @@ QUANTIZERS: dict[str, type[Quantizer]] = {
     "none": NoneQuantizer,
     "int8": Int8Quantizer,
     "int4": Int4Quantizer,
+    "int3": Int3Quantizer,
+    "int2": Int2Quantizer,
     "fp8": Fp8Quantizer,
     "mixed": MixedQuantizer,
 }

@@ -161,7 +161,7 @@ def decode_tensor(
         # int8/fp8 codes hold the exact shape, so a bundle without `.shape` (optional in
         # docs/bundle-format.md) still decodes; int4 codes lose the parity of the grouped axis.
         has_shape = f"{name}.shape" in tensors
-        shape = stored_shape(tensors, name) if has_shape or fmt == "int4" else tuple(q.shape)
+        shape = stored_shape(tensors, name) if has_shape or fmt in ("int4", "int3", "int2") else tuple(q.shape)
     float_scale = s.dtype in (torch.float16, torch.float32)
     if q.dtype != torch.uint8 or not float_scale or z.dtype != s.dtype:
         raise BundleFormatError(

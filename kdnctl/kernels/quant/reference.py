@@ -10,14 +10,19 @@ Layouts over a ``[H, T, D]`` tensor:
   q ``[H, T, Nq]``, scale/zero ``[H, T, ceil(D/G)]``.
 
 ``Nq`` is the grouped-axis length ``n`` (int8, fp8) or ``ceil(n / 2)`` for int4, which packs two
-codes per byte along the grouped axis, low nibble = even index. Codes are stored only for real
+codes per byte along the grouped axis, low nibble = even index. int2 packs four codes per byte
+(code ``j`` of a quad in bits ``2j..2j+1``): ``Nq = ceil(n / 4)``. int3 is stored as two bit
+planes along the grouped axis: the low two bits of every code packed as int2 (``ceil(n / 4)``
+bytes), then the high bit of every code, eight per byte (bit ``j`` = code ``8m + j``,
+``ceil(n / 8)`` bytes): ``Nq = ceil(n / 4) + ceil(n / 8)``, exactly 3 bits per code, and no code
+straddles a byte. int2/int3 need a group size divisible by 8 so a group owns whole bytes. Codes are stored only for real
 elements (the padding of the last group is not stored); a short last group is edge-padded with
 its last real element, which leaves min/max - hence scale/zero - unchanged. For odd ``n`` the
 unused high nibble of the last int4 byte is 0. The original shape must be passed to dequantize.
 
 Formats (``x ~ code * scale + zero``):
 
-- ``int8``/``int4``: asymmetric, ``code = floor((x - zero) / scale + 0.5)`` clamped to
+- ``int8``/``int4``/``int3``/``int2``: asymmetric, ``code = floor((x - zero) / scale + 0.5)`` clamped to
   ``[0, 2**bits - 1]``. floor(v + 0.5) instead of torch.round so Triton (no round-half-even
   primitive) computes identical codes.
 - ``fp8``: ``code = e4m3fn((x - zero) / scale)`` with ``zero`` the group's mid-range and
@@ -38,10 +43,10 @@ import math
 
 import torch
 
-FORMATS = ("int8", "int4", "fp8")
+FORMATS = ("int8", "int4", "int3", "int2", "fp8")
 LAYOUTS = ("channel", "token")
 SCALE_DTYPES = (torch.float16, torch.float32)
-QMAX = {"int8": 255, "int4": 15}
+QMAX = {"int8": 255, "int4": 15, "int3": 7, "int2": 3}
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -56,6 +61,8 @@ def check_args(fmt: str, group_size: int, layout: str, scale_dtype: torch.dtype)
     # int4 pairs never straddle a group only if groups hold an even count.
     if fmt == "int4" and group_size % 2:
         raise ValueError(f"int4 needs an even group_size, got {group_size}")
+    if fmt in ("int3", "int2") and group_size % 8:
+        raise ValueError(f"{fmt} needs a group_size divisible by 8, got {group_size}")
     if scale_dtype not in SCALE_DTYPES:
         raise ValueError(f"scale_dtype must be float16 or float32, got {scale_dtype}")
 
@@ -66,7 +73,13 @@ def grouped_len(shape: tuple[int, ...] | torch.Size, layout: str) -> int:
 
 
 def packed_len(n: int, fmt: str) -> int:
-    return (n + 1) // 2 if fmt == "int4" else n
+    if fmt == "int4":
+        return (n + 1) // 2
+    if fmt == "int2":
+        return (n + 3) // 4
+    if fmt == "int3":
+        return (n + 3) // 4 + (n + 7) // 8
+    return n
 
 
 def out_shapes(shape, fmt: str, group_size: int, layout: str):
@@ -96,6 +109,61 @@ def unpack_int4(packed: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
     p = packed.movedim(dim, -1)
     c = torch.stack([p & 0x0F, p >> 4], dim=-1).reshape(*p.shape[:-1], 2 * p.shape[-1])
     return c[..., :n].movedim(-1, dim).contiguous()
+
+
+def _pad_last(c: torch.Tensor, multiple: int) -> torch.Tensor:
+    pad = -c.shape[-1] % multiple
+    return torch.cat([c, c.new_zeros(*c.shape[:-1], pad)], dim=-1) if pad else c
+
+
+def pack_int2(codes: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Pack uint8 codes in [0, 3] four per byte along ``dim`` (code j of a quad in bits 2j)."""
+    c = _pad_last(codes.to(torch.uint8).movedim(dim, -1), 4)
+    c = c.reshape(*c.shape[:-1], -1, 4)
+    packed = c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+    return packed.movedim(-1, dim).contiguous()
+
+
+def unpack_int2(packed: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
+    p = packed.movedim(dim, -1)
+    c = torch.stack([(p >> s) & 3 for s in (0, 2, 4, 6)], dim=-1).reshape(*p.shape[:-1], 4 * p.shape[-1])
+    return c[..., :n].movedim(-1, dim).contiguous()
+
+
+def pack_bits(bits: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Pack 0/1 values eight per byte along ``dim`` (bit j = element 8m + j)."""
+    c = _pad_last(bits.to(torch.uint8).movedim(dim, -1), 8)
+    c = c.reshape(*c.shape[:-1], -1, 8)
+    packed = sum(c[..., j] << j for j in range(8)).to(torch.uint8)
+    return packed.movedim(-1, dim).contiguous()
+
+
+def unpack_bits(packed: torch.Tensor, n: int, dim: int = -1) -> torch.Tensor:
+    p = packed.movedim(dim, -1)
+    c = torch.stack([(p >> j) & 1 for j in range(8)], dim=-1).reshape(*p.shape[:-1], 8 * p.shape[-1])
+    return c[..., :n].movedim(-1, dim).contiguous()
+
+
+def pack_codes(codes: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Codes along the last axis -> the stored bytes of ``fmt`` (see the module doc)."""
+    if fmt == "int4":
+        return pack_int4(codes, dim=-1)
+    if fmt == "int2":
+        return pack_int2(codes, dim=-1)
+    if fmt == "int3":
+        return torch.cat([pack_int2(codes & 3, dim=-1), pack_bits(codes >> 2, dim=-1)], dim=-1)
+    return codes
+
+
+def unpack_codes(packed: torch.Tensor, n: int, fmt: str) -> torch.Tensor:
+    if fmt == "int4":
+        return unpack_int4(packed, n, dim=-1)
+    if fmt == "int2":
+        return unpack_int2(packed, n, dim=-1)
+    if fmt == "int3":
+        n4 = (n + 3) // 4
+        return unpack_int2(packed[..., :n4], n, dim=-1) | (unpack_bits(packed[..., n4:], n, dim=-1) << 2)
+    return packed
 
 
 # ---- float16 directed rounding ---------------------------------------------------------------
@@ -194,9 +262,7 @@ def quantize(
     g = y.reshape(h, b, ng, group_size)
     scale, zero = group_params(g.amin(-1), g.amax(-1), fmt, scale_dtype)
     codes = encode(g, scale[..., None], zero[..., None], fmt).reshape(h, b, ng * group_size)
-    codes = codes[..., :n]
-    if fmt == "int4":
-        codes = pack_int4(codes, dim=-1)
+    codes = pack_codes(codes[..., :n], fmt)
     return (
         _natural(codes, layout),
         _natural(scale.to(scale_dtype), layout),
@@ -226,9 +292,7 @@ def dequantize(
     if math.prod(shape) == 0:
         return torch.zeros(shape, dtype=out_dtype, device=q.device)
     n = grouped_len(shape, layout)
-    c = _grouped_last(q, layout)
-    if fmt == "int4":
-        c = unpack_int4(c, n, dim=-1)
+    c = unpack_codes(_grouped_last(q, layout), n, fmt)
     s = _grouped_last(scale, layout).to(torch.float32)
     z = _grouped_last(zero, layout).to(torch.float32)
     idx = torch.arange(n, device=q.device) // group_size  # group of each element

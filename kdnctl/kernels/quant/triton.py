@@ -22,7 +22,8 @@ import triton.language as tl
 
 from . import reference as ref
 
-_FMT_ID = {"int8": 0, "int4": 1, "fp8": 2}
+_FMT_ID = {"int8": 0, "int4": 1, "fp8": 2, "int3": 3, "int2": 4}
+_LOWBIT = ("int3", "int2")
 
 
 @triton.jit
@@ -174,6 +175,151 @@ def _dequantize_kernel(
     tl.store(o_base + no[:, None] * son, _decode(co, scale, zero, FMT), mask=mo)
 
 
+# ---- int3 / int2: eight codes per step ----------------------------------------------------
+# A group (G divisible by 8) is processed as eight phases: phase j holds the elements with
+# local index 8i + j. int2 byte 2i packs phases 0-3 and byte 2i+1 phases 4-7; int3 adds a
+# high-bit plane after the ceil(N/4) low-plane bytes, byte i of the group = bit j of phase j.
+
+
+@triton.jit
+def _ld(x_base, g, G, N, i, J: tl.constexpr, bm, sxn):
+    n = g * G + 8 * i + J
+    m = (8 * i + J < G)[:, None] & bm[None, :]
+    x = tl.load(x_base + tl.minimum(n, N - 1)[:, None] * sxn, mask=m, other=0.0).to(tl.float32)
+    return x, m
+
+
+@triton.jit
+def _mn(x, m):
+    return tl.min(tl.where(m, x, float("inf")), 0)
+
+
+@triton.jit
+def _mx(x, m):
+    return tl.max(tl.where(m, x, -float("inf")), 0)
+
+
+@triton.jit
+def _code(x, scale, zero, g, G, N, i, J: tl.constexpr, QMAX: tl.constexpr):
+    c = _encode(x, scale[None, :], zero[None, :], 0, QMAX)
+    return tl.where((g * G + 8 * i + J < N)[:, None], c, 0).to(tl.uint8)
+
+
+@triton.jit
+def _quantize_lowbit_kernel(
+    x_ptr, q_ptr, s_ptr, z_ptr,
+    N, NLOW, B, G,
+    sxa, sxn, sxb, sqa, sqn, sqb, ssa, ssn, ssb,
+    FMT: tl.constexpr, QMAX: tl.constexpr, S_F16: tl.constexpr,
+    EIGHTH: tl.constexpr, BB: tl.constexpr,
+):
+    a = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2) * BB + tl.arange(0, BB)
+    bm = b < B
+    i = tl.arange(0, EIGHTH)
+    x_base = x_ptr + a * sxa + b[None, :] * sxb
+    x0, m0 = _ld(x_base, g, G, N, i, 0, bm, sxn)
+    x1, m1 = _ld(x_base, g, G, N, i, 1, bm, sxn)
+    x2, m2 = _ld(x_base, g, G, N, i, 2, bm, sxn)
+    x3, m3 = _ld(x_base, g, G, N, i, 3, bm, sxn)
+    x4, m4 = _ld(x_base, g, G, N, i, 4, bm, sxn)
+    x5, m5 = _ld(x_base, g, G, N, i, 5, bm, sxn)
+    x6, m6 = _ld(x_base, g, G, N, i, 6, bm, sxn)
+    x7, m7 = _ld(x_base, g, G, N, i, 7, bm, sxn)
+    mn = tl.minimum(tl.minimum(tl.minimum(_mn(x0, m0), _mn(x1, m1)), tl.minimum(_mn(x2, m2), _mn(x3, m3))),
+                    tl.minimum(tl.minimum(_mn(x4, m4), _mn(x5, m5)), tl.minimum(_mn(x6, m6), _mn(x7, m7))))
+    mx = tl.maximum(tl.maximum(tl.maximum(_mx(x0, m0), _mx(x1, m1)), tl.maximum(_mx(x2, m2), _mx(x3, m3))),
+                    tl.maximum(tl.maximum(_mx(x4, m4), _mx(x5, m5)), tl.maximum(_mx(x6, m6), _mx(x7, m7))))
+    mn = tl.where(bm, mn, 0.0)
+    mx = tl.where(bm, mx, 0.0)
+    if S_F16:
+        zero = _f16_round_down(mn)
+    else:
+        zero = mn
+    scale = (mx - zero) / QMAX
+    if S_F16:
+        scale = _f16_round_up(scale)
+    scale = tl.where(scale == 0, 1.0, scale)
+    s_off = a * ssa + g * ssn + b * ssb
+    tl.store(s_ptr + s_off, scale, mask=bm)
+    tl.store(z_ptr + s_off, zero, mask=bm)
+    c0 = _code(x0, scale, zero, g, G, N, i, 0, QMAX)
+    c1 = _code(x1, scale, zero, g, G, N, i, 1, QMAX)
+    c2 = _code(x2, scale, zero, g, G, N, i, 2, QMAX)
+    c3 = _code(x3, scale, zero, g, G, N, i, 3, QMAX)
+    c4 = _code(x4, scale, zero, g, G, N, i, 4, QMAX)
+    c5 = _code(x5, scale, zero, g, G, N, i, 5, QMAX)
+    c6 = _code(x6, scale, zero, g, G, N, i, 6, QMAX)
+    c7 = _code(x7, scale, zero, g, G, N, i, 7, QMAX)
+    lo0 = ((c0 & 3) | ((c1 & 3) << 2) | ((c2 & 3) << 4) | ((c3 & 3) << 6)).to(tl.uint8)
+    lo1 = ((c4 & 3) | ((c5 & 3) << 2) | ((c6 & 3) << 4) | ((c7 & 3) << 6)).to(tl.uint8)
+    start = g * G + 8 * i  # first element of this step
+    live = (8 * i < G) & (start < N)
+    q_base = q_ptr + a * sqa + b[None, :] * sqb
+    p = g * (G // 4) + 2 * i
+    tl.store(q_base + p[:, None] * sqn, lo0, mask=live[:, None] & bm[None, :])
+    tl.store(q_base + (p + 1)[:, None] * sqn, lo1, mask=(live & (start + 4 < N))[:, None] & bm[None, :])
+    if FMT == 3:
+        hi = ((c0 >> 2) | ((c1 >> 2) << 1) | ((c2 >> 2) << 2) | ((c3 >> 2) << 3)
+              | ((c4 >> 2) << 4) | ((c5 >> 2) << 5) | ((c6 >> 2) << 6) | ((c7 >> 2) << 7)).to(tl.uint8)
+        ph = NLOW + g * (G // 8) + i
+        tl.store(q_base + ph[:, None] * sqn, hi, mask=live[:, None] & bm[None, :])
+
+
+@triton.jit
+def _st(o_base, lo_byte, hi_byte, scale, zero, g, G, N, i, J: tl.constexpr, FMT: tl.constexpr, bm, son):
+    c = (lo_byte >> (2 * (J % 4))) & 3
+    if FMT == 3:
+        c = c | (((hi_byte >> J) & 1) << 2)
+    n = g * G + 8 * i + J
+    m = ((8 * i + J < G) & (n < N))[:, None] & bm[None, :]
+    tl.store(o_base + n[:, None] * son, c.to(tl.float32) * scale + zero, mask=m)
+
+
+@triton.jit
+def _dequantize_lowbit_kernel(
+    q_ptr, s_ptr, z_ptr, o_ptr,
+    N, NLOW, B, G,
+    sqa, sqn, sqb, ssa, ssn, ssb, soa, son, sob,
+    FMT: tl.constexpr, EIGHTH: tl.constexpr, BB: tl.constexpr,
+):
+    a = tl.program_id(0)
+    g = tl.program_id(1)
+    b = tl.program_id(2) * BB + tl.arange(0, BB)
+    bm = b < B
+    i = tl.arange(0, EIGHTH)
+    s_off = a * ssa + g * ssn + b * ssb
+    scale = tl.load(s_ptr + s_off, mask=bm, other=1.0).to(tl.float32)[None, :]
+    zero = tl.load(z_ptr + s_off, mask=bm, other=0.0).to(tl.float32)[None, :]
+    start = g * G + 8 * i
+    live = (8 * i < G) & (start < N)
+    q_base = q_ptr + a * sqa + b[None, :] * sqb
+    p = g * (G // 4) + 2 * i
+    b0 = tl.load(q_base + p[:, None] * sqn, mask=live[:, None] & bm[None, :], other=0)
+    b1 = tl.load(q_base + (p + 1)[:, None] * sqn, mask=(live & (start + 4 < N))[:, None] & bm[None, :], other=0)
+    if FMT == 3:
+        ph = NLOW + g * (G // 8) + i
+        hb = tl.load(q_base + ph[:, None] * sqn, mask=live[:, None] & bm[None, :], other=0)
+    else:
+        hb = b0
+    o_base = o_ptr + a * soa + b[None, :] * sob
+    _st(o_base, b0, hb, scale, zero, g, G, N, i, 0, FMT, bm, son)
+    _st(o_base, b0, hb, scale, zero, g, G, N, i, 1, FMT, bm, son)
+    _st(o_base, b0, hb, scale, zero, g, G, N, i, 2, FMT, bm, son)
+    _st(o_base, b0, hb, scale, zero, g, G, N, i, 3, FMT, bm, son)
+    _st(o_base, b1, hb, scale, zero, g, G, N, i, 4, FMT, bm, son)
+    _st(o_base, b1, hb, scale, zero, g, G, N, i, 5, FMT, bm, son)
+    _st(o_base, b1, hb, scale, zero, g, G, N, i, 6, FMT, bm, son)
+    _st(o_base, b1, hb, scale, zero, g, G, N, i, 7, FMT, bm, son)
+
+
+def _lowbit_blocks(group_size: int, lanes: int) -> tuple[int, int]:
+    eighth = triton.next_power_of_2(max(1, group_size // 8))
+    bb = min(triton.next_power_of_2(max(lanes, 1)), max(1, 512 // eighth), 64)
+    return eighth, bb
+
+
 def _view(t: torch.Tensor, layout: str) -> torch.Tensor:
     """[H, T, D]-shaped tensor as [A, N, B] with the grouped axis in the middle."""
     return t if layout == "channel" else t.transpose(1, 2)
@@ -216,6 +362,16 @@ def quantize(
     if sv.stride() != zv.stride():
         raise ValueError("scale and zero outputs must share strides")
     a, n, b = xv.shape
+    if fmt in _LOWBIT:
+        eighth, bb = _lowbit_blocks(group_size, b)
+        grid = (a, math.ceil(n / group_size), triton.cdiv(b, bb))
+        _quantize_lowbit_kernel[grid](
+            xv, qv, sv, zv, n, (n + 3) // 4, b, group_size,
+            *xv.stride(), *qv.stride(), *sv.stride(),
+            FMT=_FMT_ID[fmt], QMAX=ref.QMAX[fmt], S_F16=scale_dtype == torch.float16,
+            EIGHTH=eighth, BB=bb,
+        )
+        return q, s, z
     half, bb = _blocks(group_size, b)
     grid = (a, math.ceil(n / group_size), triton.cdiv(b, bb))
     _quantize_kernel[grid](
@@ -259,6 +415,15 @@ def dequantize(
         zv = _view(zero.contiguous(), layout)
         sv = _view(scale.contiguous(), layout)
     a, n, b = ov.shape
+    if fmt in _LOWBIT:
+        eighth, bb = _lowbit_blocks(group_size, b)
+        grid = (a, math.ceil(n / group_size), triton.cdiv(b, bb))
+        _dequantize_lowbit_kernel[grid](
+            qv, sv, zv, ov, n, (n + 3) // 4, b, group_size,
+            *qv.stride(), *sv.stride(), *ov.stride(),
+            FMT=_FMT_ID[fmt], EIGHTH=eighth, BB=bb,
+        )
+        return out
     half, bb = _blocks(group_size, b)
     grid = (a, math.ceil(n / group_size), triton.cdiv(b, bb))
     _dequantize_kernel[grid](
