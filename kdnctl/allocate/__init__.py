@@ -1,0 +1,1 @@
+"""How a budget is split: across precision tiers (``tiers``: byte-capped tier choice per token)."""
