@@ -55,3 +55,39 @@ def plot_quality(result: dict, out: str | Path, metrics: tuple[str, ...] = METRI
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+TASK_METRICS = (("needle", "accuracy", "needle accuracy"), ("multifact", "accuracy", "multi-fact accuracy"),
+                ("continuation", "nll", "continuation NLL"))
+
+
+def plot_quality_vs_bytes(result: dict, out: str | Path) -> Path:
+    """``kdnctl eval --tasks --plot``: one panel per task kind, one labelled point per version,
+    x = stored K/V bytes as a fraction of fp16, the full cache as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    versions = result["versions"]
+    full = next(v for v in versions if v["label"] == "full")
+    fig, axes = plt.subplots(1, len(TASK_METRICS), figsize=(5.5 * len(TASK_METRICS), 4.4), squeeze=False)
+    for ax, (kind, key, title) in zip(axes[0], TASK_METRICS):
+        for i, v in enumerate(versions):
+            y, x = v[kind].get(key), v.get("fp16_fraction")
+            if y is None or x is None or v["label"] == "full":
+                continue
+            ax.scatter([x], [y], marker="osD^v<>"[i % 7], label=v["label"])
+            ax.annotate(v["label"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if full[kind].get(key) is not None:
+            ax.axhline(full[kind][key], color="grey", linestyle="--", linewidth=1, label="full cache")
+        ax.set_xscale("log")
+        ax.set_xlabel("stored K/V bytes / fp16 K/V bytes")
+        ax.set_ylabel(title + (f" (n={full[kind]['n']})" if full[kind].get("n") else ""))
+        ax.set_title(f"{title} vs bytes")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,92 @@
+"""Regenerate the real-text evaluation set from this machine's man pages.
+
+    python bench/make_eval_set.py [--out examples/eval/realtext.jsonl] [--seed 14]
+
+Needs groff and /usr/share/man (Debian: ``apt-get install groff-base``, man pages of the
+installed packages). Writes the tasks (one JSON object a line, also a corpus record: ``id`` +
+``text``) and ``<out stem>.meta.json`` (seed, counts, pages, tool versions, sha256 of the tasks).
+The committed file is what the project measures with; a machine with other packages installed
+draws other pages, so regenerate only on purpose. Tokens are counted with the default
+model's (SmolLM2) tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from kdnctl.evaluation.realtext import CONTINUATION_TOKENS, build_set, find_pages  # noqa: E402
+
+
+def load_tokenizer():
+    from transformers import AutoTokenizer
+
+    from kdnctl.model import converted_dir_for, resolve_model_path
+
+    path = resolve_model_path(None)
+    hf_dir = converted_dir_for(path) if path.is_file() else path
+    if not (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer_config.json").is_file():
+        from kdnctl.model import load_model
+
+        return load_model().tokenizer  # converts the GGUF once
+    return AutoTokenizer.from_pretrained(hf_dir)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=str(ROOT / "examples" / "eval" / "realtext.jsonl"))
+    ap.add_argument("--man-root", default="/usr/share/man")
+    ap.add_argument("--seed", type=int, default=14)
+    ap.add_argument("--needle", type=int, default=60)
+    ap.add_argument("--multifact", type=int, default=40)
+    ap.add_argument("--continuation", type=int, default=30)
+    ap.add_argument("--min-tokens", type=int, default=500)
+    ap.add_argument("--max-tokens", type=int, default=1500)
+    args = ap.parse_args()
+    tok = load_tokenizer()
+    rng = random.Random(args.seed)
+    count = lambda t: len(tok(t, add_special_tokens=False).input_ids)  # noqa: E731
+    want = args.needle + args.multifact + args.continuation
+    # spare pages: a continuation split can fail on a page (then the next page is used)
+    pages = find_pages(Path(args.man_root), rng=rng, want=want + 20, min_chars=4 * args.max_tokens,
+                       count_tokens=count, min_tokens=args.max_tokens + CONTINUATION_TOKENS + 60)
+    print(f"{len(pages)} pages", file=sys.stderr)
+    tasks = build_set(pages, tok, n_needle=args.needle, n_multifact=args.multifact,
+                      n_continuation=args.continuation, min_tokens=args.min_tokens,
+                      max_tokens=args.max_tokens, rng=rng)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tasks).encode("utf-8")
+    write_atomic(out, data)
+    groff = subprocess.run(["groff", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    meta = {"generator": "bench/make_eval_set.py", "seed": args.seed, "man_root": args.man_root,
+            "counts": dict(Counter(t["kind"] for t in tasks)), "min_tokens": args.min_tokens,
+            "max_tokens": args.max_tokens, "continuation_tokens": CONTINUATION_TOKENS,
+            "tokenizer": Path(getattr(tok, "name_or_path", "")).name, "groff": groff[0] if groff else None,
+            "sources": [t["source"] for t in tasks], "sha256": hashlib.sha256(data).hexdigest()}
+    write_atomic(out.with_name(out.stem + ".meta.json"), (json.dumps(meta, indent=1) + "\n").encode())
+    total = sum(t["context_tokens"] for t in tasks)
+    print(f"wrote {out} ({len(tasks)} tasks, {total} context tokens, {len(data) / 1e6:.2f} MB)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

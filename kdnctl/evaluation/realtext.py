@@ -1,0 +1,233 @@
+"""Build an evaluation set from real text the project did not write (rendered man pages).
+
+Three task kinds, each a context (what gets ingested and compressed) and, after it, a probe the
+compressor never sees:
+
+* ``needle``       one planted sentence carrying a random 5-digit code ("The maintenance access
+                   code for this tool is 48213.") at a random depth; the question asks for it;
+* ``multifact``    4-6 planted facts of one kind with different names ("The port for the kestrel
+                   service is 7310."); the question asks for one, the others are distractors;
+* ``continuation`` no question: the real text that follows the context; scored by NLL.
+
+Everything is drawn from one ``random.Random(seed)``; pages are read in sorted order, so the
+same man pages, groff and tokenizer give the same file. The committed set
+(``examples/eval/realtext.jsonl``) is what the project measures with; ``bench/make_eval_set.py``
+regenerates it. Each line is also a corpus record (``id`` + ``text``), so ``kdnctl ingest`` reads
+the contexts directly.
+"""
+
+from __future__ import annotations
+
+import gzip
+import random
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+MAN_SECTIONS = ("man1", "man5", "man7", "man8")
+CONTINUATION_TOKENS = 64  # scored tokens; one more continuation token is fed before them
+
+NEEDLE_TEMPLATES = [
+    ("The maintenance access code for this tool is {v}.", "What is the maintenance access code for this tool?"),
+    ("The recovery number assigned to this manual is {v}.", "What is the recovery number assigned to this manual?"),
+    ("The support ticket number for this page is {v}.", "What is the support ticket number for this page?"),
+    ("The licence serial number of this program is {v}.", "What is the licence serial number of this program?"),
+]
+
+# (fact template, question template); {name} is one of NAMES, {v} a 4-digit number.
+FACT_TEMPLATES = [
+    ("The port for the {name} service is {v}.", "What is the port for the {name} service?"),
+    ("The room number of the {name} team is {v}.", "What is the room number of the {name} team?"),
+    ("The phone extension of the {name} office is {v}.", "What is the phone extension of the {name} office?"),
+    ("The locker code of the {name} group is {v}.", "What is the locker code of the {name} group?"),
+]
+NAMES = ["kestrel", "marlin", "juniper", "cobalt", "heron", "tundra", "saffron", "basalt", "lynx",
+         "quartz", "willow", "osprey", "ember", "glacier", "meadow", "falcon", "cedar", "onyx",
+         "harbor", "maple", "comet", "otter", "granite", "sparrow"]
+
+
+@dataclass(frozen=True)
+class Page:
+    source: str  # e.g. "man1/tar.1.gz"
+    text: str
+
+
+def render_man(path: Path, timeout: float = 20.0) -> str:
+    """Plain text of a man page: groff (ASCII, no hyphenation, long lines), then the running
+    header and footer dropped, indentation and justification spaces collapsed."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    out = subprocess.run(["groff", "-man", "-Tascii", "-rLL=1000n", "-rHY=0", "-P-cbou"],
+                         input=raw, capture_output=True, timeout=timeout).stdout
+    lines = out.decode("ascii", errors="replace").splitlines()
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    while lines and not lines[-1].strip():
+        lines.pop()
+    lines = lines[1:-1]  # running header "TAR(1) ... TAR(1)" and footer
+    clean: list[str] = []
+    for line in lines:
+        line = re.sub(r"[ \t]+", " ", line).strip()
+        if line or (clean and clean[-1]):
+            clean.append(line)
+    return "\n".join(clean).strip() + "\n"
+
+
+def find_pages(root: Path, *, rng: random.Random, want: int, min_chars: int, count_tokens,
+               min_tokens: int, sections=MAN_SECTIONS) -> list[Page]:
+    """``want`` rendered pages of at least ``min_tokens`` tokens, one per command family
+    (the name before the first '-', '.' or '_'), in a seeded random order of the sorted listing."""
+    files = sorted(p for s in sections for p in (root / s).glob("*") if p.is_file() and p.stat().st_size > 1500)
+    rng.shuffle(files)
+    pages: list[Page] = []
+    families: set[str] = set()
+    for f in files:
+        family = re.split(r"[-._]", f.name, maxsplit=1)[0].lower()
+        if family in families:
+            continue
+        try:
+            text = render_man(f)
+        except (subprocess.SubprocessError, OSError, EOFError, gzip.BadGzipFile):
+            continue
+        if len(text) < min_chars or _non_ascii_share(text) > 0.01 or count_tokens(text) < min_tokens:
+            continue
+        families.add(family)
+        pages.append(Page(f"{f.parent.name}/{f.name}", text))
+        if len(pages) == want:
+            break
+    return pages
+
+
+def _non_ascii_share(text: str) -> float:
+    return sum(ch == "\ufffd" or ord(ch) > 126 for ch in text) / max(len(text), 1)
+
+
+def cut_at_line(text: str, offsets: list[tuple[int, int]], n_tokens: int, min_tokens: int = 0) -> str:
+    """The longest prefix of ``text`` that ends at a line break within the first ``n_tokens``
+    tokens, or, where that leaves fewer than ``min_tokens``, the shortest one past them."""
+    end = offsets[min(n_tokens, len(offsets)) - 1][1]
+    cut = text.rfind("\n", 0, end)
+    if cut <= 0 or sum(1 for o in offsets if o[1] <= cut) < min_tokens:
+        nxt = text.find("\n", end)
+        cut = nxt if nxt > 0 else len(text) - 1
+    return text[: cut + 1]
+
+
+def line_starts(text: str) -> list[int]:
+    """Offsets where a planted line may go: the start of every non-empty line but the first."""
+    return [m.end() for m in re.finditer(r"\n(?=\S)", text)]
+
+
+def plant(text: str, sentence: str, depth: float) -> tuple[str, int]:
+    """Insert ``sentence`` as its own line at the line start nearest to ``depth`` (0-1) of the text;
+    returns (new text, character offset of the sentence)."""
+    starts = line_starts(text)
+    if not starts:
+        raise ValueError("text has no line to plant a sentence before")
+    target = depth * len(text)
+    at = min(starts, key=lambda s: abs(s - target))
+    return text[:at] + sentence + "\n" + text[at:], at
+
+
+def fresh_number(rng: random.Random, digits: int, avoid: str, taken: set[str]) -> str:
+    """A random number of ``digits`` digits that occurs nowhere in ``avoid`` and is not a
+    substring (or superstring) of one already ``taken``."""
+    while True:
+        v = str(rng.randrange(10 ** (digits - 1), 10**digits))
+        if v not in avoid and not any(v in t or t in v for t in taken):
+            return v
+
+
+def needle_task(task_id: str, page: Page, rng: random.Random, tokenize, length: int, min_tokens: int = 0) -> dict:
+    base = cut_at_line(page.text, tokenize(page.text), length, min_tokens)
+    template, question = NEEDLE_TEMPLATES[rng.randrange(len(NEEDLE_TEMPLATES))]
+    value = fresh_number(rng, 5, base, set())
+    sentence = template.format(v=value)
+    depth = rng.uniform(0.05, 0.95)
+    text, at = plant(base, sentence, depth)
+    return {"id": task_id, "kind": "needle", "source": page.source, "text": text, "question": question,
+            "answer": value, "planted": [sentence], "depth": round(at / len(text), 4)}
+
+
+def multifact_task(task_id: str, page: Page, rng: random.Random, tokenize, length: int, min_tokens: int = 0) -> dict:
+    base = cut_at_line(page.text, tokenize(page.text), length, min_tokens)
+    template, question = FACT_TEMPLATES[rng.randrange(len(FACT_TEMPLATES))]
+    n_facts = rng.randint(4, 6)
+    names = rng.sample(NAMES, n_facts)
+    taken: set[str] = set()
+    values = []
+    for _ in names:
+        values.append(fresh_number(rng, 4, base, taken))
+        taken.add(values[-1])
+    # depths spread over the text: one per equal slice, in a shuffled order of names
+    depths = [(i + rng.uniform(0.1, 0.9)) / n_facts for i in range(n_facts)]
+    text = base
+    for name, value, depth in sorted(zip(names, values, depths), key=lambda x: -x[2]):
+        text, _ = plant(text, template.format(name=name, v=value), depth)  # deepest first: offsets stay valid
+    ask = rng.randrange(n_facts)
+    sentences = [template.format(name=n, v=v) for n, v in zip(names, values)]
+    return {"id": task_id, "kind": "multifact", "source": page.source, "text": text,
+            "question": question.format(name=names[ask]), "answer": values[ask],
+            "distractors": [v for i, v in enumerate(values) if i != ask], "planted": sentences,
+            "depth": round(text.index(sentences[ask]) / len(text), 4)}
+
+
+def continuation_task(task_id: str, page: Page, rng: random.Random, tokenizer, length: int) -> dict | None:
+    """Context = the page up to a word boundary near ``length`` tokens; continuation = the real
+    text after it (at least CONTINUATION_TOKENS + 1 tokens). The split is kept only where the
+    two parts tokenize exactly as the joined text does, so the scored tokens are the real ones."""
+    text = page.text
+    offsets = _offsets(tokenizer, text)
+    if len(offsets) < length + CONTINUATION_TOKENS + 40:
+        return None
+    start = offsets[length][0]
+    for m in re.finditer(r"(?<=[^\s]) (?=[A-Za-z0-9])", text[start:]):
+        p = start + m.start()
+        ctx, rest = text[:p], text[p:]
+        need = [o for o in offsets if o[0] >= p][: CONTINUATION_TOKENS + 24]
+        if len(need) < CONTINUATION_TOKENS + 24:
+            return None
+        cont = rest[: need[-1][1] - p]
+        joint = tokenizer(ctx + cont, add_special_tokens=False).input_ids
+        a = tokenizer(ctx, add_special_tokens=False).input_ids
+        b = tokenizer(cont, add_special_tokens=False).input_ids
+        if joint == a + b and len(b) > CONTINUATION_TOKENS:
+            return {"id": task_id, "kind": "continuation", "source": page.source, "text": ctx,
+                    "question": None, "answer": None, "continuation": cont}
+        if p - start > 2000:
+            return None
+    return None
+
+
+def _offsets(tokenizer, text: str) -> list[tuple[int, int]]:
+    return [tuple(o) for o in tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]]
+
+
+def build_set(pages: list[Page], tokenizer, *, n_needle: int, n_multifact: int, n_continuation: int,
+              min_tokens: int, max_tokens: int, rng: random.Random) -> list[dict]:
+    """Tasks over distinct pages (one page per task), context lengths uniform in
+    [min_tokens, max_tokens] tokens of the base text (planted sentences add a few)."""
+    tokenize = lambda t: _offsets(tokenizer, t)  # noqa: E731
+    tasks: list[dict] = []
+    pages = list(pages)
+    plan = [("needle", n_needle), ("multifact", n_multifact), ("continuation", n_continuation)]
+    for kind, count in plan:
+        made = 0
+        while made < count:
+            if not pages:
+                raise ValueError(f"not enough pages for {count} {kind} tasks")
+            page = pages.pop(0)
+            length = rng.randint(min_tokens, max_tokens)
+            task_id = f"realtext/{kind}-{made:03d}"
+            if kind == "needle":
+                task = needle_task(task_id, page, rng, tokenize, length, min_tokens)
+            elif kind == "multifact":
+                task = multifact_task(task_id, page, rng, tokenize, length, min_tokens)
+            else:
+                task = continuation_task(task_id, page, rng, tokenizer, length)
+            if task is None:
+                continue
+            task["context_tokens"] = len(tokenizer(task["text"], add_special_tokens=False).input_ids)
+            tasks.append(task)
+            made += 1
+    return tasks

@@ -1,0 +1,257 @@
+"""``kdnctl eval --tasks``: needle, multi-fact and continuation tasks over stored versions.
+
+A task file (``examples/eval/realtext.jsonl``, built by ``bench/make_eval_set.py``) holds one
+task a line; its ``text`` is the context that is ingested and compressed, and the probe comes
+after it, unknown at compress time. For every version label each task is answered from the
+stored KV through the real loader (``load_document`` + ``generate``):
+
+* needle / multifact: greedy answer (up to ``max_new_tokens``); correct when the planted number
+  appears in it as a whole number (thousands separators ignored); a multi-fact answer that holds
+  another planted number of the same task counts as distracted. ``answer_nll`` is the mean
+  -log p of the number's tokens teacher-forced after the question (a steadier signal);
+* continuation: the real text after the context is fed directly (no question); the first token
+  is fed and the next CONTINUATION_TOKENS are scored: mean NLL per token.
+
+Bytes per version: everything stored (``bytes_per_token``) and the K/V payload (every ``layers.*``
+tensor: codes, scales, zero points, positions) as a fraction of fp16 K/V (2 bytes per element of
+K and V, all layers and KV heads, every token of the original context).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..bundle import decode_bundle
+from ..engine.hf import forward_suffix, generate, load_document
+from ..errors import InputError, NotFoundError, UsageError
+from ..prompting import PromptFormat
+from .realtext import CONTINUATION_TOKENS
+
+KINDS = ("needle", "multifact", "continuation")
+NAMED_SETS = {"realtext": Path(__file__).resolve().parents[2] / "examples" / "eval" / "realtext.jsonl"}
+
+
+@dataclass
+class Task:
+    id: str
+    kind: str
+    text: str
+    question: str | None = None
+    answer: str | None = None
+    distractors: list[str] = field(default_factory=list)
+    continuation: str | None = None
+    context_tokens: int = 0
+    source: str = ""
+
+
+def resolve_task_file(spec: str | Path) -> Path:
+    """A named set (``realtext``) or a path to a task jsonl."""
+    path = NAMED_SETS.get(str(spec), Path(spec))
+    if not path.is_file():
+        hint = f"named sets: {', '.join(NAMED_SETS)} (from a source checkout), or a path to a .jsonl"
+        raise InputError(f"task file {path} does not exist", hint=hint)
+    return path
+
+
+def load_tasks(path: str | Path, *, kinds: list[str] | None = None, limit: int | None = None) -> list[Task]:
+    """Tasks of ``kinds`` (default all), the first ``limit`` of each kind (default all)."""
+    path = resolve_task_file(path)
+    kinds = list(kinds or KINDS)
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise UsageError(f"unknown task kind(s) {', '.join(bad)}", hint=f"kinds: {', '.join(KINDS)}")
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be >= 1, got {limit}")
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            task = Task(obj["id"], obj["kind"], obj["text"], obj.get("question"), obj.get("answer"),
+                        list(obj.get("distractors") or []), obj.get("continuation"),
+                        int(obj.get("context_tokens", 0)), obj.get("source", ""))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"{path}:{n}: bad task line ({exc})", hint='each line: {"id", "kind", "text", ...}') from None
+        if task.kind not in KINDS:
+            raise InputError(f"{path}:{n}: unknown task kind {task.kind!r}")
+        if (task.kind == "continuation") != (task.continuation is not None) or (task.kind != "continuation") != bool(task.question and task.answer):
+            raise InputError(f"{path}:{n}: a {task.kind} task needs " + ("a continuation" if task.kind == "continuation" else "a question and an answer"))
+        if task.kind in kinds and (limit is None or seen.get(task.kind, 0) < limit):
+            seen[task.kind] = seen.get(task.kind, 0) + 1
+            tasks.append(task)
+    return tasks
+
+
+def number_in(answer: str, value: str) -> bool:
+    """``value`` (a number) occurs in ``answer`` as a whole number; separators between digits
+    ("48,213", "48 213") are ignored, a longer number containing it ("148213") does not count."""
+    squashed = re.sub(r"(?<=\d)[,\s'](?=\d)", "", answer)
+    return re.search(rf"(?<!\d){re.escape(value)}(?!\d)", squashed) is not None
+
+
+def missing_documents(store, tasks: list[Task]) -> list[Task]:
+    """Tasks whose context is not in the store with exactly this text."""
+    out = []
+    for t in tasks:
+        try:
+            doc = store.get_document(t.id)
+        except NotFoundError:
+            out.append(t)
+            continue
+        if doc.content_sha256 != hashlib.sha256(t.text.encode("utf-8")).hexdigest():
+            out.append(t)
+    return out
+
+
+def ingest_tasks(lm, store, tasks: list[Task], **kw):
+    """Ingest the contexts of ``tasks`` (unchanged ones are skipped by ingest itself)."""
+    from ..corpus import Document
+    from ..ingest import IngestOptions, ingest_documents
+
+    docs = [Document(t.id, t.text, t.source or t.id, hashlib.sha256(t.text.encode("utf-8")).hexdigest()) for t in tasks]
+    return ingest_documents(store, lm, docs, IngestOptions(), **kw)
+
+
+def default_labels(store, tasks: list[Task]) -> list[str]:
+    """Every version label stored for any of the tasks' documents."""
+    wanted = {t.id for t in tasks}
+    return sorted({v.label for v in store.list_versions() if v.doc_id in wanted})
+
+
+def version_bytes(store, version) -> tuple[int, int]:
+    """(all stored bytes, K/V payload bytes: every ``layers.*`` tensor) of a version, read from
+    the safetensors headers of its objects (8-byte length + JSON; no tensor is decoded)."""
+    kv = 0
+    for ref in version.chunks:
+        kv += _kv_payload(store.read_object(ref.object, verify=False))
+    return version.nbytes, kv
+
+
+def _kv_payload(data: bytes) -> int:
+    try:
+        n = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8 : 8 + n])
+        return sum(e["data_offsets"][1] - e["data_offsets"][0] for k, e in header.items() if k.startswith("layers."))
+    except (struct.error, ValueError, KeyError, TypeError):  # not a plain safetensors object
+        b = decode_bundle(data)
+        return sum(t.numel() * t.element_size() for k, t in b.tensors.items() if k.startswith("layers."))
+
+
+def fp16_bytes_per_token(summary: dict) -> int:
+    """K and V at 2 bytes per element, all layers and KV heads."""
+    return 2 * 2 * summary["n_layers"] * summary["n_kv_heads"] * summary["head_dim"]
+
+
+@torch.inference_mode()
+def run_task(lm, ctx, task: Task, fmt: PromptFormat, max_new_tokens: int) -> dict:
+    """Score one task against a loaded context; returns the per-task record."""
+    tok = lm.tokenizer
+    if task.kind == "continuation":
+        ids = tok(task.continuation, add_special_tokens=False).input_ids[: CONTINUATION_TOKENS + 1]
+        logits, _ = forward_suffix(lm, ctx, ids)
+        logp = torch.log_softmax(logits[:-1], dim=-1)
+        nll = -logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+        return {"nll": round(nll, 5), "n_scored": len(ids) - 1}
+    suffix = fmt.question_ids(tok, task.question)
+    answer = generate(lm, ctx, suffix, max_new_tokens=max_new_tokens).answer
+    target = tok(task.answer, add_special_tokens=False).input_ids
+    logits, _ = forward_suffix(lm, ctx, suffix + target)
+    start = len(suffix) - 1
+    logp = torch.log_softmax(logits[start : start + len(target)], dim=-1)
+    nll = -logp.gather(1, torch.tensor(target)[:, None]).mean().item()
+    return {"answer": answer, "correct": number_in(answer, task.answer),
+            "distracted": any(number_in(answer, d) for d in task.distractors), "nll": round(nll, 5)}
+
+
+def evaluate_tasks(lm, store, labels: list[str], tasks: list[Task], *, max_new_tokens: int = 24,
+                   on_step=None) -> dict:
+    """Answer every task from every version in ``labels`` (``full`` always, first)."""
+    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
+    labels = ["full"] + [l for l in dict.fromkeys(labels) if l != "full"]
+    per_token_fp16 = fp16_bytes_per_token(lm.summary)
+    results: dict[str, dict[str, dict]] = {l: {} for l in labels}
+    sizes: dict[str, dict] = {l: {"stored": 0, "kv": 0, "tokens": 0, "recipe": {}, "seconds": 0.0} for l in labels}
+    for task in tasks:
+        for label in labels:
+            try:
+                version = store.get_version(task.id, label)
+            except NotFoundError:
+                continue
+            t0 = time.perf_counter()
+            ctx = load_document(lm, store, task.id, label)
+            results[label][task.id] = run_task(lm, ctx, task, fmt, max_new_tokens)
+            s = sizes[label]
+            s["seconds"] += time.perf_counter() - t0
+            stored, kv = version_bytes(store, version)
+            s["stored"] += stored
+            s["kv"] += kv
+            s["tokens"] += version.n_tokens
+            s["recipe"] = version.recipe
+            if on_step:
+                on_step(1)
+    versions = [summarise(l, results[l], results["full"], tasks, sizes[l], per_token_fp16)
+                for l in labels if results[l]]
+    return {"versions": versions, "n_tasks": len(tasks), "fp16_bytes_per_token": per_token_fp16,
+            "tasks": [{"id": t.id, "kind": t.kind, "answer": t.answer,
+                       "by_version": {l: results[l][t.id] for l in labels if t.id in results[l]}} for t in tasks]}
+
+
+def _mean(xs: list[float]) -> float | None:
+    return round(sum(xs) / len(xs), 5) if xs else None
+
+
+def _kind_stats(res: dict[str, dict], tasks: list[Task], kind: str) -> dict:
+    ids = [t.id for t in tasks if t.kind == kind and t.id in res]
+    if kind == "continuation":
+        return {"n": len(ids), "nll": _mean([res[i]["nll"] for i in ids])}
+    correct = sum(res[i]["correct"] for i in ids)
+    out = {"n": len(ids), "correct": correct, "accuracy": round(correct / len(ids), 4) if ids else None,
+           "answer_nll": _mean([res[i]["nll"] for i in ids])}
+    if kind == "multifact":
+        out["distracted"] = sum(res[i]["distracted"] for i in ids)
+    return out
+
+
+def summarise(label: str, res: dict, full: dict, tasks: list[Task], size: dict, per_token_fp16: int) -> dict:
+    """Per-kind scores of one version, and ratios against the full cache on the SAME tasks."""
+    out = {"label": label, "recipe": size["recipe"], "n_tasks": len(res), "eval_seconds": round(size["seconds"], 2)}
+    ratios = {}
+    for kind in KINDS:
+        mine = _kind_stats(res, tasks, kind)
+        ref = _kind_stats({i: full[i] for i in res if i in full}, tasks, kind)
+        out[kind] = mine
+        key = "nll" if kind == "continuation" else "accuracy"
+        if mine.get(key) is not None and ref.get(key):
+            ratios[kind] = round(mine[key] / ref[key], 4)
+    out["ratio_vs_full"] = ratios
+    tokens = size["tokens"]
+    out["bytes_per_token"] = round(size["stored"] / tokens, 1) if tokens else None
+    out["kv_bytes_per_token"] = round(size["kv"] / tokens, 1) if tokens else None
+    out["fp16_fraction"] = round(size["kv"] / (tokens * per_token_fp16), 4) if tokens else None
+    out["stored_fp16_fraction"] = round(size["stored"] / (tokens * per_token_fp16), 4) if tokens else None
+    return out
+
+
+def format_table(result: dict) -> str:
+    """Plain-text table: accuracy always with its count."""
+    head = (f"{'version':<30} {'needle acc (n)':>16} {'multi-fact acc (n)':>19} {'cont. NLL (n)':>15} "
+            f"{'needle/full':>11} {'mf/full':>8} {'NLL/full':>8} {'B/token':>8} {'KV/fp16':>8}")
+    lines = [head]
+    for v in result["versions"]:
+        n, m, c, r = v["needle"], v["multifact"], v["continuation"], v["ratio_vs_full"]
+        f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+        lines.append(f"{v['label']:<30} {f(n['accuracy'], '.3f') + ' (' + str(n['n']) + ')':>16} "
+                     f"{f(m['accuracy'], '.3f') + ' (' + str(m['n']) + ')':>19} {f(c['nll'], '.3f') + ' (' + str(c['n']) + ')':>15} "
+                     f"{f(r.get('needle'), '.3f'):>11} {f(r.get('multifact'), '.3f'):>8} {f(r.get('continuation'), '.3f'):>8} "
+                     f"{f(v['bytes_per_token'], '.0f'):>8} {f(v['fp16_fraction'], '.3f'):>8}")
+    return "\n".join(lines)
