@@ -35,12 +35,12 @@ SCORERS = ["window", "accum", "surprisal", "reconstruct", "hybrid"]
 
 
 def plan(quick: bool) -> list[CompressRecipe]:
-    recipes = [CompressRecipe(budget=0.25, method=m) for m in METHODS]
-    recipes += [CompressRecipe(budget=0.25, method=m, quant=q) for m in ("kvcrush", "snapkv", "streaming") for q in ("int8", "int4")]
-    recipes += [CompressRecipe(budget=1.0, quant=q) for q in ("int8", "int4", "mixed")]
-    recipes += [CompressRecipe(budget=0.25, method="kvcrush", scorer=s) for s in SCORERS if s != "hybrid"]
+    recipes = [CompressRecipe(budget=None, keep=0.25, method=m) for m in METHODS]
+    recipes += [CompressRecipe(budget=None, keep=0.25, method=m, quant=q) for m in ("kvcrush", "snapkv", "streaming") for q in ("int8", "int4")]
+    recipes += [CompressRecipe(budget=None, keep=1.0, quant=q) for q in ("int8", "int4", "mixed")]
+    recipes += [CompressRecipe(budget=None, keep=0.25, method="kvcrush", scorer=s) for s in SCORERS if s != "hybrid"]
     if not quick:
-        recipes += [CompressRecipe(budget=b, method=m) for b in (0.1, 0.5) for m in ("kvcrush", "snapkv", "streaming")]
+        recipes += [CompressRecipe(budget=None, keep=b, method=m) for b in (0.1, 0.5) for m in ("kvcrush", "snapkv", "streaming")]
     return recipes
 
 
@@ -132,9 +132,9 @@ def main() -> None:
     (out_dir / "compress.json").write_text(json.dumps(result, indent=2))
     by = {v["label"]: v for v in result["versions"]}
     full = by["full"]
-    print(table([full] + [by[l] for l in labels if l.endswith("-b0.25") and l in by], full, "Methods at budget 0.25 (default scorer)"))
-    print(table([by[l] for l in labels if "-b0.25-int" in l and l in by] + [by[l] for l in labels if l.startswith("b1") and l in by], full, "With quantization"))
-    print(table([by[l] for l in labels if l.startswith("kvcrush-b0.25") and "int" not in l and l in by], full, "KVCrush scorers at 0.25"))
+    print(table([full] + [by[l] for l in labels if l.endswith("-k0.25") and l in by], full, "Methods at budget 0.25 (default scorer)"))
+    print(table([by[l] for l in labels if "-k0.25-int" in l and l in by] + [by[l] for l in labels if l.startswith("k1") and l in by], full, "With quantization"))
+    print(table([by[l] for l in labels if l.startswith("kvcrush-k0.25") and "int" not in l and l in by], full, "KVCrush scorers at 0.25"))
     print_timings(timings, ingest_s)
     plot = plot_quality(result, ROOT / "docs" / "img" / "quality_vs_budget.png") if not args.quick else None
     if plot:

@@ -40,8 +40,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "store")
         ingest_documents(store, lm, [task_document(t) for t in tasks], IngestOptions())
-        pruned = CompressRecipe(budget=args.budget)
-        int8 = CompressRecipe(budget=1.0, quant="int8")
+        pruned = CompressRecipe(budget=None, keep=args.budget)
+        int8 = CompressRecipe(budget=None, keep=1.0, quant="int8")
         with store.writer():
             for t in tasks:
                 compress_document(store, t.id, pruned, lm=lm, fingerprint=lm.fingerprint)

@@ -72,7 +72,7 @@ def main() -> None:
         ap.error(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
     for i, (name, v) in enumerate((n, VARIANTS[n]) for n in chosen):
         label = f"variant-{i}"
-        recipe = CompressRecipe(budget=args.budget, method=v.get("method", "kvcrush"),
+        recipe = CompressRecipe(budget=None, keep=args.budget, method=v.get("method", "kvcrush"),
                                 scorer=v.get("scorer", scoring.DEFAULT_SCORER), method_options=v.get("options", {}))
         t = time.perf_counter()
         with store.writer():

@@ -21,7 +21,7 @@ import torch
 
 from kdnctl.errors import BundleFormatError, ModelMismatchError
 
-FORMAT_VERSION = "1.0"
+FORMAT_VERSION = "1.1"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions
 SUPPORTED_MAJOR = 1
 
 # safetensors __metadata__ keys kdnctl writes. The header digest guards the metadata and the
@@ -66,7 +66,7 @@ class KVBundle:
         return int(self.tensors["token_ids"].shape[0])
 
     def is_quantized(self, i: int) -> bool:
-        return f"layers.{i}.keys.q" in self.tensors
+        return f"layers.{i}.keys.q" in self.tensors or f"layers.{i}.tiers" in self.tensors
 
     def layer_len(self, i: int) -> int:
         """T_i, the number of tokens layer i keeps (per head)."""
@@ -88,7 +88,7 @@ class KVBundle:
         """Absolute original positions of layer i's kept tokens, int64 [H_kv, T_i]."""
         p = self.tensors.get(f"layers.{i}.positions")
         if p is not None:
-            return p
+            return p.long()
         h = int(self.meta["model"]["n_kv_heads"])
         return self.tensors["positions"].unsqueeze(0).expand(h, -1)
 
@@ -224,6 +224,13 @@ def _check_version(meta: dict[str, Any]) -> None:
         )
 
 
+def read_meta(data: bytes) -> dict[str, Any]:
+    """The bundle's meta from its header alone (no tensor is decoded): for listings."""
+    meta, _, _ = _load_meta(_parse_header(bytes(data)))
+    _check_version(meta)
+    return meta
+
+
 def decode_bundle(data: bytes, *, expect_fingerprint: str | None = None) -> KVBundle:
     """Parse and validate bundle bytes. Malformed -> BundleFormatError; other model ->
     ModelMismatchError (only when expect_fingerprint is given)."""
@@ -305,9 +312,19 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         for kind in ("keys", "values"):
             base = f"layers.{i}.{kind}"
             dense, coded = base in tensors, f"{base}.q" in tensors
-            if dense and coded:
+            laddered = f"layers.{i}.tiers" in tensors
+            if dense and (coded or laddered):
                 raise BundleFormatError(f"layer {i} has both dense and quantized {kind}")
-            if coded:
+            if laddered:  # ladder layout: the quantizer checks every slice against the tier map
+                if not quant:
+                    raise BundleFormatError(f"layer {i} has a tier map but meta has no 'quant'")
+                absent = [base + s for s in (".codes", ".params") if base + s not in tensors]
+                tiers = tensors[f"layers.{i}.tiers"]
+                if absent:
+                    raise BundleFormatError(f"layer {i}: missing ladder tensor(s) {', '.join(absent)}")
+                if tiers.dtype != torch.uint8 or list(tiers.shape) != [h_kv, t_i]:
+                    raise BundleFormatError(f"layers.{i}.tiers must be uint8 [{h_kv}, {t_i}], got {tiers.dtype} {list(tiers.shape)}")
+            elif coded:
                 if not quant:
                     raise BundleFormatError(f"layer {i} {kind} are quantized but meta has no 'quant'")
                 absent = [base + s for s in QUANT_SUFFIXES if base + s not in tensors]
@@ -343,9 +360,10 @@ def _validate_positions(tensors, i: int, h_kv: int, pos, t_full: int) -> int:
         if pos is None:
             raise BundleFormatError(f"layer {i} has no positions (neither 'positions' nor 'layers.{i}.positions')")
         return t_full
-    if lp.dtype != torch.int64 or lp.dim() != 2 or lp.shape[0] != h_kv or lp.shape[1] > t_full:
+    # int64 in 1.0; 1.1 also allows int16/int32 (a size-budgeted bundle pays for every byte)
+    if lp.dtype not in (torch.int64, torch.int32, torch.int16) or lp.dim() != 2 or lp.shape[0] != h_kv or lp.shape[1] > t_full:
         raise BundleFormatError(
-            f"layers.{i}.positions must be int64 [H_kv={h_kv}, T_i<={t_full}], got {lp.dtype} {list(lp.shape)}"
+            f"layers.{i}.positions must be int [H_kv={h_kv}, T_i<={t_full}], got {lp.dtype} {list(lp.shape)}"
         )
     # Sorted ascending per head is part of the contract; consumers rely on it to merge and
     # to rebuild causal order, so a violation is a format error, not a soft warning.

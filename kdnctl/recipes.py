@@ -1,16 +1,17 @@
 """Recipes: a TOML file naming a pipeline's steps and their settings.
 
-    name = "kvcrush-0.25-int4"
-    label = "kvcrush-b0.25-int4"        # optional: label of the final version
+    name = "ladder-0.25"
+    label = "ladder-b0.25"               # optional: label of the final version
     [ingest]
     chunk_tokens = 256
     window = 32
     [compress]
-    method = "kvcrush"
-    budget = 0.25
+    budget = 0.25                        # size cap: <= 0.25 x the fp16 K/V bytes
+    quant = "ladder"                     # precision ladder; "int4": uniform; "fp16": eviction alone
+    method = "kvcrush"                   # evicts only when the cap forces it
     scorer = "hybrid"
-    quant = "int4"
     group_size = 32
+    # keep = 0.5                         # token eviction (alone: without budget)
     [compress.options]                   # method options, e.g. KVCrush's ratio/anchor/page_size
     ratio = 0.25
 
@@ -54,10 +55,12 @@ class Recipe:
             raise UsageError(f"recipe {self.name} has no [compress] step")
         c = dict(self.compress)
         options = c.pop("options", {})
-        allowed = {"method", "budget", "scorer", "quant", "group_size", "seed"}
+        allowed = {"method", "budget", "keep", "scorer", "quant", "group_size", "seed"}
         bad = set(c) - allowed
         if bad:
             raise UsageError(f"recipe {self.name}: unknown [compress] keys {sorted(bad)}", hint=f"allowed: {sorted(allowed)}")
+        if "keep" in c and "budget" not in c:
+            c["budget"] = None  # pure token eviction
         return CompressRecipe(**c, method_options=options)
 
 

@@ -45,7 +45,7 @@ def _compress(store, recipe, lm=None, **kw):
 @pytest.mark.parametrize("method", ["kvcrush", "snapkv", "h2o", "streaming", "knorm", "random", "pyramid", "spans"])
 def test_every_method_meets_budget_and_loads(lm, faq_store, method):
     store, _ = faq_store
-    res = _compress(store, CompressRecipe(budget=0.25, method=method, scorer="window"))
+    res = _compress(store, CompressRecipe(budget=None, keep=0.25, method=method, scorer="window"))
     version = store.get_version(DOC, res.label)
     assert version.parent == "full" and version.recipe["steps"][-1]["method"] == method
     bundles = [decode_bundle(store.read_object(c.object)) for c in version.chunks]
@@ -71,13 +71,13 @@ def test_every_method_meets_budget_and_loads(lm, faq_store, method):
     out = generate(lm, ctx, q, max_new_tokens=8)
     assert out.answer
     # Same recipe again: a no-op.
-    assert _compress(store, CompressRecipe(budget=0.25, method=method, scorer="window")).status == "unchanged"
+    assert _compress(store, CompressRecipe(budget=None, keep=0.25, method=method, scorer="window")).status == "unchanged"
 
 
 def test_pruned_load_positions_continue_from_original_length(lm, faq_store):
     """A budget of 1 through the pruning path keeps every token: logits equal the full cache."""
     store, _ = faq_store
-    res = _compress(store, CompressRecipe(budget=1.0, method="kvcrush", quant="none"), label="b1-copy")
+    res = _compress(store, CompressRecipe(budget=None, keep=1.0, method="kvcrush", quant="none"), label="b1-copy")
     q = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, "Is there a late fee?")
     a, _ = forward_suffix(lm, load_document(lm, store, DOC, res.label), q)
     b, _ = forward_suffix(lm, load_document(lm, store, DOC, "full"), q)
@@ -87,7 +87,7 @@ def test_pruned_load_positions_continue_from_original_length(lm, faq_store):
 @pytest.mark.parametrize("quant,max_kl", [("int8", 0.01), ("int4", 0.5), ("fp8", 0.2), ("mixed", 0.5)])
 def test_quantized_versions_close_to_full(lm, faq_store, quant, max_kl):
     store, _ = faq_store
-    res = _compress(store, CompressRecipe(budget=1.0, quant=quant))
+    res = _compress(store, CompressRecipe(budget=None, keep=1.0, quant=quant))
     full_v, q_v = store.get_version(DOC), store.get_version(DOC, res.label)
     assert q_v.nbytes < full_v.nbytes / (3 if quant != "mixed" else 5)
     q = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, "How much is the membership?")
@@ -100,8 +100,8 @@ def test_quantized_versions_close_to_full(lm, faq_store, quant, max_kl):
 
 def test_offline_reconstruct_scorer_and_combined(lm, faq_store):
     store, _ = faq_store
-    res = _compress(store, CompressRecipe(budget=0.25, method="kvcrush", scorer="hybrid", quant="int4"), lm=lm)
-    assert res.label == "kvcrush-b0.25-int4" and res.ratio > 8
+    res = _compress(store, CompressRecipe(budget=None, keep=0.25, method="kvcrush", scorer="hybrid", quant="int4"), lm=lm)
+    assert res.label == "kvcrush-k0.25-int4" and res.ratio > 8
     ctx = load_document(lm, store, DOC, res.label)
     assert ctx.keys[0].shape[2] == round(0.25 * ctx.n_tokens)
 

@@ -224,7 +224,7 @@ def test_bad_arguments():
         tq.dequantize(q, s, z, "int8", 4, "channel", (2, 9, 8))
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8", "mixed"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int3", "int2", "fp8", "mixed"])
 def test_quantizers_identical_through_triton(scheme, monkeypatch):
     """kdnctl.quant produces the same tensors and dense results on the Triton path."""
     from kdnctl.quant import dequantize_tensors, get_quantizer

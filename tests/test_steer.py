@@ -230,8 +230,8 @@ def test_decode_bias_equals_reference_attention():
 def test_steer_on_compressed_versions(lm, store):
     compress = pytest.importorskip("kdnctl.compress", reason="kdnctl.compress (compression) is not available")
     with store.writer():
-        compress.compress_document(store, DOC, compress.CompressRecipe(budget=0.5, method="knorm"), label="pruned")
-        compress.compress_document(store, DOC, compress.CompressRecipe(budget=1.0, quant="int8"), label="q8")
+        compress.compress_document(store, DOC, compress.CompressRecipe(budget=None, keep=0.5, method="knorm"), label="pruned")
+        compress.compress_document(store, DOC, compress.CompressRecipe(budget=None, keep=1.0, quant="int8"), label="q8")
     spec = SteerSpec([HIGHLIGHT], HEADS, alpha=0.01)
     steer_document(store, lm, DOC, spec, source="pruned", label="pruned+steer")
     steer_document(store, lm, DOC, SteerSpec([HIGHLIGHT], HEADS, mode="reprefill"), source="pruned", label="pruned+rp")

@@ -86,8 +86,9 @@ def solve_greedy(damage: torch.Tensor, cost: torch.Tensor, cap: float) -> torch.
     tier[units[:fit]] = to[:fit]  # later segments of a unit overwrite earlier ones (same order)
     left -= float(csum[fit - 1]) if fit else 0.0
     stopped = set()
-    for j in range(fit, units.numel()):  # fill what is left with upgrades that still fit
-        if left <= 0:
+    dc_min = float(dc.min())
+    for j in range(fit, min(units.numel(), fit + 50_000)):  # fill what is left with upgrades that fit
+        if left < dc_min:
             break
         u = int(units[j])
         if u in stopped:

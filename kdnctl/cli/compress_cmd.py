@@ -12,9 +12,10 @@ from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, op
 
 def compress(
     docs: Optional[List[str]] = typer.Argument(None, help="Document ids (default: every document)."),
-    budget: float = typer.Option(0.25, "--budget", "-b", help="Fraction of tokens kept, 0 < B <= 1."),
+    budget: Optional[float] = typer.Option(None, "--budget", "-b", help="Size cap: stored bytes <= B x the fp16 K/V size, everything included (default 0.25 unless --keep is given alone)."),
+    keep: Optional[float] = typer.Option(None, "--keep", "-k", help="Token eviction: fraction of tokens kept per layer and KV head, 0 < K <= 1."),
     method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`); pyramid:METHOD / adaptive:METHOD wrap one."),
-    quant: str = typer.Option("none", "--quant", "-q", help="none | int8 | int4 | fp8 | mixed."),
+    quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: ladder (default) | int8 | int4 | int3 | int2 | fp16 (uniform tiers, eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
     scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
     kvcrush_ratio: Optional[float] = typer.Option(None, "--kvcrush-ratio", help="Share of the budget for KVCrush representatives."),
@@ -28,7 +29,7 @@ def compress(
     model: Optional[str] = ModelOpt,
     as_json: bool = JsonOpt,
 ) -> None:
-    """Prune (KVCrush and baselines) and quantize stored KV into a new version."""
+    """Compress stored KV into a new version: a size budget filled by precision first (default), or token eviction (--keep)."""
     from ..compress import CompressRecipe, compress_document
     from ..scoring import DEFAULT_SCORER
 
@@ -43,8 +44,11 @@ def compress(
             # per-layer budget wrappers take any method: --method pyramid:kvcrush, adaptive:kvcrush
             method, inner = method.split(":", 1)
             opts = {"press": inner, "press_options": opts} if opts else {"press": inner}
-        recipe = CompressRecipe(budget=budget, method=method, scorer=scorer or DEFAULT_SCORER, quant=quant,
-                                group_size=group_size, seed=seed, method_options=opts)
+        if budget is None and keep is None:
+            budget = 0.25  # the default: a size budget filled by precision first
+        recipe = CompressRecipe(budget=budget, keep=keep if keep is not None else 1.0, method=method,
+                                scorer=scorer or DEFAULT_SCORER, quant=quant, group_size=group_size, seed=seed,
+                                method_options=opts)
     st = open_store(store)
     doc_ids = list(docs) if docs else [d.doc_id for d in st.list_documents()]
     lm = load_lm(model) if recipe.needs_model else None
@@ -56,12 +60,16 @@ def compress(
             bar.update(1)
     rows = [{"doc": r.doc_id, "label": r.label, "status": r.status, "source_bytes": r.source_bytes,
              "bytes": r.bytes, "ratio": round(r.ratio, 2), "seconds": round(r.seconds, 3),
-             "score_seconds": round(r.score_seconds, 3)} for r in results]
+             "score_seconds": round(r.score_seconds, 3), "fp16_bytes": r.fp16_bytes,
+             "fraction_of_fp16": round(r.fraction_of_fp16, 4), "kept": round(r.kept, 4), "mix": r.mix}
+            for r in results]
     if as_json:
         emit_json({"results": rows})
         return
     for r in rows:
-        message(f"{r['doc']}: {r['label']} {r['status']}, {r['source_bytes'] / 1e6:.1f} MB -> {r['bytes'] / 1e6:.2f} MB ({r['ratio']}x)")
+        frac = f", {r['fraction_of_fp16']:.1%} of fp16" if r["fp16_bytes"] else ""
+        kept = f", {r['kept']:.0%} of tokens kept" if r["status"] == "compressed" and r["kept"] < 1 else ""
+        message(f"{r['doc']}: {r['label']} {r['status']}, {r['source_bytes'] / 1e6:.1f} MB -> {r['bytes'] / 1e6:.2f} MB ({r['ratio']}x{frac}{kept})")
 
 
 def methods() -> None:

@@ -11,9 +11,47 @@ import typer
 from .common import JsonOpt, StoreOpt, emit_json, message, open_store
 
 
-def _version_dict(v) -> dict:
-    return {"label": v.label, "parent": v.parent, "chunks": len(v.chunks), "bytes": v.nbytes,
-            "tokens": v.n_tokens, "mode": v.mode, "recipe": v.recipe}
+def _version_dict(v, fp16_per_token: int | None = None) -> dict:
+    d = {"label": v.label, "parent": v.parent, "chunks": len(v.chunks), "bytes": v.nbytes,
+         "tokens": v.n_tokens, "mode": v.mode, "recipe": v.recipe}
+    if fp16_per_token:
+        d["bytes_per_token"] = round(v.nbytes / max(v.n_tokens, 1), 1)
+        d["fraction_of_fp16"] = round(v.nbytes / (fp16_per_token * max(v.n_tokens, 1)), 4)
+    return d
+
+
+def _chunk_metas(st, v) -> list[dict]:
+    from ..bundle import read_meta
+
+    return [read_meta(st.read_object(c.object)) for c in v.chunks]
+
+
+def _fp16_per_token(st, versions) -> int | None:
+    """fp16 bytes of K and V per token (2 bytes x 2 x layers x KV heads x head dim)."""
+    if not versions or not versions[0].chunks:
+        return None
+    from ..bundle import read_meta
+
+    m = read_meta(st.read_object(versions[0].chunks[0].object))["model"]
+    return 4 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"]
+
+
+def _tier_mix(metas: list[dict]) -> dict | None:
+    """Rows per precision tier over a version's chunks (keys and values apart), if laddered."""
+    total: dict[str, dict[str, int]] = {}
+    for m in metas:
+        for role, counts in ((m.get("quant") or {}).get("mix") or {}).items():
+            for tier, n in counts.items():
+                total.setdefault(role, {})[tier] = total.get(role, {}).get(tier, 0) + n
+    return total or None
+
+
+def _mix_text(mix: dict) -> str:
+    parts = []
+    for role, counts in mix.items():
+        n = sum(counts.values()) or 1
+        parts.append(f"{role[0].upper()}: " + " ".join(f"{t} {c / n:.0%}" for t, c in counts.items()))
+    return "; ".join(parts)
 
 
 def ls(store: Optional[Path] = StoreOpt, as_json: bool = JsonOpt) -> None:
@@ -21,7 +59,9 @@ def ls(store: Optional[Path] = StoreOpt, as_json: bool = JsonOpt) -> None:
     st = open_store(store)
     docs = []
     for d in st.list_documents():
-        versions = [_version_dict(v) for v in st.list_versions(d.doc_id)]
+        vs = st.list_versions(d.doc_id)
+        per_token = _fp16_per_token(st, vs)
+        versions = [_version_dict(v, per_token) for v in vs]
         docs.append({"id": d.doc_id, "doc_version": d.doc_version, "tokens": d.n_tokens, "source": d.source,
                      "fingerprint": d.fingerprint, "versions": versions})
     if as_json:
@@ -33,7 +73,8 @@ def ls(store: Optional[Path] = StoreOpt, as_json: bool = JsonOpt) -> None:
         print(f"{d['id']}  ({d['tokens']} tokens, version {d['doc_version']})")
         for v in d["versions"]:
             bpt = v["bytes"] / max(d["tokens"], 1)
-            print(f"    {v['label']:<28} {v['chunks']:>4} chunks  {v['bytes'] / 1e6:8.2f} MB  {bpt:9.0f} B/token")
+            frac = f"  {v['fraction_of_fp16']:7.1%} of fp16" if "fraction_of_fp16" in v else ""
+            print(f"    {v['label']:<28} {v['chunks']:>4} chunks  {v['bytes'] / 1e6:8.2f} MB  {bpt:9.0f} B/token{frac}")
 
 
 def show(doc: str = typer.Argument(..., help="Document id."), version: Optional[str] = typer.Option(None, "--version", "-v"),
@@ -44,10 +85,16 @@ def show(doc: str = typer.Argument(..., help="Document id."), version: Optional[
     data = {"id": d.doc_id, "doc_version": d.doc_version, "tokens": d.n_tokens, "source": d.source,
             "content_sha256": d.content_sha256, "fingerprint": d.fingerprint,
             "history": [h.doc_version for h in st.document_history(doc)],
-            "versions": [_version_dict(v) for v in st.list_versions(doc)]}
+            "versions": []}
+    vs = st.list_versions(doc)
+    per_token = _fp16_per_token(st, vs)
+    data["versions"] = [_version_dict(v, per_token) for v in vs]
     if version:
         v = st.get_version(doc, version)
-        data["version"] = _version_dict(v) | {"chunks": [c.__dict__ for c in v.chunks]}
+        data["version"] = _version_dict(v, per_token) | {"chunks": [c.__dict__ for c in v.chunks]}
+        mix = _tier_mix(_chunk_metas(st, v))
+        if mix:
+            data["version"]["tier_mix"] = mix
     if as_json:
         emit_json(data)
         return
@@ -55,7 +102,10 @@ def show(doc: str = typer.Argument(..., help="Document id."), version: Optional[
         if key not in ("versions", "version"):
             print(f"{key}: {value}")
     for v in data["versions"]:
-        print(f"version {v['label']}: {v['chunks']} chunks, {v['bytes']} bytes, parent {v['parent']}")
+        frac = f" ({v['bytes_per_token']:.0f} B/token, {v['fraction_of_fp16']:.1%} of fp16)" if "fraction_of_fp16" in v else ""
+        print(f"version {v['label']}: {v['chunks']} chunks, {v['bytes']} bytes{frac}, parent {v['parent']}")
+    if version and data["version"].get("tier_mix"):
+        print(f"tier mix (rows): {_mix_text(data['version']['tier_mix'])}")
     if version:
         for c in data["version"]["chunks"]:
             print(f"  chunk {c['index']}: tokens [{c['token_start']}, {c['token_end']}) object {c['object'][:16]} {c['nbytes']} B")

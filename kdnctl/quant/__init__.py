@@ -20,6 +20,7 @@ from .fp8 import Fp8Quantizer
 from .int2 import Int2Quantizer
 from .int3 import Int3Quantizer
 from .int4 import Int4Quantizer
+from .ladder import LadderQuantizer
 from .int8 import Int8Quantizer
 from .mixed import MixedQuantizer
 from .none import NoneQuantizer
@@ -32,6 +33,7 @@ QUANTIZERS: dict[str, type[Quantizer]] = {
     "int2": Int2Quantizer,
     "fp8": Fp8Quantizer,
     "mixed": MixedQuantizer,
+    "ladder": LadderQuantizer,
 }
 
 __all__ = [

@@ -1,0 +1,110 @@
+"""The size budget: a document's stored K/V takes at most ``budget`` x its fp16 size.
+
+``fp16 size`` = 2 bytes per element of K and V, all layers and KV heads. Everything stored for
+the version counts against it: codes, scales, zeros, tier maps, positions, token ids and the
+bundle headers (``compress`` checks the encoded bytes and tightens the plan if they overflow).
+
+Planning a document (:func:`plan_tiers`):
+
+1. the cheapest ladder tier for every kept row; if even that does not fit, the cap forces
+   eviction and :func:`forced_keep` gives the token fraction the press keeps (eviction last);
+2. every kept row's measured reconstruction error at every tier (``quant.ladder.tier_errors``)
+   times its importance weight is its expected damage;
+3. the solver (``allocate.tiers.solve_greedy``) picks one tier per row (key and value apart)
+   minimising the damage under the bytes left.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .allocate.tiers import solve_greedy
+from .errors import UsageError
+from .quant.ladder import TIERS, LadderQuantizer, row_bytes, tier_errors
+
+# --quant name -> the tiers the solver may use with a size budget (uniform ones have one tier)
+LADDERS: dict[str, tuple[str, ...]] = {
+    "ladder": TIERS,
+    "fp16": ("fp16",),
+    "none": ("fp16",),
+    "int8": ("int8",),
+    "int4": ("int4",),
+    "int3": ("int3",),
+    "int2": ("int2",),
+    "mixed": ("int8", "int4"),
+}
+# importance -> damage weight: rank r in [0, 1] per layer and head, weight r**SHARPNESS + FLOOR
+SHARPNESS = 2.0
+FLOOR = 0.05
+POSITION_BYTES = 2  # int16 positions per kept row pair (int32 beyond 32767)
+HEADER_BYTES = 24_000  # first guess of one chunk's header + small tensors; corrected after encoding
+
+
+def ladder_for(quant: str) -> tuple[str, ...]:
+    try:
+        return LADDERS[quant]
+    except KeyError:
+        raise UsageError(f"quantizer {quant!r} has no size-budgeted form",
+                         hint=f"with --budget use one of {', '.join(LADDERS)}") from None
+
+
+def fp16_bytes(n_tokens: int, n_layers: int, n_heads: int, head_dim: int) -> int:
+    return 2 * 2 * n_tokens * n_layers * n_heads * head_dim
+
+
+def _rank01(x: torch.Tensor) -> torch.Tensor:
+    t = x.shape[-1]
+    return x.float().argsort(-1).argsort(-1).float() / max(t - 1, 1)
+
+
+def weights(importance: torch.Tensor) -> torch.Tensor:
+    """``[L, H, T]`` importance -> damage weights (rank-based, so any scorer's scale works)."""
+    return _rank01(importance) ** SHARPNESS + FLOOR
+
+
+def forced_keep(avail: float, n_tokens: int, n_layers: int, n_heads: int, head_dim: int, group: int,
+                lowest: str) -> float:
+    """Largest token fraction whose rows all fit at the ``lowest`` tier in ``avail`` bytes."""
+    per_token = n_layers * n_heads * (2 * row_bytes(lowest, head_dim, group) + POSITION_BYTES)
+    return max(0.0, min(1.0, avail / (n_tokens * per_token)))
+
+
+def plan_tiers(q: LadderQuantizer, keys: list[torch.Tensor], values: list[torch.Tensor],
+               positions: list[torch.Tensor], importance: list[torch.Tensor], tiers: tuple[str, ...],
+               cap: float, errors: list[torch.Tensor] | None = None):
+    """Tier maps for the kept rows: per layer (key tiers [H, T_i], value tiers [H, T_i]) as
+    indices into ``ladder.TIERS``; None if even the cheapest tier exceeds ``cap`` bytes.
+
+    ``keys/values[i]`` [H, T_i, D] are the kept rows, ``importance[i]`` [H, T_i] their weights,
+    ``errors`` (optional, reused between calls) the output of ``tier_errors`` per layer."""
+    d = keys[0].shape[-1]
+    cost = torch.tensor([row_bytes(t, d, q.group_size) for t in tiers], dtype=torch.float64)
+    if errors is None:
+        errors = [tier_errors(q, k, v, p, list(tiers)) for k, v, p in zip(keys, values, positions)]
+    dmg = torch.cat([(e * w[None, None]).permute(0, 2, 3, 1).reshape(-1, len(tiers))
+                     for e, w in zip(errors, importance)])
+    choice = solve_greedy(dmg, cost, cap)
+    if choice is None:
+        return None, errors
+    ids = torch.tensor([TIERS.index(t) for t in tiers])[choice]
+    out, o = [], 0
+    for k in keys:
+        h, t, _ = k.shape
+        n = h * t
+        kt = ids[o:o + n].view(h, t)
+        vt = ids[o + n:o + 2 * n].view(h, t)
+        out.append((kt, vt))
+        o += 2 * n
+    return out, errors
+
+
+def mix(tier_maps: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[str, int]]:
+    """Rows per tier, keys and values apart (what ``show`` prints)."""
+    res: dict[str, dict[str, int]] = {"keys": {}, "values": {}}
+    for kt, vt in tier_maps:
+        for role, m in (("keys", kt), ("values", vt)):
+            for tid, name in enumerate(TIERS):
+                n = int((m == tid).sum())
+                if n:
+                    res[role][name] = res[role].get(name, 0) + n
+    return res

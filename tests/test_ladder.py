@@ -1,0 +1,115 @@
+"""The ladder quantizer (per-row tiers, one code/param blob per role) and its transforms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdnctl.errors import BundleFormatError
+from kdnctl.quant import dequantize_tensors, get_quantizer
+from kdnctl.quant import transforms as tf
+from kdnctl.quant.ladder import TIERS, LadderQuantizer, row_bytes, tier_errors
+
+# relative Frobenius error allowed per tier on Gaussian data (int rows: scale/2 bounds)
+MAX_REL = {"fp16": 1e-3, "int8": 0.01, "int4": 0.12, "int3": 0.25, "int2": 0.5}
+
+
+def _kv(seed=0, h=3, t=45, d=64):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(h, t, d, generator=g)
+    k[..., :3] = k[..., :3] * 8 + 5  # outlier key channels
+    return k, torch.randn(h, t, d, generator=g)
+
+
+def _roundtrip(q, k, v, kt, vt, pos):
+    t = q.encode_layer(k, v, pos, kt, vt)
+    full = {f"layers.0.{n}": x for n, x in t.items()}
+    full["layers.0.positions"] = pos
+    meta = q.meta(k.shape[-1])
+    return t, [dequantize_tensors(full, f"layers.0.{r}", meta) for r in ("keys", "values")]
+
+
+@pytest.mark.parametrize("theta,had", [(None, False), (1e5, True)])
+def test_every_tier_round_trips_within_its_bound(theta, had):
+    k, v = _kv()
+    h, t, _ = k.shape
+    pos = torch.arange(7, 7 + 2 * t, 2).expand(h, t)  # a pruned layer's sparse positions
+    g = torch.Generator().manual_seed(1)
+    kt, vt = torch.randint(0, 5, (h, t), generator=g), torch.randint(0, 5, (h, t), generator=g)
+    q = LadderQuantizer(key_rope_theta=theta, value_hadamard=had)
+    _, (k2, v2) = _roundtrip(q, k, v, kt, vt, pos)
+    for tid, name in enumerate(TIERS):
+        for x, y, m in ((k, k2, kt == tid), (v, v2, vt == tid)):
+            if m.any():
+                rel = float((y[m] - x[m]).norm() / x[m].norm())
+                assert rel < MAX_REL[name], (name, rel)
+
+
+def test_stored_bytes_follow_the_tiers():
+    k, v = _kv(t=64)
+    pos = torch.arange(64).expand(3, 64)
+    q = LadderQuantizer()
+    sizes = {}
+    for name in TIERS:
+        ids = torch.full((3, 64), TIERS.index(name))
+        t = q.encode_layer(k, v, pos, ids, ids)
+        sizes[name] = sum(x.numel() * x.element_size() for x in t.values())
+        rows = 2 * 3 * 64
+        assert sizes[name] == pytest.approx(rows * row_bytes(name, 64, 32), rel=0.01), name
+    assert sizes["fp16"] > sizes["int8"] > sizes["int4"] > sizes["int3"] > sizes["int2"]
+
+
+def test_transforms_are_exact_inverses():
+    k, _ = _kv()
+    pos = torch.arange(45).expand(3, 45) * 3
+    torch.testing.assert_close(tf.rope(tf.unrope(k, pos, 1e5), pos, 1e5), k, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(tf.rotate(tf.rotate(k)), k, rtol=1e-5, atol=1e-5)
+    h = tf.hadamard(64)
+    torch.testing.assert_close(h @ h.T, torch.eye(64), rtol=0, atol=1e-6)
+
+
+def test_pre_rope_keys_and_rotated_values_lower_the_error():
+    """Real keys carry RoPE; here: channels with a stable offset, rotated by position."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(3, 128, 64, generator=g) * 0.3 + torch.randn(3, 1, 64, generator=g) * 4
+    pos = torch.arange(128).expand(3, 128)
+    keys = tf.rope(base, pos, 1e4)
+    values = torch.randn(3, 128, 64, generator=g)
+    values[..., 5] *= 20  # one outlier channel
+    ids = torch.full((3, 128), TIERS.index("int2"))
+    errs = {}
+    for theta, had in ((None, False), (1e4, True)):
+        _, (k2, v2) = _roundtrip(LadderQuantizer(key_rope_theta=theta, value_hadamard=had), keys, values, ids, ids, pos)
+        errs[theta] = (float((k2 - keys).norm() / keys.norm()), float((v2 - values).norm() / values.norm()))
+    assert errs[1e4][0] < errs[None][0] and errs[1e4][1] < errs[None][1]
+
+
+def test_tier_errors_shrink_with_bits():
+    k, v = _kv()
+    pos = torch.arange(45).expand(3, 45)
+    e = tier_errors(LadderQuantizer(key_rope_theta=1e5), k, v, pos, list(TIERS))
+    means = e.mean((2, 3))
+    assert e.shape == (2, 5, 3, 45)
+    assert bool((means[:, 1:] > means[:, :-1]).all())
+
+
+def test_corrupt_blobs_are_refused():
+    k, v = _kv()
+    pos = torch.arange(45).expand(3, 45)
+    q = LadderQuantizer()
+    ids = torch.full((3, 45), TIERS.index("int3"))
+    t = q.encode_layer(k, v, pos, ids, ids)
+    meta = q.meta(64)
+    for name, bad in (("keys.codes", t["keys.codes"][:-1]), ("keys.params", t["keys.params"][:-2]),
+                      ("tiers", torch.full((3, 45), 0x0F, dtype=torch.uint8))):
+        full = {f"layers.0.{n}": x for n, x in {**t, name: bad}.items()}
+        full["positions"] = torch.arange(45)
+        with pytest.raises(BundleFormatError):
+            dequantize_tensors(full, "layers.0.keys", meta)
+
+
+def test_registered_and_uniform_interface():
+    q = get_quantizer("ladder", group_size=32)
+    k, v = _kv()
+    tensors, meta = q.quantize_layer(k, v, tier="int2")
+    assert meta["scheme"] == "ladder" and set(tensors) == {"tiers", "keys.codes", "keys.params", "values.codes", "values.params"}
