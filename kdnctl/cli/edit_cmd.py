@@ -33,10 +33,10 @@ def edit(
     from ..steer.base import SteerSpec, steer_document
     from ..steer.heads import resolve_heads
 
+    st = open_store(store)  # a damaged store fails before the model loads
     lm = load_lm(model)
     head_map, heads_desc = resolve_heads(heads, lm)
     spec = SteerSpec(list(steer), head_map, alpha=alpha, mode=mode, heads_spec=heads_desc)
-    st = open_store(store)
     results = []
     with st.writer(), progress_bar(len(docs), "steer", unit="doc") as bar:
         for doc_id in docs:

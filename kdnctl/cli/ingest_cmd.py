@@ -38,8 +38,8 @@ def ingest(
         message(f"warning: skipped {s.path}: {s.reason}")
     if not docs:
         raise UsageError("no readable documents in the given paths", hint="supported: .txt .md .rst .html .jsonl")
+    st = open_store(store, create=True)  # a damaged or wrong --store fails before the model loads
     lm = load_lm(model, dtype, device)
-    st = open_store(store, create=True)
     opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
