@@ -298,3 +298,21 @@ def collect_garbage(store, *, dry_run: bool = False, grace_s: float | None = Non
             if p.is_file() and (_dead_writer(p) or now - p.stat().st_mtime >= tmp_grace):
                 reclaim(p, "tmp_removed")
         return stats
+
+
+def bundle_problems(store, version: VersionRecord) -> list[str]:
+    """Why chunks of ``version`` do not match their bundles' own metadata (header-only reads)."""
+    from .protocol import read_bundle_meta
+
+    out = []
+    for c in version.chunks:
+        try:
+            meta = read_bundle_meta(store, c.object)
+        except BundleFormatError as e:
+            out.append(f"{version.doc_id}/{version.label} chunk {c.index}: object {c.object[:12]} is not a "
+                       f"readable bundle ({e.message})")
+            continue
+        why = bundle_mismatch(version, c, meta)
+        if why:
+            out.append(why)
+    return out

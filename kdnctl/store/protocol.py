@@ -45,3 +45,19 @@ class LocalObjects(Protocol):
     """Optional capability: objects are files this process can open (the local Store)."""
 
     def object_path(self, sha: str) -> Path: ...
+
+
+def read_bundle_meta(store: ReadStore, sha: str) -> dict:
+    """A stored bundle's metadata without decoding its tensors: a local store reads only the
+    header bytes; a remote one fetches (and verifies) the object. Damage -> BundleFormatError."""
+    from kdnctl.bundle import decode_bundle, header_size, read_meta
+    from kdnctl.errors import BundleFormatError
+
+    try:
+        head = store.read_object_head(sha, 1 << 16)
+        n = header_size(head)
+        if n > len(head):
+            head = store.read_object_head(sha, n)
+        return read_meta(head)
+    except BundleFormatError:
+        return decode_bundle(store.read_object(sha)).meta  # the full decoder names the damage

@@ -138,8 +138,8 @@ class VersionRecord:
 
 
 # Where a damaged catalog sends the user (the CLI prints it as the hint).
-CATALOG_HINT = ("the catalog is damaged: restore STORE/catalog/ from a backup, or rebuild it from the "
-                "bundles with `kdnctl rebuild-catalog`")
+CATALOG_HINT = ("the catalog is damaged and nothing was changed: restore STORE/catalog/ from a backup (the objects "
+                "are intact; run `kdnctl verify` after restoring), or re-ingest the documents into a new store")
 
 
 class _Fields:
@@ -205,14 +205,16 @@ def bundle_mismatch(version: VersionRecord, chunk: ChunkRef, meta: dict) -> str 
 
     Prefix bundles name their document, version, chunk index and label; independent chunks
     are shared between documents, so there the content (chain hash, tokens, model) must agree."""
-    want: dict[str, Any] = {"model_fingerprint": version.fingerprint, "chain_hash": chunk.chain_hash,
-                            "token_start": chunk.token_start, "token_end": chunk.token_end,
-                            "label": version.label}
+    want: dict[str, Any] = {}
     if version.mode == "prefix":
         want.update(doc_id=version.doc_id, doc_version=version.doc_version, chunk_index=chunk.index)
-    for key, value in want.items():
-        got = meta.get(key) if isinstance(meta, dict) else None
-        if got != value or type(got) is not type(value):
-            return (f"{version.doc_id}@{version.doc_version}/{version.label} chunk {chunk.index} points at object "
-                    f"{chunk.object[:12]} whose bundle has {key}={str(got)[:40]!r}, expected {str(value)[:40]!r}")
-    return None
+    want.update(label=version.label, model_fingerprint=version.fingerprint, chain_hash=chunk.chain_hash,
+                token_start=chunk.token_start, token_end=chunk.token_end)
+    if not isinstance(meta, dict):
+        meta = {}
+    wrong = [f"{key}={str(meta.get(key))[:40]!r} (record: {str(value)[:40]!r})" for key, value in want.items()
+             if meta.get(key) != value or type(meta.get(key)) is not type(value)]
+    if not wrong:
+        return None
+    return (f"{version.doc_id}@{version.doc_version}/{version.label} chunk {chunk.index} points at object "
+            f"{chunk.object[:12]} whose bundle has {', '.join(wrong[:3])}" + (" ..." if len(wrong) > 3 else ""))
