@@ -9,7 +9,8 @@ One run, one store (``--docs`` documents in each of two namespaces, tiny real bu
    as the same-run baseline;
 2. over HTTP on loopback (real uvicorn), GET /v1/chunks/... with namespace A's token for both
    kinds of hash, interleaved.
-Prints medians (µs) and the other/absent ratio for each.
+Prints medians (µs), the other/absent ratio, and the median (and quartiles) of the paired
+difference between adjacent samples, the estimate least disturbed by other load.
 """
 
 from __future__ import annotations
@@ -41,14 +42,18 @@ def old_find_chunk(store: Store, access: Access, fp: str, label: str, h: str):
     return None
 
 
-def interleaved(fn_a, fn_b, samples: int) -> tuple[float, float]:
+def interleaved(fn_a, fn_b, samples: int) -> tuple[float, float, float, float, float]:
+    """Medians of a and b, then the median and quartiles of the PAIRED difference a_i - b_i
+    (adjacent samples, order alternating), which cancels drift from other load on the machine."""
     a, b = [], []
     for i in range(samples):
         for fn, out in ((fn_a, a), (fn_b, b)) if i % 2 else ((fn_b, b), (fn_a, a)):
             t = time.perf_counter_ns()
             fn()
             out.append(time.perf_counter_ns() - t)
-    return statistics.median(a) / 1000, statistics.median(b) / 1000
+    d = sorted((x - y) / 1000 for x, y in zip(a, b))
+    q1, q3 = d[len(d) // 4], d[3 * len(d) // 4]
+    return statistics.median(a) / 1000, statistics.median(b) / 1000, statistics.median(d), q1, q3
 
 
 def main() -> None:
@@ -68,22 +73,21 @@ def main() -> None:
         with Store(root, create=False) as st:
             assert find_chunk(st, acme, FP, "full", other) is None and old_find_chunk(st, acme, FP, "full", other) is None
             for name, fn in (("find_chunk (now)", find_chunk), ("lookup then check (before)", old_find_chunk)):
-                o, a = interleaved(lambda: fn(st, acme, FP, "full", other), lambda: fn(st, acme, FP, "full", absent),
-                                   args.samples)
-                rows.append((name, o, a))
+                rows.append((name, *interleaved(lambda: fn(st, acme, FP, "full", other),
+                                                lambda: fn(st, acme, FP, "full", absent), args.samples)))
         tokens = {"tok-a": ["acme"]}
         with ThreadServer(root, tokens=tokens) as srv, httpx.Client(base_url=srv.url,
                                                                      headers={"authorization": "Bearer tok-a"}) as c:
             def probe(h):
                 r = c.get(f"/v1/chunks/{FP}/full/{h}")
                 assert r.status_code == 404
-            o, a = interleaved(lambda: probe(other), lambda: probe(absent), max(200, args.samples // 5))
-            rows.append(("GET /v1/chunks over HTTP (now)", o, a))
+            rows.append(("GET /v1/chunks over HTTP (now)",
+                         *interleaved(lambda: probe(other), lambda: probe(absent), max(200, args.samples // 5))))
     print(f"{args.docs} documents per namespace, {args.samples} interleaved samples (HTTP: {max(200, args.samples // 5)})")
-    print("| path | other namespace, median µs | absent, median µs | other/absent |")
-    print("|---|---|---|---|")
-    for name, o, a in rows:
-        print(f"| {name} | {o:.1f} | {a:.1f} | {o / a:.3f} |")
+    print("| path | other namespace, median µs | absent, median µs | other/absent | paired difference, median [IQR] µs |")
+    print("|---|---|---|---|---|")
+    for name, o, a, d, q1, q3 in rows:
+        print(f"| {name} | {o:.1f} | {a:.1f} | {o / a:.3f} | {d:+.1f} [{q1:+.1f}, {q3:+.1f}] |")
 
 
 if __name__ == "__main__":
