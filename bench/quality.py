@@ -124,6 +124,7 @@ def main() -> None:
 
     import torch
 
+    from kdnctl.errors import KdnError
     from kdnctl.evaluation.tasks import evaluate_tasks, ingest_tasks, load_tasks, missing_documents
     from kdnctl.model import load_model
     from kdnctl.store import Store
@@ -146,7 +147,12 @@ def main() -> None:
     for spec in recipes:
         t0 = time.perf_counter()
         before = recon["seconds"]
-        out = run_compress(shlex.split(spec), store_dir, ids)
+        try:
+            out = run_compress(shlex.split(spec), store_dir, ids)
+        except KdnError as exc:  # one bad recipe must not cost the rest of the run
+            print(f"compress {spec!r} failed: {exc.one_line()}", file=sys.stderr, flush=True)
+            timings.append({"recipe": spec, "error": exc.one_line()})
+            continue
         label = out["results"][0]["label"]
         labels.append(label)
         elapsed = time.perf_counter() - t0

@@ -186,3 +186,16 @@ def test_eval_tasks_end_to_end(tmp_path):
     assert answers["needle"]["correct"] and picked[0]["answer"] in answers["needle"]["answer"]
     bad = run_cli("eval", "--tasks", str(subset), "--qa", str(REPO / "examples" / "qa.jsonl"), store=store)
     assert bad.returncode == 2
+
+
+def test_quality_vs_bytes_plot(tmp_path):
+    from kdnctl.evaluation.plot import plot_quality_vs_bytes
+
+    def version(label, frac, acc, nll):
+        return {"label": label, "fp16_fraction": frac, "needle": {"n": 60, "accuracy": acc},
+                "multifact": {"n": 40, "accuracy": acc / 2}, "continuation": {"n": 30, "nll": nll}}
+
+    result = {"versions": [version("full", 2.0, 0.98, 2.5), version("b1-int4", 0.31, 0.97, 2.52),
+                           version("kvcrush-b0.25", 0.5, 0.23, 2.9)]}
+    out = plot_quality_vs_bytes(result, tmp_path / "q.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
