@@ -222,7 +222,7 @@ def _encode_sized(recipe: CompressRecipe, press, ctx, keys, values, **common):
     tiers = sizing.ladder_for(recipe.quant)
     rope = bundles[0].meta["model"].get("rope") or {}
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
-    q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta)
+    q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding="zlib")
     w = sizing.weights(common["importance"])
     fixed = len(bundles) * sizing.HEADER_BYTES + 16 * n_tokens
     keep, errors, last_keep, best, loosened = recipe.keep, None, None, None, False

@@ -65,7 +65,7 @@ def weights(importance: torch.Tensor) -> torch.Tensor:
 def forced_keep(avail: float, n_tokens: int, n_layers: int, n_heads: int, head_dim: int, group: int,
                 lowest: str) -> float:
     """Largest token fraction whose rows all fit at the ``lowest`` tier in ``avail`` bytes."""
-    per_token = n_layers * n_heads * (2 * row_bytes(lowest, head_dim, group) + POSITION_BYTES)
+    per_token = n_layers * n_heads * (2 * row_bytes(lowest, head_dim, group, coded=True) + POSITION_BYTES)
     return max(0.0, min(1.0, avail / (n_tokens * per_token)))
 
 
@@ -78,7 +78,7 @@ def plan_tiers(q: LadderQuantizer, keys: list[torch.Tensor], values: list[torch.
     ``keys/values[i]`` [H, T_i, D] are the kept rows, ``importance[i]`` [H, T_i] their weights,
     ``errors`` (optional, reused between calls) the output of ``tier_errors`` per layer."""
     d = keys[0].shape[-1]
-    cost = torch.tensor([row_bytes(t, d, q.group_size) for t in tiers], dtype=torch.float64)
+    cost = torch.tensor([row_bytes(t, d, q.group_size, coded=q.coding is not None) for t in tiers], dtype=torch.float64)
     if errors is None:
         errors = [tier_errors(q, k, v, p, list(tiers)) for k, v, p in zip(keys, values, positions)]
     dmg = torch.cat([(e * w[None, None]).permute(0, 2, 3, 1).reshape(-1, len(tiers))

@@ -113,3 +113,13 @@ def test_registered_and_uniform_interface():
     k, v = _kv()
     tensors, meta = q.quantize_layer(k, v, tier="int2")
     assert meta["scheme"] == "ladder" and set(tensors) == {"tiers", "keys.codes", "keys.params", "values.codes", "values.params"}
+
+
+def test_zlib_coding_is_lossless_and_smaller():
+    k, v = _kv(t=128)
+    pos = torch.arange(128).expand(3, 128)
+    ids = torch.full((3, 128), TIERS.index("int2"))
+    plain, (k1, v1) = _roundtrip(LadderQuantizer(key_rope_theta=1e5), k, v, ids, ids, pos)
+    coded, (k2, v2) = _roundtrip(LadderQuantizer(key_rope_theta=1e5, coding="zlib"), k, v, ids, ids, pos)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert coded["keys.codes"].numel() < plain["keys.codes"].numel()

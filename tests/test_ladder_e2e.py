@@ -9,6 +9,7 @@ import math
 import socket
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -66,6 +67,7 @@ def test_byte_cap_includes_everything(store, doc, budget):
     metas = [read_meta(store.read_object(c.object)) for c in v.chunks]
     mix = metas[0]["quant"]["mix"]
     assert metas[0]["quant"]["scheme"] == "ladder" and set(mix) == {"keys", "values"}
+    assert metas[0]["quant"]["coding"] == "zlib"
     assert set(mix["keys"]) <= set(TIERS)
 
 
@@ -105,6 +107,8 @@ def _by_hand(b, i, role):
     tiers = b.tensors[f"layers.{i}.tiers"].long()
     ids = tiers % 16 if role == "keys" else tiers // 16
     codes = b.tensors[f"layers.{i}.{role}.codes"]
+    if q.get("coding") == "zlib":
+        codes = torch.frombuffer(bytearray(zlib.decompress(codes.numpy().tobytes())), dtype=torch.uint8)
     params = b.tensors[f"layers.{i}.{role}.params"]
     out = torch.zeros(*ids.shape, d)
     co = po = 0

@@ -86,7 +86,8 @@ def solve_greedy(damage: torch.Tensor, cost: torch.Tensor, cap: float) -> torch.
     tier[units[:fit]] = to[:fit]  # later segments of a unit overwrite earlier ones (same order)
     left -= float(csum[fit - 1]) if fit else 0.0
     stopped = set()
-    dc_min = float(dc.min())
+    steps = torch.diff(torch.sort(cost.double(), dim=-1).values, dim=-1)
+    dc_min = float(steps[steps > 0].min()) if bool((steps > 0).any()) else 0.0  # smallest upgrade of any kind
     for j in range(fit, min(units.numel(), fit + 50_000)):  # fill what is left with upgrades that fit
         if left < dc_min:
             break
