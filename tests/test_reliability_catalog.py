@@ -53,7 +53,7 @@ def _assert_refused(proc, *words):
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert proc.returncode != 0 and proc.returncode < 128, (proc.returncode, proc.stderr)
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert "damaged" in lines[0] and "hint:" in lines[0] and "restore STORE/catalog/ from a backup" in lines[0], lines[0]
+    assert "damaged" in lines[0] and "hint:" in lines[0] and "restore STORE/catalog/ from a backup" in lines[0] and "rebuild-catalog" in lines[0], lines[0]
     for w in words:
         assert w in lines[0], lines[0]
 
