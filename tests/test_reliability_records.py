@@ -4,6 +4,7 @@ bundles (locally, over --remote, on pull), and gc's grace period keeps a reader'
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from dataclasses import asdict
 
 import lmdb
@@ -101,3 +102,33 @@ def test_loader_hint_when_a_version_is_reclaimed_under_it(two_docs, lm):
         with pytest.raises(NotFoundError, match="changed while it was being loaded") as exc:
             load_version(lm, st, picked)
         assert "re-ingest" not in exc.value.hint
+
+
+def test_rebuild_catalog_from_bundles_restores_the_catalog(two_docs, lm):
+    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.ingest.rebuild import REBUILT_SOURCE, rebuild_catalog
+
+    words = (EXAMPLES / "faq.md").read_text().split()
+    with Store(two_docs, create=False) as st:
+        ingest_documents(st, lm, [_doc("b.md", " ".join(words[70:120]))], IngestOptions(chunk_tokens=16, stats=False))
+        with st.writer():
+            compress_document(st, "a.md", CompressRecipe(budget=1.0, quant="int8"), label="q8")
+        want = st.catalog_dump()
+        current = {d.doc_id: d.doc_version for d in st.list_documents()}
+    (two_docs / "catalog" / "data.mdb").write_bytes(b"")  # the issue's `truncate -s 0`
+    with pytest.raises(StoreCorruptError):
+        Store(two_docs, create=False)
+    report = rebuild_catalog(two_docs, lm)
+    assert sorted(report.documents) == ["a.md", "b.md"] and report.skipped == []
+    assert report.damaged_catalog and (Path(report.damaged_catalog) / "data.mdb").exists()
+    with Store(two_docs, create=False) as st:
+        got = st.catalog_dump()
+        assert st.verify() == []
+        assert {d.doc_id: d.doc_version for d in st.list_documents()} == current
+        assert all(d["source"] == REBUILT_SOURCE for d in got["docs"].values())
+        load_document(lm, st, "a.md", label="q8")
+    for d in (want, got):
+        for rec in d["docs"].values():
+            rec.pop("source")
+        d["meta"] = {k: v for k, v in d["meta"].items() if k == "schema_version"}
+    assert got == want

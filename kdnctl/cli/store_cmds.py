@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import JsonOpt, StoreOpt, emit_json, message, open_store
+from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, store_root
 
 
 def _version_dict(v, fp16_per_token: int | None = None) -> dict:
@@ -164,8 +164,28 @@ def gc(store: Optional[Path] = StoreOpt, dry_run: bool = typer.Option(False, "--
         message(" ".join(f"{k}={v}" for k, v in report.items()))
 
 
+def rebuild_catalog(store: Optional[Path] = StoreOpt, model: Optional[str] = ModelOpt,
+                    force: bool = typer.Option(False, "--force", help="Rebuild even if the catalog opens fine."),
+                    as_json: bool = JsonOpt) -> None:
+    """Rebuild a damaged catalog from the bundles' own metadata (the old catalog is kept aside)."""
+    from ..ingest.rebuild import rebuild_catalog as rebuild
+
+    root = store_root(store)
+    lm = load_lm(model)
+    report = rebuild(root, lm, force=force)
+    if as_json:
+        emit_json(report.as_dict())
+    else:
+        for line in report.skipped:
+            message(f"not recovered: {line}")
+        message(f"rebuilt {len(report.documents)} document(s), {report.versions} version(s)"
+                + (f"; damaged catalog kept at {report.damaged_catalog}" if report.damaged_catalog else "")
+                + "; run `kdnctl verify`")
+
+
 def register(app: typer.Typer) -> None:
     app.command("ls")(ls)
     app.command("show")(show)
     app.command("verify")(verify)
     app.command("gc")(gc)
+    app.command("rebuild-catalog")(rebuild_catalog)

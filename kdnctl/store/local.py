@@ -89,6 +89,8 @@ class Store(CatalogReader):
                                 hint="run `kdnctl ingest` first, or point KDN_STORE/--store at an existing store")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            if self.catalog_dir.is_dir() and set(os.listdir(self.catalog_dir)) <= {"lock.mdb"}:
+                (self.catalog_dir / "lock.mdb").unlink(missing_ok=True)  # an old-style create cut short
             cat.create_catalog(self.catalog_dir)
             for d in (self.objects_dir, self.tmp_dir):
                 d.mkdir(exist_ok=True)

@@ -138,8 +138,8 @@ class VersionRecord:
 
 
 # Where a damaged catalog sends the user (the CLI prints it as the hint).
-CATALOG_HINT = ("the catalog is damaged and nothing was changed: restore STORE/catalog/ from a backup (the objects "
-                "are intact; run `kdnctl verify` after restoring), or re-ingest the documents into a new store")
+CATALOG_HINT = ("the catalog is damaged and nothing was changed: restore STORE/catalog/ from a backup, or rebuild "
+                "it from the bundles with `kdnctl rebuild-catalog` (the objects are intact); then run `kdnctl verify`")
 
 
 class _Fields:
