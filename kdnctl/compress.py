@@ -90,6 +90,8 @@ class CompressRecipe:
         int8 tokens for ``mixed``."""
         if self.sized and len(sizing.ladder_for(self.quant)) > 1:
             return True
+        if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
+            return False  # one tier that fits everywhere: nothing to rank
         return self.quant == "mixed" or get_press(self.method, **self.method_options).uses_importance
 
     @property

@@ -48,6 +48,14 @@ def ladder_for(quant: str) -> tuple[str, ...]:
                          hint=f"with --budget use one of {', '.join(LADDERS)}") from None
 
 
+def may_evict(budget: float, quant: str, group_size: int, head_dim: int = 64) -> bool:
+    """Whether a budget could force eviction at this ladder's cheapest tier (with a margin for
+    headers and positions): if not, a single-tier recipe needs no importance scores."""
+    lowest = ladder_for(quant)[-1]
+    frac = row_bytes(lowest, head_dim, group_size, coded=True) / (2 * head_dim)
+    return budget < frac * 1.15
+
+
 def fp16_bytes(n_tokens: int, n_layers: int, n_heads: int, head_dim: int) -> int:
     return 2 * 2 * n_tokens * n_layers * n_heads * head_dim
 

@@ -123,3 +123,14 @@ def test_zlib_coding_is_lossless_and_smaller():
     coded, (k2, v2) = _roundtrip(LadderQuantizer(key_rope_theta=1e5, coding="zlib"), k, v, ids, ids, pos)
     assert torch.equal(k1, k2) and torch.equal(v1, v2)
     assert coded["keys.codes"].numel() < plain["keys.codes"].numel()
+
+
+def test_recipe_labels_and_when_scores_are_needed():
+    from kdnctl.compress import CompressRecipe
+
+    assert CompressRecipe().default_label() == "ladder-b0.25" and CompressRecipe().needs_model
+    q8 = CompressRecipe(budget=1.0, quant="int8")  # fits everywhere: nothing to rank, no model pass
+    assert q8.default_label() == "int8-b1" and not q8.needs_model
+    assert CompressRecipe(budget=0.25, quant="fp16", method="snapkv").default_label() == "snapkv-fp16-b0.25"
+    evict = CompressRecipe(budget=None, keep=0.25)
+    assert evict.default_label() == "kvcrush-k0.25" and evict.quant == "none"
