@@ -172,9 +172,9 @@ def test_fp16_scale_costs_little_accuracy():
 
 
 def test_registry():
-    assert set(QUANTIZERS) == {"none", "int8", "int4", "fp8", "mixed"}
+    assert set(QUANTIZERS) == {"none", "int8", "int4", "int3", "int2", "fp8", "mixed", "ladder"}
     with pytest.raises(UsageError) as ei:
-        get_quantizer("int3")
+        get_quantizer("int5")
     assert "int8" in ei.value.hint and "mixed" in ei.value.hint
     with pytest.raises(UsageError):
         get_quantizer("int8", group_size=33)
