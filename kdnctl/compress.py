@@ -55,7 +55,7 @@ class CompressRecipe:
         if self.budget is not None:
             self.budget = validate_budget(self.budget)
             if self.quant is None:
-                self.quant = "ladder"
+                self.quant = "uniform"
             sizing.ladder_for(self.quant)
         elif self.quant is None:
             self.quant = "none"
@@ -88,7 +88,7 @@ class CompressRecipe:
     def uses_scorer(self) -> bool:
         """The scorer ranks tokens for presses that use it, weighs the ladder's damage, and picks
         int8 tokens for ``mixed``."""
-        if self.sized and len(sizing.ladder_for(self.quant)) > 1:
+        if self.sized and self.quant == "ladder":
             return True
         if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
             return False  # one tier that fits everywhere: nothing to rank
@@ -222,6 +222,9 @@ def _encode_sized(recipe: CompressRecipe, press, ctx, keys, values, **common):
     fp16 = sizing.fp16_bytes(n_tokens, n_layers, n_heads, d)
     cap = recipe.budget * fp16
     tiers = sizing.ladder_for(recipe.quant)
+    if recipe.quant == "uniform":
+        tiers = sizing.uniform_tier(cap - len(bundles) * sizing.HEADER_BYTES - 16 * n_tokens,
+                                    n_layers * n_heads * n_tokens, d, recipe.group_size)
     rope = bundles[0].meta["model"].get("rope") or {}
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
     q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding="zlib")

@@ -1,13 +1,13 @@
 """Recipes: a TOML file naming a pipeline's steps and their settings.
 
-    name = "ladder-0.25"
-    label = "ladder-b0.25"               # optional: label of the final version
+    name = "size-0.25"
+    label = "uniform-b0.25"              # optional: label of the final version
     [ingest]
     chunk_tokens = 256
     window = 32
     [compress]
     budget = 0.25                        # size cap: <= 0.25 x the fp16 K/V bytes
-    quant = "ladder"                     # precision ladder; "int4": uniform; "fp16": eviction alone
+    quant = "uniform"                    # best single tier that fits; "ladder": per-token tiers; "fp16": eviction alone
     method = "kvcrush"                   # evicts only when the cap forces it
     scorer = "hybrid"
     group_size = 32

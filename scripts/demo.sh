@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
 export KDN_STORE="${KDN_STORE:-.kdn}"
-kdnctl run recipes/ladder-0.25.toml examples/corpus
+kdnctl run recipes/size-0.25.toml examples/corpus
 kdnctl ls
 Q="How long does it take to charge the Zephyr X200 battery to 80 %?"
 kdnctl ask zephyr-x200-manual.md "$Q" --compare
-kdnctl ask zephyr-x200-manual.md "$Q" --version ladder-b0.25
+kdnctl ask zephyr-x200-manual.md "$Q" --version uniform-b0.25

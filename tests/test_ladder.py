@@ -128,9 +128,21 @@ def test_zlib_coding_is_lossless_and_smaller():
 def test_recipe_labels_and_when_scores_are_needed():
     from kdnctl.compress import CompressRecipe
 
-    assert CompressRecipe().default_label() == "ladder-b0.25" and CompressRecipe().needs_model
+    # the default: one uniform tier (int3 at 0.25 fits every token: no eviction, no scores needed)
+    assert CompressRecipe().default_label() == "uniform-b0.25" and not CompressRecipe().needs_model
+    assert CompressRecipe(budget=0.083).needs_model  # int2 does not fit: the press evicts by importance
+    assert CompressRecipe(budget=0.25, quant="ladder").needs_model
     q8 = CompressRecipe(budget=1.0, quant="int8")  # fits everywhere: nothing to rank, no model pass
     assert q8.default_label() == "int8-b1" and not q8.needs_model
     assert CompressRecipe(budget=0.25, quant="fp16", method="snapkv").default_label() == "snapkv-fp16-b0.25"
     evict = CompressRecipe(budget=None, keep=0.25)
     assert evict.default_label() == "kvcrush-k0.25" and evict.quant == "none"
+
+
+def test_uniform_picks_the_best_tier_that_fits():
+    from kdnctl.sizing import uniform_tier
+
+    rows, fp16_row_pair = 1000, 256
+    assert uniform_tier(1.0 * rows * fp16_row_pair, rows, 64, 32) == ("fp16",)
+    assert uniform_tier(0.25 * rows * fp16_row_pair, rows, 64, 32) == ("int3",)
+    assert uniform_tier(0.083 * rows * fp16_row_pair, rows, 64, 32) == ("int2",)  # + forced eviction

@@ -44,7 +44,7 @@ def store(tmp_path_factory, lm):
     with st.writer():
         for doc in DOCS:
             for b in (0.25, 0.15, 0.083):
-                compress_document(st, doc, CompressRecipe(budget=b, scorer="surprisal"))
+                compress_document(st, doc, CompressRecipe(budget=b, quant="ladder", scorer="surprisal"))
     yield st
     st.close()
 
