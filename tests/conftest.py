@@ -42,6 +42,14 @@ def tiny_model_dir(tmp_path_factory, lm):
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_model_dir):
+    """The tiny random model of ``tiny_model_dir``, loaded once per session."""
+    from kdnctl.model import load_model
+
+    return load_model(tiny_model_dir)
+
+
 def run_cli(*args, store=None, env=None, timeout=600, check=False):
     """Run the real `kdnctl` console entry in a subprocess; returns CompletedProcess."""
     import os
