@@ -4,11 +4,9 @@ load into the engine with the same logits, and be what today's code writes for t
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest

@@ -29,8 +29,7 @@ def ingest(
     from ..errors import UsageError
     from ..ingest import IngestOptions, ingest_documents
 
-    if chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
+    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)  # checks the values
     if mode not in ("prefix", "independent"):
         raise UsageError(f"--mode must be prefix or independent, got {mode!r}")
     docs, skipped = read_corpus(paths)
@@ -40,7 +39,6 @@ def ingest(
         raise UsageError("no readable documents in the given paths", hint="supported: .txt .md .rst .html .jsonl")
     lm = load_lm(model, dtype, device)
     st = open_store(store, create=True)
-    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
         if mode == "independent":
