@@ -203,8 +203,9 @@ _IN_MEMORY: list[list[LoadedModel]] = []
 
 @contextlib.contextmanager
 def use_loaded_models(*models: LoadedModel) -> Iterator[None]:
-    """Within the block, ``load_model(spec)`` returns one of ``models`` when ``spec`` resolves to
-    its source and no other dtype/device is asked for, instead of loading it again: the
+    """Within the block, ``load_model(spec, dtype=, device=)`` returns one of ``models`` when it
+    is what that call would load (same source path, dtype and device, defaults included)
+    instead of loading it again: the
     injection point for processes that run many commands (the test suite runs the CLI
     in-process on one model, notebooks, services)."""
     _IN_MEMORY.append(list(models))
@@ -214,31 +215,33 @@ def use_loaded_models(*models: LoadedModel) -> Iterator[None]:
         _IN_MEMORY.pop()
 
 
-def _in_memory(path: Path, dtype: str | None, device: str | None) -> LoadedModel | None:
+def _in_memory(path: Path, dtype: str, device: str) -> LoadedModel | None:
     for lm in (m for frame in reversed(_IN_MEMORY) for m in frame):
-        if Path(lm.source).resolve() != path.resolve():
-            continue
-        if dtype is not None and str(lm.dtype) != f"torch.{dtype}":
-            continue
-        if device is not None and lm.device.type != device:
-            continue
-        return lm
+        if Path(lm.source).resolve() == path.resolve() and str(lm.dtype) == f"torch.{dtype}" \
+                and lm.device.type == torch_device_type(device):
+            return lm
     return None
+
+
+def torch_device_type(device: str) -> str:
+    """``"cuda:1"`` -> ``"cuda"``."""
+    return str(device).split(":", 1)[0]
 
 
 def load_model(spec: str | os.PathLike | None = None, *, dtype: str | None = None, device: str | None = None) -> LoadedModel:
     """Load a model for kdnctl. ``spec``: None/"smollm2-135m" (default GGUF), a .gguf path or a
     HF model directory. ``dtype``: float32 (default on CPU), float16 or bfloat16."""
+    import torch
+
     path = resolve_model_path(spec)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("float32" if device == "cpu" else "float16")
     loaded = _in_memory(path, dtype, device)
     if loaded is not None:
         return loaded
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = dtype or ("float32" if device == "cpu" else "float16")
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ModelLoadError(f"unsupported dtype {dtype!r}", hint="use float32, float16 or bfloat16")
     hf_dir = path

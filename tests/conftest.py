@@ -99,6 +99,9 @@ def _run_in_process(argv, env):
                 entry(app, argv)
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
         stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
     return subprocess.CompletedProcess(["kdnctl", *argv], code, stdout, stderr)
 
