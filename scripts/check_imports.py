@@ -81,12 +81,13 @@ def find_problems() -> list[str]:
                 continue
             tparts = target.split(".")
             dst_top = tparts[1] if len(tparts) > 1 else "__init__"
-            # "from kdnctl.x import y" may import a submodule y
+            # "from kdnctl.x import y" may import a submodule y; private names may be shared
+            # inside one package (kdnctl/store/*), not across packages
             for n in names or [""]:
                 sub = f"{target}.{n}" if n and f"{target}.{n}" in modules else target
                 if top_level and sub in modules and sub != mod:
                     graph.setdefault(mod, set()).add(sub)
-                if n.startswith("_") and not n.startswith("__"):
+                if n.startswith("_") and not n.startswith("__") and src_top != dst_top:
                     problems.append(f"{mod}: imports private name {n} from {target}")
             if dst_top in ("__init__",) or src_top == dst_top:
                 continue

@@ -10,9 +10,7 @@ def test_imports_point_down_no_cycles_small_modules():
     spec = importlib.util.spec_from_file_location("check_imports", REPO / "scripts" / "check_imports.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    problems = mod.find_problems()
-    # store.py and server.py are being split by the reliability work (issue 10)
-    assert [p for p in problems if not p.startswith(("kdnctl.store:", "kdnctl.server:"))] == []
+    assert mod.find_problems() == []
 
 
 def test_every_command_module_is_registered():
