@@ -1,13 +1,15 @@
 """``kdnctl compress``: a stored version -> a size-budgeted, pruned and/or quantized new version.
 
 Two budgets. ``budget`` (size, the default 0.25): the stored bytes of each document are at most
-``budget`` x its fp16 K/V size, everything included; the precision ladder fills it (every token
-kept at the best tiers that fit, ``kdnctl.sizing``), and tokens are evicted (by the press) only
-when the cap forces it after every row is at the lowest tier. ``keep`` (token eviction, the
-meaning ``--budget`` had before): the fraction of tokens kept per layer and KV head.
+``budget`` x its fp16 K/V size, everything included; precision fills it (``kdnctl.sizing``:
+the best single tier that fits, or per-token tiers with ``quant="ladder"``), and tokens are
+evicted (by the press) only when the cap forces it after every row is at the lowest tier.
+``keep`` (token eviction, the meaning ``budget`` had before): the fraction of tokens kept per
+layer and KV head.
 
 Per document: load the source chunks, score every token with a query-agnostic scorer, let the
-press pick kept tokens per layer and KV head over the WHOLE document (so the budget can go to
+allocator split the budget over layers and the press pick kept tokens per layer and KV head
+over the WHOLE document (so the budget can go to
 the chunks that need it), split the picks back into chunks (every head of a layer keeps the
 same count within a chunk), gather K/V (and any steering bias), quantize, and commit the new
 version in one transaction. The source version stays; re-running the same recipe is a no-op.
@@ -15,31 +17,40 @@ version in one transaction. The source version stays; re-running the same recipe
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .bundle import KVBundle, decode_bundle, encode_bundle, make_meta
+from . import sizing
+from .bundle import KVBundle, decode_bundle, encode_bundle, stats_of, tensor_name
 from .errors import UnsupportedError, UsageError
 from .kernels.kvcrush import gather_layers
-from .presses import get_press
-from .presses.allocate import select_document
-from .presses.base import ScoreContext, validate_budget
+from .allocate import ALLOCATORS, DEFAULT_ALLOCATOR, Allocator, allocate, get_allocator
+from .presses import get_press, press_class
+from .presses.base import Press, ScoreContext, validate_budget
+from .presses.document import select_document
+from .registry import method_fields
 from .quant import get_quantizer
 from .quant.ladder import LadderQuantizer
 from .scoring import DEFAULT_SCORER, NEEDS_MODEL, compute_importance
-from . import sizing
-from .store import ChunkRef, Store, VersionRecord
+from .store import Store
+from .versions import child_recipe, derive_version, derived_meta, existing_version
+
+
+# The per-layer allocators used to be presses wrapping another press; their old spellings
+# (``method = "pyramid"``, ``"pyramid:kvcrush"``, ``method_options = {"press": ...}``) still work.
+_LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
 
 
 @dataclass
 class CompressRecipe:
     """``budget``: size cap as a fraction of the fp16 K/V bytes (None: no cap, pure eviction);
     ``keep``: fraction of tokens kept per layer and KV head by ``method``; ``quant``: with a
-    budget, the tiers the ladder may use (``ladder`` = all, ``int4`` = uniform int4, ``fp16`` =
-    eviction alone); without one, the quantizer of every kept token (``none``, ``int8``, ...)."""
+    budget, the tiers (``uniform`` = best single tier that fits, ``ladder`` = per-token tiers,
+    ``int4`` = int4, ``fp16`` = eviction alone); without one, the quantizer of every kept token."""
 
     budget: float | None = 0.25
     method: str = "kvcrush"
@@ -48,6 +59,8 @@ class CompressRecipe:
     group_size: int = 32
     seed: int = 0
     method_options: dict[str, Any] = field(default_factory=dict)
+    allocator: str = DEFAULT_ALLOCATOR
+    allocator_options: dict[str, Any] = field(default_factory=dict)
     keep: float = 1.0
 
     def __post_init__(self) -> None:
@@ -59,15 +72,27 @@ class CompressRecipe:
             sizing.ladder_for(self.quant)
         elif self.quant is None:
             self.quant = "none"
+        wrapper, _, inner = str(self.method).partition(":")
+        if wrapper in _LEGACY_WRAPPED:
+            opts = dict(self.method_options)
+            inner = inner or opts.pop("press", None) or _LEGACY_WRAPPED[wrapper]
+            press_opts = opts.pop("press_options", {})
+            own = method_fields(ALLOCATORS[wrapper])
+            self.allocator, self.method = wrapper, str(inner)
+            self.allocator_options = {**{k: v for k, v in opts.items() if k in own}, **self.allocator_options}
+            self.method_options = {**{k: v for k, v in opts.items() if k not in own}, **press_opts}
+
+    def as_dict(self) -> dict:
+        d = {"step": "compress", "budget": self.budget, "keep": self.keep, "method": self.method, "scorer": self.scorer,
+             "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
+             "method_options": dict(sorted(self.method_options.items()))}
+        if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
+            d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
+        return d
 
     @property
     def sized(self) -> bool:
         return self.budget is not None
-
-    def as_dict(self) -> dict:
-        return {"step": "compress", "budget": self.budget, "keep": self.keep, "method": self.method,
-                "scorer": self.scorer, "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
-                "method_options": dict(sorted(self.method_options.items()))}
 
     def default_label(self) -> str:
         if self.sized:
@@ -78,11 +103,25 @@ class CompressRecipe:
                 label += f"-k{self.keep:g}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
+        if (self.keep < 1 or self.sized) and self.allocator != DEFAULT_ALLOCATOR:
+            label = f"{self.allocator}-{label}"
         if self.scorer != DEFAULT_SCORER:
             label += f"-{self.scorer}"
         if not self.sized and self.quant != "none":
             label += f"-{self.quant}"
         return label
+
+    def build_press(self, header_tokens: int = 0) -> Press:
+        """The press, keeping at least the ``header_tokens`` prompt-header tokens as sinks."""
+        press = get_press(self.method, **self.method_options)
+        if header_tokens > press.sink_tokens:
+            # The prompt header (system prompt, start of the user turn) precedes every question
+            # and is where attention sinks live: it is always kept, as the press's sinks.
+            press = dataclasses.replace(press, sink_tokens=header_tokens)
+        return press
+
+    def build_allocator(self) -> Allocator:
+        return get_allocator(self.allocator, **self.allocator_options)
 
     @property
     def uses_scorer(self) -> bool:
@@ -92,12 +131,11 @@ class CompressRecipe:
             return True
         if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
             return False  # one tier that fits everywhere: nothing to rank
-        return self.quant == "mixed" or get_press(self.method, **self.method_options).uses_importance
+        return self.quant == "mixed" or press_class(self.method).uses_importance
 
     @property
     def needs_model(self) -> bool:
-        may_prune = self.keep < 1 or self.sized
-        return may_prune and self.scorer in NEEDS_MODEL and self.uses_scorer
+        return (self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer
 
 
 @dataclass
@@ -123,8 +161,9 @@ class CompressResult:
 
 
 def _cat_stats(bundles: list[KVBundle]) -> dict[str, torch.Tensor]:
-    names = set.intersection(*(set(n[6:] for n in b.tensors if n.startswith("stats.")) for b in bundles))
-    return {n: torch.cat([b.tensors[f"stats.{n}"].float() for b in bundles], dim=-1) for n in sorted(names)}
+    per_chunk = [stats_of(b.tensors) for b in bundles]
+    names = set.intersection(*(set(s) for s in per_chunk))
+    return {n: torch.cat([s[n].float() for s in per_chunk], dim=-1) for n in sorted(names)}
 
 
 def _gather_bias(bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -146,17 +185,15 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     t0 = time.perf_counter()
     label = label or recipe.default_label()
     src = store.get_version(doc_id, source)
-    existing = {v.label: v for v in store.list_versions(doc_id)}
-    full_recipe = {"source": source, **recipe.as_dict()}
-    if label in existing:
-        if existing[label].recipe.get("steps", [existing[label].recipe])[-1] == full_recipe:
-            return CompressResult(doc_id, label, "unchanged", src.nbytes, existing[label].nbytes)
-        raise UsageError(f"label {label!r} of {doc_id} was made by another recipe", hint="pass --label NAME")
+    step = {"source": source, **recipe.as_dict()}
+    done = existing_version(store, doc_id, label, step)
+    if done is not None:
+        return CompressResult(doc_id, label, "unchanged", src.nbytes, done.nbytes)
     bundles = [decode_bundle(store.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
     if any("quant" in b.meta for b in bundles):
-        raise UnsupportedError(f"{doc_id} [{source}] is already quantized", hint="compress from an unquantized version (--from full)")
+        raise UnsupportedError(f"{doc_id} [{source}] is already quantized", hint="compress from an unquantized version (e.g. full)", param="source")
     if any("positions" not in b.tensors for b in bundles) and (recipe.keep < 1 or recipe.sized):
-        raise UnsupportedError(f"{doc_id} [{source}] is already pruned", hint="compress from an unpruned version (--from full)")
+        raise UnsupportedError(f"{doc_id} [{source}] is already pruned", hint="compress from an unpruned version (e.g. full)", param="source")
     n_layers = bundles[0].n_layers
     dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]
     keys = [torch.cat([d[i][0] for d in dense], dim=1).float() for i in range(n_layers)]
@@ -167,44 +204,38 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     local_bounds = [(s - base, e - base) for s, e in bounds]
     n_heads = keys[0].shape[0]
     score_s = 0.0
-    press = ctx = None
+    picks, ctx, press, allocator = None, None, None, None
     if recipe.keep < 1 or recipe.sized:
         stats = _cat_stats(bundles)
-        press = get_press(recipe.method, **recipe.method_options)
+        press = recipe.build_press(int(bundles[0].meta.get("header_tokens", 0)))
+        allocator = recipe.build_allocator()
         t_score = time.perf_counter()  # the scorer alone (model passes): reported apart from selection
         importance = compute_importance(recipe.scorer, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
                                         n_layers=n_layers, n_heads=n_heads) if recipe.uses_scorer \
             else torch.zeros(n_layers, n_heads, len(token_ids))
         score_s = time.perf_counter() - t_score
         ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
-        header = int(bundles[0].meta.get("header_tokens", 0))
-        if header > press.sink_tokens:
-            # The prompt header (system prompt, start of the user turn) precedes every question
-            # and is where attention sinks live: it is always kept, as the press's sinks.
-            press = get_press(recipe.method, **{**recipe.method_options, "sink_tokens": header})
+        if recipe.keep < 1 and not recipe.sized:
+            picks = select_document(press, ctx, allocate(allocator, press, ctx, recipe.keep), local_bounds)
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
-    parent_recipe = src.recipe if "steps" in src.recipe else {"steps": [src.recipe]}
-    version_recipe = {"steps": parent_recipe["steps"] + [full_recipe]}
-    common = dict(bundles=bundles, dense=dense, bounds=bounds, local_bounds=local_bounds, label=label,
-                  source=source, version_recipe=version_recipe, importance=importance)
-    mix, kept = None, recipe.keep
+    fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
     if recipe.sized:
-        datas, mix, kept, fp16 = _encode_sized(recipe, press, ctx, keys, values, **common)
-    else:
-        picks = select_document(press, ctx, recipe.keep, local_bounds) if recipe.keep < 1 else None
-        datas = _encode_chunks(recipe, picks, None, **common)
-        fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
-    chunks, total = [], 0
-    for c, data in enumerate(datas):
-        sha = store.put_object(data)
-        chunks.append(ChunkRef(c, sha, bounds[c][0], bounds[c][1], bundles[c].meta["chain_hash"], len(data)))
-        total += len(data)
-    record = VersionRecord(doc_id, src.doc_version, label, source, version_recipe, src.fingerprint, chunks,
-                           time.time(), src.n_tokens, src.mode)
-    store.commit_version(record)
-    return CompressResult(doc_id, label, "compressed", src.nbytes, total, time.perf_counter() - t0, score_s,
-                          fp16, kept, mix)
+        new_tensors, metas, kept, mix = _sized(store, src, label, step, recipe, bundles, dense, keys, values,
+                                               importance, press, allocator, ctx, local_bounds, fp16)
+        record = derive_version(store, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
+        return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0,
+                              score_s, fp16, kept, mix)
+    quantizer = get_quantizer(recipe.quant, group_size=recipe.group_size) if recipe.quant != "none" else None
+    new_tensors, metas = [], []
+    for c, (b, (ls, le)) in enumerate(zip(bundles, local_bounds)):
+        tensors, qmeta = _chunk_tensors(b, dense[c], None if picks is None else picks[c], importance[:, :, ls:le]
+                                        if picks is not None else None, quantizer)
+        new_tensors.append(tensors)
+        metas.append({"quant": qmeta} if qmeta is not None else {})
+    record = derive_version(store, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
+    return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0, score_s,
+                          fp16, recipe.keep)
 
 
 def _doc_rows(picks, local_bounds, n_layers: int, n_tokens: int, n_heads: int) -> list[torch.Tensor]:
@@ -214,12 +245,12 @@ def _doc_rows(picks, local_bounds, n_layers: int, n_tokens: int, n_heads: int) -
     return [torch.cat([picks[c][i] + ls for c, (ls, _) in enumerate(local_bounds)], dim=1) for i in range(n_layers)]
 
 
-def _encode_sized(recipe: CompressRecipe, press, ctx, keys, values, **common):
-    """Size-budgeted encoding: plan tiers (evicting only if forced), encode, and tighten the
-    plan until the encoded bytes fit the cap. Returns (datas, mix, kept fraction, fp16 bytes)."""
-    bundles, local_bounds = common["bundles"], common["local_bounds"]
+def _sized(store, src, label, step, recipe, bundles, dense, keys, values, importance, press, allocator, ctx,
+           local_bounds, fp16):
+    """Size-budgeted chunks: plan tiers (evicting only if forced), encode exactly as the version
+    will be written, and tighten the plan until the bytes fit the cap.
+    Returns (tensors per chunk, meta per chunk, kept fraction, tier mix)."""
     n_layers, n_tokens, (n_heads, _, d) = len(keys), keys[0].shape[1], keys[0].shape
-    fp16 = sizing.fp16_bytes(n_tokens, n_layers, n_heads, d)
     cap = recipe.budget * fp16
     tiers = sizing.ladder_for(recipe.quant)
     if recipe.quant == "uniform":
@@ -228,17 +259,17 @@ def _encode_sized(recipe: CompressRecipe, press, ctx, keys, values, **common):
     rope = bundles[0].meta["model"].get("rope") or {}
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
     q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding="zlib")
-    w = sizing.weights(common["importance"])
+    w = sizing.weights(importance)
+    recipe_meta = child_recipe(src, step)
     fixed = len(bundles) * sizing.HEADER_BYTES + 16 * n_tokens
-    keep, errors, last_keep, best, loosened = recipe.keep, None, None, None, False
+    errors, last_keep, best, loosened, picks = None, None, None, False, None
     for _attempt in range(6):
         forced = sizing.forced_keep(cap - fixed, n_tokens, n_layers, n_heads, d, q.group_size, tiers[-1])
         keep = min(recipe.keep, forced * 0.995 if forced < 1 else 1.0)
         if keep <= 0:
-            raise UsageError(f"a budget of {recipe.budget:g} cannot hold even the bundle headers",
-                             hint="raise --budget")
+            raise UsageError(f"a budget of {recipe.budget:g} cannot hold even the bundle headers", hint="raise --budget")
         if keep != last_keep:
-            picks = select_document(press, ctx, keep, local_bounds) if keep < 1 else None
+            picks = select_document(press, ctx, allocate(allocator, press, ctx, keep), local_bounds) if keep < 1 else None
             rows = _doc_rows(picks, local_bounds, n_layers, n_tokens, n_heads)
             kk = [keys[i].gather(1, r[..., None].expand(-1, -1, d)) for i, r in enumerate(rows)]
             vv = [values[i].gather(1, r[..., None].expand(-1, -1, d)) for i, r in enumerate(rows)]
@@ -250,11 +281,17 @@ def _encode_sized(recipe: CompressRecipe, press, ctx, keys, values, **common):
         if maps is None:  # the fixed part grew: evict a little more
             fixed *= 1.05
             continue
-        datas = _encode_chunks(recipe, picks, (q, maps), **common)
-        total = sum(len(x) for x in datas)
+        new_tensors, metas, offsets = [], [], [0] * n_layers
+        for c, b in enumerate(bundles):
+            t, m = _ladder_chunk(b, dense[c], None if picks is None else picks[c], q, maps, offsets)
+            new_tensors.append(t)
+            metas.append(m)
+        total = sum(len(encode_bundle(KVBundle(meta=derived_meta(b.meta, label=label, parent=src.label,
+                                                                  recipe=recipe_meta, **m), tensors=t)))
+                    for b, t, m in zip(bundles, new_tensors, metas)) + 64 * len(bundles)  # stamp digits
         if total <= cap:
             kept = sum(r.shape[1] for r in rows) / (n_layers * n_tokens)
-            best = (datas, sizing.mix(maps), kept, fp16)
+            best = (new_tensors, metas, kept, sizing.mix(maps))
             if total >= 0.99 * cap or loosened:
                 return best
             loosened = True  # the first guess of the fixed part was generous: give the slack back once
@@ -268,66 +305,69 @@ def _encode_sized(recipe: CompressRecipe, press, ctx, keys, values, **common):
     raise UsageError(f"could not fit {recipe.budget:g} x the fp16 size", hint="raise --budget")
 
 
-def _encode_chunks(recipe: CompressRecipe, picks, ladder, *, bundles, dense, bounds, local_bounds, label,
-                   source, version_recipe, importance) -> list[bytes]:
-    """Encoded bundles of the new version, one per chunk. ``ladder`` = (quantizer, per-layer
-    document-level tier maps over the kept rows) for a size-budgeted version."""
-    n_layers = len(dense[0])
-    quantizer = None
-    if ladder is None and recipe.quant != "none":
-        quantizer = get_quantizer(recipe.quant, group_size=recipe.group_size)
-    offsets = [0] * n_layers
-    out = []
-    for c, (b, (ls, le)) in enumerate(zip(bundles, local_bounds)):
-        tensors: dict[str, torch.Tensor] = {"token_ids": b.tensors["token_ids"]}
-        qmeta, chunk_maps = None, []
-        if picks is None:
-            if "positions" in b.tensors:
-                tensors["positions"] = b.tensors["positions"]
-        else:  # one gather launch for all layers' K and one for V (kernel dispatch: Triton on CUDA)
-            kept_k = gather_layers([kv[0] for kv in dense[c]], picks[c])
-            kept_v = gather_layers([kv[1] for kv in dense[c]], picks[c])
-        for i in range(n_layers):
-            k, v = dense[c][i]
-            if picks is not None:
-                idx = picks[c][i]
-                k, v = kept_k[i], kept_v[i]
-                pos = idx + bounds[c][0]
-                if ladder is not None:  # compact positions (format 1.1): the budget pays for them
-                    pos = pos.to(torch.int16 if (int(pos.max()) if pos.numel() else 0) < 32768 else torch.int32)
-                else:
-                    pos = pos.to(torch.int64)
-                tensors[f"layers.{i}.positions"] = pos
-                imp = importance[i][:, ls:le]
-                mask = _importance_mask(imp, idx)
-            else:
-                if "positions" not in b.tensors:
-                    tensors[f"layers.{i}.positions"] = b.layer_positions(i)
-                idx, mask = None, None
-            bias = b.tensors.get(f"layers.{i}.bias")
-            if bias is not None:
-                tensors[f"layers.{i}.bias"] = _gather_bias(bias.float(), idx).half() if idx is not None else bias
-            if ladder is not None:
-                q, maps = ladder
-                n = k.shape[1]
-                kt, vt = (m[:, offsets[i]:offsets[i] + n] for m in maps[i])
-                chunk_maps.append((kt, vt))
-                offsets[i] += n
-                p = b.layer_positions(i) if idx is None else (idx + bounds[c][0])
-                qt = q.encode_layer(k.float(), v.float(), p, kt, vt)
-                qmeta = q.meta(k.shape[-1])
-                tensors.update({f"layers.{i}.{n_}": t for n_, t in qt.items()})
-            elif quantizer is not None:
-                qt, qmeta = quantizer.quantize_layer(k.float(), v.float(), importance=mask)
-                tensors.update({f"layers.{i}.{n}": t for n, t in qt.items()})
-            else:
-                tensors[f"layers.{i}.keys"] = k.contiguous()
-                tensors[f"layers.{i}.values"] = v.contiguous()
-        meta = make_meta(**{k: v for k, v in b.meta.items() if k not in ("format_version", "created", "tool_version", "quant")})
-        meta.update(label=label, parent=source, recipe=version_recipe)
-        if qmeta is not None:
-            meta["quant"] = qmeta
-            if chunk_maps:  # the bundle records its tier mix (rows per tier): `show` prints it
-                meta["quant"]["mix"] = sizing.mix(chunk_maps)
-        out.append(encode_bundle(KVBundle(meta=meta, tensors=tensors)))
-    return out
+def _ladder_chunk(b: KVBundle, dense, picks, q: LadderQuantizer, maps, offsets: list[int]):
+    """One chunk of a size-budgeted version: kept rows at their planned tiers (``maps[i]`` =
+    document-level tier maps of layer i over its kept rows, consumed from ``offsets[i]``)."""
+    tensors: dict[str, torch.Tensor] = {"token_ids": b.tensors["token_ids"]}
+    start = b.meta["token_start"]
+    if picks is None:
+        tensors["positions"] = b.tensors["positions"]
+    else:
+        kept_k = gather_layers([kv[0] for kv in dense], picks)
+        kept_v = gather_layers([kv[1] for kv in dense], picks)
+    chunk_maps = []
+    for i, (k, v) in enumerate(dense):
+        idx = None
+        if picks is not None:
+            idx = picks[i]
+            k, v = kept_k[i], kept_v[i]
+            p = idx + start  # compact positions (format 1.1): the budget pays for them
+            tensors[tensor_name(i, "positions")] = p.to(torch.int16 if (int(p.max()) if p.numel() else 0) < 32768
+                                                         else torch.int32)
+        bias = b.layer(i, "bias")
+        if bias is not None:
+            tensors[tensor_name(i, "bias")] = _gather_bias(bias.float(), idx).half() if idx is not None else bias
+        n = k.shape[1]
+        kt, vt = (m[:, offsets[i]:offsets[i] + n] for m in maps[i])
+        offsets[i] += n
+        chunk_maps.append((kt, vt))
+        p = b.layer_positions(i) if idx is None else idx + start
+        tensors.update({tensor_name(i, name): t for name, t in q.encode_layer(k.float(), v.float(), p, kt, vt).items()})
+    qmeta = q.meta(dense[0][0].shape[-1])
+    qmeta["mix"] = sizing.mix(chunk_maps)  # the bundle records its tier mix: `show` prints it
+    return tensors, {"quant": qmeta}
+
+
+def _chunk_tensors(b: KVBundle, dense: list[tuple[torch.Tensor, torch.Tensor]], picks: list[torch.Tensor] | None,
+                   importance: torch.Tensor | None, quantizer) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """One chunk of the new version: kept K/V (``picks[i]`` = chunk-local kept indices of layer
+    i, None = keep all), their positions and steering bias, quantized when ``quantizer``."""
+    tensors: dict[str, torch.Tensor] = {"token_ids": b.tensors["token_ids"]}
+    qmeta = None
+    start = b.meta["token_start"]
+    if picks is None:
+        if "positions" in b.tensors:
+            tensors["positions"] = b.tensors["positions"]
+    else:  # one gather launch for all layers' K and one for V (kernel dispatch: Triton on CUDA)
+        kept_k = gather_layers([kv[0] for kv in dense], picks)
+        kept_v = gather_layers([kv[1] for kv in dense], picks)
+    for i, (k, v) in enumerate(dense):
+        if picks is not None:
+            idx = picks[i]
+            k, v = kept_k[i], kept_v[i]
+            tensors[tensor_name(i, "positions")] = (idx + start).to(torch.int64)
+            mask = _importance_mask(importance[i], idx)
+        else:
+            if "positions" not in b.tensors:
+                tensors[tensor_name(i, "positions")] = b.layer_positions(i)
+            idx, mask = None, None
+        bias = b.layer(i, "bias")
+        if bias is not None:
+            tensors[tensor_name(i, "bias")] = _gather_bias(bias.float(), idx).half() if idx is not None else bias
+        if quantizer is not None:
+            qt, qmeta = quantizer.quantize_layer(k.float(), v.float(), importance=mask)
+            tensors.update({tensor_name(i, n): t for n, t in qt.items()})
+        else:
+            tensors[tensor_name(i, "keys")] = k.contiguous()
+            tensors[tensor_name(i, "values")] = v.contiguous()
+    return tensors, qmeta

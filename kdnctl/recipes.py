@@ -12,8 +12,10 @@
     scorer = "hybrid"
     group_size = 32
     # keep = 0.5                         # token eviction (alone: without budget)
+    allocator = "uniform"                # optional: uniform | pyramid | adaptive (kdnctl.allocate)
     [compress.options]                   # method options, e.g. KVCrush's ratio/anchor/page_size
     ratio = 0.25
+    [compress.allocator_options]         # optional, e.g. pyramid's beta
 
 Every version made by a recipe stores the same step dicts in its ``recipe`` metadata
 (``{"steps": [ingest, compress, ...]}``), so a version can be rebuilt from its metadata.
@@ -55,7 +57,7 @@ class Recipe:
             raise UsageError(f"recipe {self.name} has no [compress] step")
         c = dict(self.compress)
         options = c.pop("options", {})
-        allowed = {"method", "budget", "keep", "scorer", "quant", "group_size", "seed"}
+        allowed = {"method", "budget", "keep", "scorer", "quant", "group_size", "seed", "allocator", "allocator_options"}
         bad = set(c) - allowed
         if bad:
             raise UsageError(f"recipe {self.name}: unknown [compress] keys {sorted(bad)}", hint=f"allowed: {sorted(allowed)}")

@@ -14,7 +14,8 @@ def compress(
     docs: Optional[List[str]] = typer.Argument(None, help="Document ids (default: every document)."),
     budget: Optional[float] = typer.Option(None, "--budget", "-b", help="Size cap: stored bytes <= B x the fp16 K/V size, everything included (default 0.25 unless --keep is given alone)."),
     keep: Optional[float] = typer.Option(None, "--keep", "-k", help="Token eviction: fraction of tokens kept per layer and KV head, 0 < K <= 1."),
-    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`); pyramid:METHOD / adaptive:METHOD wrap one."),
+    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`)."),
+    allocator: str = typer.Option("uniform", "--allocator", help="Per-layer budget split: uniform | pyramid | adaptive (pyramid:METHOD as --method also works)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: uniform (default: the best single tier that fits) | ladder (per-token tiers) | int8 | int4 | int3 | int2 | fp16 (eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
     scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
@@ -40,15 +41,11 @@ def compress(
         label = label or load_recipe(recipe_file).label
     else:
         opts = {k: v for k, v in {"ratio": kvcrush_ratio, "anchor": anchor, "page_size": page_size}.items() if v is not None}
-        if method.split(":", 1)[0] in ("pyramid", "adaptive") and ":" in method:
-            # per-layer budget wrappers take any method: --method pyramid:kvcrush, adaptive:kvcrush
-            method, inner = method.split(":", 1)
-            opts = {"press": inner, "press_options": opts} if opts else {"press": inner}
         if budget is None and keep is None:
             budget = 0.25  # the default: a size budget filled by precision first
         recipe = CompressRecipe(budget=budget, keep=keep if keep is not None else 1.0, method=method,
                                 scorer=scorer or DEFAULT_SCORER, quant=quant, group_size=group_size, seed=seed,
-                                method_options=opts)
+                                method_options=opts, allocator=allocator)
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)
@@ -75,12 +72,14 @@ def compress(
 
 
 def methods() -> None:
-    """List pruning methods, scorers and quantizers."""
+    """List pruning methods, allocators, scorers and quantizers."""
+    from ..allocate import ALLOCATORS
     from ..presses import PRESSES
     from ..quant import QUANTIZERS
     from ..scoring import SCORERS
 
     print("methods:    " + " ".join(PRESSES))
+    print("allocators: " + " ".join(ALLOCATORS))
     print("scorers:    " + " ".join(SCORERS))
     print("quantizers: " + " ".join(QUANTIZERS))
 
