@@ -100,6 +100,18 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
                       label: str | None = None, fingerprint: str | None = None) -> CompressResult:
     t0 = time.perf_counter()
     label = label or recipe.default_label()
+    done = existing_result(store, doc_id, recipe, source, label)
+    if done is not None:
+        return done
+    src = store.get_version(doc_id, source)
+    record, total, score_s = build_compressed_version(store, src, recipe, label, source, lm=lm, fingerprint=fingerprint)
+    store.commit_version(record)
+    return CompressResult(doc_id, label, "compressed", src.nbytes, total, time.perf_counter() - t0, score_s)
+
+
+def existing_result(store: Store, doc_id: str, recipe: CompressRecipe, source: str, label: str) -> CompressResult | None:
+    """The "unchanged" result when ``label`` already holds this recipe's output (None when it
+    must be made); a label made by another recipe is an error."""
     src = store.get_version(doc_id, source)
     existing = {v.label: v for v in store.list_versions(doc_id)}
     full_recipe = {"source": source, **recipe.as_dict()}
@@ -107,7 +119,16 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
         if existing[label].recipe.get("steps", [existing[label].recipe])[-1] == full_recipe:
             return CompressResult(doc_id, label, "unchanged", src.nbytes, existing[label].nbytes)
         raise UsageError(f"label {label!r} of {doc_id} was made by another recipe", hint="pass --label NAME")
-    bundles = [decode_bundle(store.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
+    return None
+
+
+def build_compressed_version(objects, src: VersionRecord, recipe: CompressRecipe, label: str, source: str, *,
+                             lm=None, fingerprint: str | None = None) -> tuple[VersionRecord, int, float]:
+    """Read ``src``'s chunks from ``objects`` (a Store or an ObjectDir), write the new version's
+    chunks there and return its record (not committed), its bytes and the scorer's seconds."""
+    doc_id = src.doc_id
+    full_recipe = {"source": source, **recipe.as_dict()}
+    bundles = [decode_bundle(objects.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
     if any("quant" in b.meta for b in bundles):
         raise UnsupportedError(f"{doc_id} [{source}] is already quantized", hint="compress from an unquantized version (--from full)")
     if any("positions" not in b.tensors for b in bundles) and recipe.budget < 1:
@@ -179,10 +200,9 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
         if qmeta is not None:
             meta["quant"] = qmeta
         data = encode_bundle(KVBundle(meta=meta, tensors=tensors))
-        sha = store.put_object(data)
+        sha = objects.put_object(data)
         chunks.append(ChunkRef(c, sha, bounds[c][0], bounds[c][1], b.meta["chain_hash"], len(data)))
         total += len(data)
     record = VersionRecord(doc_id, src.doc_version, label, source, version_recipe, src.fingerprint, chunks,
                            time.time(), src.n_tokens, src.mode)
-    store.commit_version(record)
-    return CompressResult(doc_id, label, "compressed", src.nbytes, total, time.perf_counter() - t0, score_s)
+    return record, total, score_s

@@ -94,6 +94,20 @@ class UnsupportedError(KdnError):
     exit_code = 10
 
 
+class MissingExtraError(KdnError):
+    """An optional feature whose extra is not installed (e.g. ``--ray`` without ray)."""
+
+    exit_code = 11
+
+
+class WorkerError(KdnError):
+    """A distributed job failed: a worker crashed more often than its retries allow, or the
+    cluster could not be reached."""
+
+    exit_code = 12
+    default_hint = "documents committed before the failure are kept; re-run the same command to resume"
+
+
 EXIT_CODES: dict[type[KdnError], int] = {
     cls: cls.exit_code
     for cls in (
@@ -108,5 +122,7 @@ EXIT_CODES: dict[type[KdnError], int] = {
         ModelLoadError,
         RemoteError,
         UnsupportedError,
+        MissingExtraError,
+        WorkerError,
     )
 }

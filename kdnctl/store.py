@@ -332,27 +332,40 @@ class Store:
 
     def commit_document(self, doc: DocumentRecord, version: VersionRecord) -> None:
         """Record a document version (made current) and its first label, in one txn."""
+        self.commit_documents([(doc, version)])
+
+    def commit_documents(self, items: list[tuple[DocumentRecord, VersionRecord]]) -> None:
+        """Several ``commit_document`` records in ONE txn (all or none), e.g. a driver
+        committing a batch of documents whose objects its workers wrote."""
         self._require_writer("commit_document")
-        _check_id("doc_id", doc.doc_id)
-        _check_id("doc_version", doc.doc_version)
-        self._check_version_record(version)
-        if (version.doc_id, version.doc_version) != (doc.doc_id, doc.doc_version):
-            raise UsageError("commit_document: the version belongs to a different document version")
-        self._check_objects([doc.text_object] + [c.object for c in version.chunks], f"document {doc.doc_id}")
+        for doc, version in items:
+            _check_id("doc_id", doc.doc_id)
+            _check_id("doc_version", doc.doc_version)
+            self._check_version_record(version)
+            if (version.doc_id, version.doc_version) != (doc.doc_id, doc.doc_version):
+                raise UsageError("commit_document: the version belongs to a different document version")
+            self._check_objects([doc.text_object] + [c.object for c in version.chunks], f"document {doc.doc_id}")
         with self._env.begin(write=True) as txn:
-            txn.put(_key(doc.doc_id, doc.doc_version), _dumps(dataclasses.asdict(doc)), db=self._db["docs"])
-            txn.put(_key(doc.doc_id), _dumps(doc.doc_version), db=self._db["current"])
-            self._put_version(txn, version)
+            for doc, version in items:
+                txn.put(_key(doc.doc_id, doc.doc_version), _dumps(dataclasses.asdict(doc)), db=self._db["docs"])
+                txn.put(_key(doc.doc_id), _dumps(doc.doc_version), db=self._db["current"])
+                self._put_version(txn, version)
 
     def commit_version(self, version: VersionRecord) -> None:
         """Add (or replace) a label of an existing document version, in one txn."""
+        self.commit_versions([version])
+
+    def commit_versions(self, versions: list[VersionRecord]) -> None:
+        """Several ``commit_version`` records in ONE txn (all or none)."""
         self._require_writer("commit_version")
-        self._check_version_record(version)
-        self._check_objects([c.object for c in version.chunks], f"version {version.doc_id}/{version.label}")
+        for version in versions:
+            self._check_version_record(version)
+            self._check_objects([c.object for c in version.chunks], f"version {version.doc_id}/{version.label}")
         with self._env.begin(write=True) as txn:
-            if txn.get(_key(version.doc_id, version.doc_version), db=self._db["docs"]) is None:
-                raise NotFoundError(f"document {version.doc_id} version {version.doc_version} is not in the store")
-            self._put_version(txn, version)
+            for version in versions:
+                if txn.get(_key(version.doc_id, version.doc_version), db=self._db["docs"]) is None:
+                    raise NotFoundError(f"document {version.doc_id} version {version.doc_version} is not in the store")
+                self._put_version(txn, version)
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document: it stops being current; `gc` then reclaims its data."""
@@ -593,3 +606,21 @@ class Store:
                     entries["/".join(_split(k))] = val
                 out[db] = dict(sorted(entries.items()))
         return out
+
+
+class ObjectDir:
+    """The objects/ half of a store without its LMDB catalog: what a worker process on another
+    host writes into (a filesystem every worker mounts). No lock is needed: objects are
+    content-addressed and written temp + fsync + rename, so concurrent writers and retries are
+    harmless. The same methods as ``Store``; only the catalog's one writer commits references."""
+
+    object_path = Store.object_path
+    has_object = Store.has_object
+    put_object = Store.put_object
+    read_object = Store.read_object
+
+    def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike):
+        self.objects_dir, self.tmp_dir = Path(objects_dir), Path(tmp_dir)
+        if not self.objects_dir.is_dir():
+            raise NotFoundError(f"object directory {self.objects_dir} does not exist on this host",
+                                hint="every worker must mount the store's objects/ at the same path")

@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
+from .common import (JsonOpt, ModelOpt, BatchOpt, RayOpt, StoreOpt, WorkersOpt, emit_json, load_lm, message, open_store,
+                     progress_bar)
 
 
 def ingest(
@@ -22,12 +23,15 @@ def ingest(
     no_stats: bool = typer.Option(False, "--no-stats", help="Skip attention statistics (faster, no scoring later)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (CPU default), float16, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    ray: Optional[str] = RayOpt,
+    workers: Optional[int] = WorkersOpt,
+    batch: int = BatchOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Prefill documents and store their KV per chunk."""
     from ..corpus import read_corpus
     from ..errors import UsageError
-    from ..ingest import IngestOptions, ingest_documents
+    from ..ingest import IngestOptions
 
     if chunk_tokens < 1:
         raise UsageError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
@@ -38,9 +42,30 @@ def ingest(
         message(f"warning: skipped {s.path}: {s.reason}")
     if not docs:
         raise UsageError("no readable documents in the given paths", hint="supported: .txt .md .rst .html .jsonl")
-    lm = load_lm(model, dtype, device)
-    st = open_store(store, create=True)
     opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)
+    if ray is not None:
+        if mode != "prefix" or device is not None:
+            raise UsageError("--ray runs --mode prefix, on the GPUs Ray gives each worker (no --device)")
+        from ..distributed.ingest import ingest_on_ray
+
+        st = open_store(store, create=True)
+        with progress_bar(len(docs), "ingest", unit="doc") as bar:
+            report = ingest_on_ray(st, docs, opts, address=ray, workers=workers, model=model, dtype=dtype,
+                                   batch_size=batch,
+                                   on_progress=lambda n, tps: (bar.update(n), bar.set_postfix_str(f"{tps:.0f} tok/s")))
+    elif workers is not None:
+        raise UsageError("--workers needs --ray ADDRESS|local")
+    else:
+        lm = load_lm(model, dtype, device)
+        st = open_store(store, create=True)
+        report = _ingest_here(st, lm, docs, opts, mode)
+    report.skipped = skipped
+    _print_report(report, skipped, mode, as_json)
+
+
+def _ingest_here(st, lm, docs, opts, mode):
+    from ..ingest import ingest_documents
+
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
         if mode == "independent":
@@ -49,7 +74,10 @@ def ingest(
             report = ingest_independent(st, lm, docs, opts, on_progress=bar.update)
         else:
             report = ingest_documents(st, lm, docs, opts, on_progress=bar.update)
-    report.skipped = skipped
+    return report
+
+
+def _print_report(report, skipped, mode, as_json) -> None:
     data = report.as_dict()
     if as_json:
         emit_json(data)
