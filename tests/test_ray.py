@@ -93,24 +93,27 @@ def test_ray_ingest_equals_single_process(tmp_path, ray_address, baseline):
         assert used == {0, 1} and len(progress) == 7 and progress[-1] > 0
         assert report.tokens == sum(v["n_tokens"] for v in baseline["dump"]["docs"].values())
         _check_equal(st, baseline)
-        again = ingest_on_ray(st, baseline["docs"], OPTS, address="local", workers=1)
-        assert again.ingested == [] and sorted(again.unchanged) == sorted(report.ingested)
 
 
 def test_worker_sigkilled_mid_document_is_retried(tmp_path, ray_address, baseline):
     from kdnctl.distributed.ingest import ingest_on_ray
 
-    pids, killed = [], []
+    pids, killed, finished, finished_at_kill = [], [], [], []
+
+    def kill(pid: int) -> None:
+        finished_at_kill.append(len(finished))
+        os.kill(pid, signal.SIGKILL)
 
     def kill_soon(doc_id: str, worker: int) -> None:
         if not killed:  # the first document handed out: its worker dies while prefilling it
             killed.append(pids[worker])
-            threading.Timer(0.3, os.kill, (pids[worker], signal.SIGKILL)).start()
+            threading.Timer(0.3, kill, (pids[worker],)).start()
 
     with Store(tmp_path / "s") as st:
         report = ingest_on_ray(st, baseline["docs"], OPTS, address="local", workers=2,
-                               on_start=lambda infos: pids.extend(i["pid"] for i in infos), on_dispatch=kill_soon)
-        time.sleep(0.1)
+                               on_start=lambda infos: pids.extend(i["pid"] for i in infos), on_dispatch=kill_soon,
+                               on_progress=lambda n, tps: finished.append(n))
+        assert finished_at_kill == [0]  # killed while its documents were unfinished
         with pytest.raises(ProcessLookupError):
             os.kill(killed[0], 0)  # the worker really died
         assert sorted(report.ingested) == sorted(d.doc_id for d in baseline["docs"])  # no duplicates either
