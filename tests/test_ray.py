@@ -86,13 +86,35 @@ def test_ray_ingest_equals_single_process(tmp_path, ray_address, baseline):
     from kdnctl.distributed.ingest import ingest_on_ray
 
     used, progress = set(), []
-    with Store(tmp_path / "s") as st:
+    # the documented layout: catalog on local disk, objects/ and tmp/ on a shared filesystem
+    shared, root = tmp_path / "shared", tmp_path / "s"
+    for d in ("objects", "tmp"):
+        (shared / d).mkdir(parents=True)
+    root.mkdir()
+    (root / "objects").symlink_to(shared / "objects")
+    (root / "tmp").symlink_to(shared / "tmp")
+    with Store(root) as st:
         report = ingest_on_ray(st, baseline["docs"], OPTS, address="local", workers=2, batch_size=3,
                                on_dispatch=lambda doc, i: used.add(i), on_progress=lambda n, tps: progress.append(tps))
         assert sorted(report.ingested) == sorted(d.doc_id for d in baseline["docs"])
         assert used == {0, 1} and len(progress) == 7 and progress[-1] > 0
         assert report.tokens == sum(v["n_tokens"] for v in baseline["dump"]["docs"].values())
         _check_equal(st, baseline)
+    assert {p.name for p in shared.rglob("*") if p.is_file()} == baseline["objects"]
+
+
+def test_worker_that_cannot_see_the_objects_fails_with_a_domain_error(tmp_path, ray_address):
+    import ray
+
+    from kdnctl.distributed.pool import start
+    from kdnctl.distributed.workers import CompressWorker
+    from kdnctl.errors import NotFoundError
+
+    actor = ray.remote(num_cpus=1)(CompressWorker).remote(None, False, "cpu", str(tmp_path / "nowhere"),
+                                                            str(tmp_path / "tmp"), {})
+    with pytest.raises(NotFoundError, match="does not exist on this host"):
+        start(ray, [actor])
+    ray.kill(actor)
 
 
 def test_worker_sigkilled_mid_document_is_retried(tmp_path, ray_address, baseline):

@@ -9,7 +9,7 @@ from ..compress import CompressRecipe, CompressResult, existing_result
 from ..store import Store
 from .cluster import connect, placement, shared_env
 from .ingest import RETRIES
-from .pool import drive
+from .pool import drive, start
 from .workers import CompressOutcome, CompressWorker
 
 
@@ -38,7 +38,7 @@ def compress_on_ray(
                 str(store.tmp_dir.resolve()), shared_env())
         actors = [actor_cls.remote(*args) for _ in range(n)]
         try:
-            ray.get([a.describe.remote() for a in actors])
+            start(ray, actors)
 
             def tasks() -> Iterator[tuple[str, tuple]]:
                 for doc_id in doc_ids:

@@ -16,7 +16,7 @@ from ..errors import UsageError
 from ..ingest import IngestOptions, IngestReport, doc_version_for, is_current
 from ..store import Store
 from .cluster import connect, placement, shared_env
-from .pool import drive
+from .pool import drive, start
 from .workers import IngestOutcome, IngestWorker
 
 RETRIES = 3  # worker restarts (and task retries) before a job gives up
@@ -65,7 +65,7 @@ def ingest_on_ray(
                 dataclasses.asdict(opts), shared_env())
         actors = [actor_cls.remote(*args) for _ in range(n)]
         try:
-            infos = ray.get([a.describe.remote() for a in actors])
+            infos = start(ray, actors)
             if len({i["fingerprint"] for i in infos}) != 1:
                 raise UsageError("workers loaded different models", hint="install the same model on every node")
             if on_start:
