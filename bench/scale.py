@@ -6,8 +6,9 @@ The corpus is the example documents cut into ``--docs`` pieces of ``--doc-tokens
 configuration ingests it into a fresh store. ``steady tok/s`` counts from the first document
 handed out to the last commit (workers already hold the model); ``job tok/s`` also counts
 starting the workers (each loads the model) and, for the first Ray run, starting Ray itself.
-The single process uses torch's default thread count; each Ray worker gets one CPU slot (Ray sets
-OMP_NUM_THREADS=1), or one GPU where the cluster has GPUs. The catalogs of all runs are checked
+The single process runs with torch's default thread count and with one thread (what each CPU
+Ray worker gets: Ray sets OMP_NUM_THREADS=1), and once more at the end so drift on a shared
+machine shows; Ray workers get one CPU slot each, or one GPU where the cluster has GPUs. The catalogs of all runs are checked
 equal (SOURCE_DATE_EPOCH is fixed), so every row did the same work.
 """
 
@@ -62,14 +63,23 @@ def main() -> None:
         corpus.mkdir()
         make_corpus(lm.tokenizer, corpus, args.docs, args.doc_tokens)
         docs, _ = read_corpus([corpus])
-        with Store(Path(tmp) / "single") as st:
-            t0 = time.perf_counter()
-            rep = ingest_documents(st, lm, docs, opts)
-            wall = time.perf_counter() - t0
-            dumps.append(st.catalog_dump())
-        rows.append({"config": f"1 process ({torch.get_num_threads()} torch threads)", "tokens": rep.tokens,
-                     "steady_tok_s": rep.tokens / rep.seconds, "job_tok_s": rep.tokens / wall, "setup_s": 0.0})
-        del lm
+        threads = torch.get_num_threads()
+
+        def single(name: str, n_threads: int) -> None:
+            torch.set_num_threads(n_threads)
+            with Store(Path(tmp) / name) as st:
+                t0 = time.perf_counter()
+                rep = ingest_documents(st, lm, docs, opts)
+                wall = time.perf_counter() - t0
+                dumps.append(st.catalog_dump())
+            torch.set_num_threads(threads)
+            rows.append({"config": f"1 process, {n_threads} torch thread(s){' (again, last)' if 'again' in name else ''}",
+                         "tokens": rep.tokens, "steady_tok_s": rep.tokens / rep.seconds, "job_tok_s": rep.tokens / wall,
+                         "setup_s": 0.0})
+
+        single("single", threads)
+        if threads > 1:
+            single("single-1t", 1)  # what each CPU Ray worker gets
         t_ray = time.perf_counter()
         if args.address == "local":
             ray.init(num_cpus=max(int(w) for w in args.workers.split(",")), include_dashboard=False, log_to_driver=False)
@@ -77,17 +87,19 @@ def main() -> None:
             ray.init(address=args.address, include_dashboard=False, log_to_driver=False)
         ray_start = time.perf_counter() - t_ray
         devices = []
+        first = int(args.workers.split(",")[0])
         for n in [int(w) for w in args.workers.split(",")]:
             with Store(Path(tmp) / f"ray{n}") as st:
                 t0 = time.perf_counter()
                 rep = ingest_on_ray(st, docs, opts, address=args.address, workers=n, model=args.model,
                                     on_start=lambda infos: devices.append(infos[0].get("device")))
-                wall = time.perf_counter() - t0 + (ray_start if not dumps[1:] else 0.0)
+                wall = time.perf_counter() - t0 + (ray_start if n == first else 0.0)
                 dumps.append(st.catalog_dump())
             rows.append({"config": f"Ray, {n} worker(s) on {devices[-1]}", "tokens": rep.tokens,
                          "steady_tok_s": rep.tokens / rep.seconds, "job_tok_s": rep.tokens / wall,
                          "setup_s": wall - rep.seconds})
         ray.shutdown()
+        single("single-again", threads)  # the same baseline at the end: how much the machine drifted
     same = all(d == dumps[0] for d in dumps)
     base = rows[0]["steady_tok_s"]
     print(f"{args.docs} documents x {args.doc_tokens} tokens; catalogs equal across runs: {same}; "

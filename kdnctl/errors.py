@@ -18,11 +18,23 @@ class KdnError(Exception):
         self.message = message
         self.hint = hint if hint is not None else self.default_hint
 
+    def __reduce__(self):
+        # Pickle with every attribute (the hint too): errors cross process boundaries when a
+        # distributed worker raises them (kdnctl/distributed).
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+
     def one_line(self) -> str:
         text = f"error: {self.message}"
         if self.hint:
             text += f" (hint: {self.hint})"
         return " ".join(text.split())
+
+
+def _rebuild(cls: type, message: str, state: dict) -> "KdnError":
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
 
 
 class UsageError(KdnError):

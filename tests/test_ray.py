@@ -112,8 +112,9 @@ def test_worker_that_cannot_see_the_objects_fails_with_a_domain_error(tmp_path, 
 
     actor = ray.remote(num_cpus=1)(CompressWorker).remote(None, False, "cpu", str(tmp_path / "nowhere"),
                                                             str(tmp_path / "tmp"), {})
-    with pytest.raises(NotFoundError, match="does not exist on this host"):
+    with pytest.raises(NotFoundError, match="does not exist on this host") as err:
         start(ray, [actor])
+    assert "mount" in err.value.hint  # the worker's own error, hint included, not "actor died"
     ray.kill(actor)
 
 

@@ -39,7 +39,7 @@ def connect(address: str, workers: int | None) -> Iterator[object]:
     kw = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     try:
         if address == "local":
-            ray.init(num_cpus=workers or os.cpu_count(), **kw)
+            ray.init(address="local", num_cpus=workers or os.cpu_count(), **kw)
         else:
             ray.init(address=address, **kw)
     except ConnectionError as e:

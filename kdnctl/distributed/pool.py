@@ -24,19 +24,7 @@ def _result(ray, ref, what: str) -> Any:
             raise cause from None  # a domain error in a worker reads as it would locally
         raise WorkerError(f"{what} failed in a worker: {cause or e}") from None
     except ray.exceptions.RayActorError as e:
-        cause = _creation_error(e)
-        if isinstance(cause, KdnError):
-            raise cause from None  # e.g. a worker that cannot see the shared object directory
         raise WorkerError(f"{what}: the worker died more often than its retries allow ({type(e).__name__})") from None
-
-
-def _creation_error(e) -> BaseException | None:
-    """The exception an actor's __init__ raised, when that is why it died."""
-    err = getattr(e, "error", None) or getattr(e, "cause", None)
-    while err is not None and not isinstance(err, KdnError):
-        nxt = getattr(err, "cause", None)
-        err = nxt if nxt is not err else None
-    return err
 
 
 def start(ray, actors: list) -> list[dict]:
