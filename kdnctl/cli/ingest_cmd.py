@@ -42,23 +42,27 @@ def ingest(
         message(f"warning: skipped {s.path}: {s.reason}")
     if not docs:
         raise UsageError("no readable documents in the given paths", hint="supported: .txt .md .rst .html .jsonl")
+    from ..store.records import id_problem
+
+    bad = [(d.source, id_problem("doc_id", d.doc_id)) for d in docs if id_problem("doc_id", d.doc_id)]
+    if bad:  # before the model loads and before any prefill
+        raise UsageError(f"{len(bad)} document id(s) cannot be stored, e.g. {bad[0][0]}: {bad[0][1]}",
+                         hint="document ids must be non-empty, without NUL, at most 200 bytes")
+    if ray is not None and (mode != "prefix" or device is not None):
+        raise UsageError("--ray runs --mode prefix, on the GPUs Ray gives each worker (no --device)")
+    if ray is None and workers is not None:
+        raise UsageError("--workers needs --ray ADDRESS|local")
+    st = open_store(store, create=True)  # a damaged or wrong --store fails before the model loads
     opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)
     if ray is not None:
-        if mode != "prefix" or device is not None:
-            raise UsageError("--ray runs --mode prefix, on the GPUs Ray gives each worker (no --device)")
         from ..distributed.ingest import ingest_on_ray
 
-        st = open_store(store, create=True)
         with progress_bar(len(docs), "ingest", unit="doc") as bar:
             report = ingest_on_ray(st, docs, opts, address=ray, workers=workers, model=model, dtype=dtype,
                                    batch_size=batch,
                                    on_progress=lambda n, tps: (bar.update(n), bar.set_postfix_str(f"{tps:.0f} tok/s")))
-    elif workers is not None:
-        raise UsageError("--workers needs --ray ADDRESS|local")
     else:
-        lm = load_lm(model, dtype, device)
-        st = open_store(store, create=True)
-        report = _ingest_here(st, lm, docs, opts, mode)
+        report = _ingest_here(st, load_lm(model, dtype, device), docs, opts, mode)
     report.skipped = skipped
     _print_report(report, skipped, mode, as_json)
 
