@@ -205,3 +205,28 @@ def test_ray_flag_without_ray_says_how_to_install(tmp_path, corpus):
 def test_workers_without_ray_is_a_usage_error(tmp_path, corpus):
     proc = run_cli("ingest", corpus, "--workers", "2", store=tmp_path / "s")
     assert proc.returncode == 2 and "--workers needs --ray" in proc.stderr
+
+
+def test_batched_commit_is_one_transaction(tmp_path):
+    """The driver's batch commit (no Ray needed): all records or none; an object written
+    through ObjectDir (as a worker writes it) is committable by the Store."""
+    from kdnctl.store import ObjectDir
+    from kdnctl.store.records import ChunkRef, DocumentRecord, VersionRecord
+
+    with Store(tmp_path / "s") as st, st.writer():
+        objects = ObjectDir(st.objects_dir, st.tmp_dir)
+        text = objects.put_object(b"text")
+        chunk = objects.put_object(b"chunk")
+
+        def records(doc_id: str, obj: str):
+            doc = DocumentRecord(doc_id, "v1", "0" * 64, "src", 1, "fp", text, 0.0)
+            ver = VersionRecord(doc_id, "v1", "full", None, {"step": "ingest"}, "fp",
+                                [ChunkRef(0, obj, 0, 1, "ab" * 32, 5)], 0.0, 1)
+            return doc, ver
+
+        with pytest.raises(Exception, match="missing"):
+            st.commit_documents([records("a", chunk), records("b", "f" * 64)])
+        assert st.list_documents() == []  # the good first record was not committed either
+        st.commit_documents([records("a", chunk), records("b", chunk)])
+        assert sorted(d.doc_id for d in st.list_documents()) == ["a", "b"]
+        assert st.verify_report(check_bundles=False).problems == []
