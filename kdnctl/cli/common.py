@@ -22,6 +22,14 @@ WorkersOpt = typer.Option(None, "--workers", help="With --ray: model-holding wor
 BatchOpt = typer.Option(16, "--batch", help="With --ray: commit the catalog every N finished documents (or every "
                         "5 s); a driver crash loses at most the uncommitted batch.")
 
+# Library parameter (KdnError.param) -> the command-line flag that sets it.
+FLAGS: dict[str, str] = {
+    "alpha": "--alpha", "budget": "--budget", "chunk_tokens": "--chunk-tokens", "chunks": "--chunks",
+    "heads": "--heads", "label": "--label", "model": "--model", "recompute": "--recompute",
+    "retrieve": "--retrieve", "scorer": "--scorer", "source": "--from", "steer": "--steer",
+    "allocator": "--allocator", "method": "--method", "quant": "--quant", "corpus": "--corpus",
+}
+
 
 def store_root(store: Optional[Path]) -> Path:
     if store is not None:
@@ -86,15 +94,16 @@ def progress_bar(total: int, desc: str, unit: str = "tok"):
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not interactive(), file=sys.stderr)
 
 
-def run_cli(app: typer.Typer) -> None:
-    """Entry point: one place maps domain errors to a one-line message and an exit code."""
+def run_cli(app: typer.Typer, args: list[str] | None = None) -> None:
+    """Entry point: one place maps domain errors to a one-line message and an exit code.
+    ``args`` defaults to the process's command line."""
     debug = os.environ.get("KDNCTL_DEBUG") == "1"
     try:
-        app(standalone_mode=False)
+        app(args=args, standalone_mode=False)
     except KdnError as exc:
         if debug:
             raise
-        message(exc.one_line())
+        message(exc.one_line(FLAGS.get(exc.param or "")))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         message("error: interrupted")

@@ -33,8 +33,7 @@ def ingest(
     from ..errors import UsageError
     from ..ingest import IngestOptions
 
-    if chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
+    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)  # checks the values
     if mode not in ("prefix", "independent"):
         raise UsageError(f"--mode must be prefix or independent, got {mode!r}")
     docs, skipped = read_corpus(paths)
@@ -53,7 +52,6 @@ def ingest(
     if ray is None and workers is not None:
         raise UsageError("--workers needs --ray ADDRESS|local")
     st = open_store(store, create=True)  # a damaged or wrong --store fails before the model loads
-    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)
     if ray is not None:
         from ..distributed.ingest import ingest_on_ray
 

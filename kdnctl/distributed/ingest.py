@@ -55,8 +55,6 @@ def ingest_on_ray(
     ``on_start`` gets each worker's ``describe()`` once all have loaded the model; ``on_dispatch``
     gets (doc id, worker index) as a document is handed out; ``on_progress`` gets (documents just
     finished or found unchanged, tokens/s across all workers since the first dispatch)."""
-    if opts.chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {opts.chunk_tokens}")
     report = IngestReport()
     with connect(address, workers) as ray, store.writer():
         place, n = placement(ray, workers)
@@ -95,10 +93,7 @@ def ingest_on_ray(
                 for o in batch:
                     report.unchanged.extend(o.unchanged)
                     for s in o.segments:
-                        report.ingested.append(s.record.doc_id)
-                        report.tokens += s.tokens
-                        report.kv_bytes += s.kv_bytes
-                        report.stats_bytes += s.stats_bytes
+                        report.add(s)
 
             drive(ray, actors, tasks(), lambda a, task: a.ingest.remote(*task), commit,
                   batch_size=batch_size, batch_seconds=batch_seconds, on_dispatch=on_dispatch, on_result=on_doc)

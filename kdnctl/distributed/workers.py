@@ -117,7 +117,7 @@ class CompressWorker(_Worker):
         self._check()
         t0 = time.perf_counter()
         fingerprint = self.lm.fingerprint if self.lm is not None else None
-        record, total, score_s = build_compressed_version(self.objects, src, recipe, label, source,
-                                                          lm=self.lm, fingerprint=fingerprint)
-        return CompressOutcome(src.doc_id, record, src.nbytes, total, time.perf_counter() - t0, score_s,
+        record, score_s = build_compressed_version(self.objects, src, recipe, label, source,
+                                                   lm=self.lm, fingerprint=fingerprint)
+        return CompressOutcome(src.doc_id, record, src.nbytes, record.nbytes, time.perf_counter() - t0, score_s,
                                f"{socket.gethostname()}:{os.getpid()}")

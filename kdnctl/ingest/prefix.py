@@ -13,17 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from ..bundle import KVBundle, encode_bundle, make_meta
+from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes
 from ..chunking import chain_hashes, chunk_bounds
 from ..corpus import Document, Skipped, read_corpus
 from ..errors import UsageError
 from ..prefill import prefill
 from ..prompting import PromptFormat
-from ..store import ChunkRef, DocumentRecord, Store, VersionRecord
-
-STATS_DTYPE = torch.float16
+from ..store import DocumentRecord, Store, VersionRecord
+from ..versions import commit, write_chunks
 
 
 @dataclass
@@ -32,6 +29,10 @@ class IngestOptions:
     window: int = 32
     stats: bool = True
     block_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
 
     def recipe(self) -> dict:
         return {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
@@ -47,6 +48,18 @@ class IngestReport:
     seconds: float = 0.0
     kv_bytes: int = 0
     stats_bytes: int = 0
+
+    def count_bytes(self, bundles: list[KVBundle]) -> None:
+        for b in bundles:
+            self.kv_bytes += tensor_bytes(b.tensors, "layers.")
+            self.stats_bytes += tensor_bytes(b.tensors, STATS_PREFIX)
+
+    def add(self, seg: "SegmentResult") -> None:
+        """Count a committed segment."""
+        self.ingested.append(seg.record.doc_id)
+        self.tokens += seg.tokens
+        self.kv_bytes += seg.kv_bytes
+        self.stats_bytes += seg.stats_bytes
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,16 +103,7 @@ def build_chunk_bundles(
     hashes = chain_hashes(token_ids, opts.chunk_tokens, lm.fingerprint)
     bundles = []
     for index, ((s, e), h) in enumerate(zip(bounds, hashes)):
-        tensors = {
-            "token_ids": torch.tensor(token_ids[s:e], dtype=torch.int64),
-            "positions": torch.arange(s, e, dtype=torch.int64),
-        }
-        for layer, (k, v) in enumerate(zip(result.keys, result.values)):
-            tensors[f"layers.{layer}.keys"] = k[:, s:e].contiguous().cpu()
-            tensors[f"layers.{layer}.values"] = v[:, s:e].contiguous().cpu()
-        for name, stat in result.stats.items():
-            part = stat[..., s:e].contiguous()
-            tensors[f"stats.{name}"] = part.to(STATS_DTYPE) if name != "surprisal" else part.float()
+        tensors = chunk_tensors(result, s, e, token_ids[s:e], s)
         meta = make_meta(
             model_fingerprint=lm.fingerprint,
             model=lm.summary,
@@ -172,21 +176,16 @@ def write_segment(objects, lm, doc: Document, seg: Segment, opts: IngestOptions,
                      block_tokens=opts.block_tokens, on_progress=on_progress)
     bundles = build_chunk_bundles(lm, seg.seg_id, seg.doc_version, seg.token_ids, result, opts, recipe,
                                   seg.header_tokens)
-    chunks, kv_bytes, stats_bytes = [], 0, 0
-    for b in bundles:
-        data = encode_bundle(b)
-        sha = objects.put_object(data)
-        chunks.append(ChunkRef(b.meta["chunk_index"], sha, b.meta["token_start"],
-                               b.meta["token_end"], b.meta["chain_hash"], len(data)))
-        kv_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("layers."))
-        stats_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("stats."))
+    chunks = write_chunks(objects, bundles)
+    sizes = IngestReport()
+    sizes.count_bytes(bundles)
     text_sha = objects.put_object(seg.text.encode("utf-8"))
     now = time.time()
     n = len(seg.token_ids)
     record = DocumentRecord(seg.seg_id, seg.doc_version, doc.content_sha256, doc.source, n,
                             lm.fingerprint, text_sha, now)
     vrec = VersionRecord(seg.seg_id, seg.doc_version, "full", None, recipe, lm.fingerprint, chunks, now, n, "prefix")
-    return SegmentResult(record, vrec, n, kv_bytes, stats_bytes)
+    return SegmentResult(record, vrec, n, sizes.kv_bytes, sizes.stats_bytes)
 
 
 def ingest_documents(
@@ -198,8 +197,6 @@ def ingest_documents(
     on_progress: Callable[[int], None] | None = None,
     on_doc: Callable[[str, str], None] | None = None,
 ) -> IngestReport:
-    if opts.chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {opts.chunk_tokens}")
     report = IngestReport()
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     t0 = time.perf_counter()
@@ -212,11 +209,8 @@ def ingest_documents(
                         on_progress(len(seg.token_ids))
                     continue
                 res = write_segment(store, lm, doc, seg, opts, on_progress=on_progress)
-                store.commit_document(res.record, res.version)
-                report.ingested.append(seg.seg_id)
-                report.tokens += res.tokens
-                report.kv_bytes += res.kv_bytes
-                report.stats_bytes += res.stats_bytes
+                commit(store, res.version, res.record)
+                report.add(res)
                 if on_doc:
                     on_doc(seg.seg_id, "ingested")
     report.seconds = time.perf_counter() - t0
