@@ -94,6 +94,21 @@ class UnsupportedError(KdnError):
     exit_code = 10
 
 
+class EngineMissingError(KdnError):
+    """An optional engine package (LMCache, llama-cpp-python) an export or a check needs."""
+
+    exit_code = 11
+    default_hint = "install the extra: pip install 'kdnctl[lmcache]' or 'kdnctl[llamacpp]'"
+
+
+class ExportError(KdnError):
+    """A version that the target engine's format cannot hold (pruned for LMCache, per-head
+    selections for llama.cpp, a chunk size the engine does not use, another model's GGUF)."""
+
+    exit_code = 12
+    default_hint = "see docs/engines.md for what each export accepts"
+
+
 EXIT_CODES: dict[type[KdnError], int] = {
     cls: cls.exit_code
     for cls in (
@@ -108,5 +123,7 @@ EXIT_CODES: dict[type[KdnError], int] = {
         ModelLoadError,
         RemoteError,
         UnsupportedError,
+        EngineMissingError,
+        ExportError,
     )
 }

@@ -18,7 +18,7 @@ app = typer.Typer(
 for module in (ingest_cmd, ask_cmd, store_cmds):
     module.register(app)
 
-for optional in ("compress_cmd", "eval_cmd", "edit_cmd", "serve_cmd", "run_cmd", "compose_cmd"):
+for optional in ("compress_cmd", "eval_cmd", "edit_cmd", "serve_cmd", "run_cmd", "compose_cmd", "export_cmd"):
     try:
         module = __import__(f"kdnctl.cli.{optional}", fromlist=["register"])
     except ModuleNotFoundError as exc:  # a command module not written yet must not break the rest

@@ -13,7 +13,7 @@ from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, op
 def compress(
     docs: Optional[List[str]] = typer.Argument(None, help="Document ids (default: every document)."),
     budget: float = typer.Option(0.25, "--budget", "-b", help="Fraction of tokens kept, 0 < B <= 1."),
-    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`); pyramid:METHOD / adaptive:METHOD wrap one."),
+    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`); pyramid:METHOD / adaptive:METHOD / shared:METHOD wrap one."),
     quant: str = typer.Option("none", "--quant", "-q", help="none | int8 | int4 | fp8 | mixed."),
     scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
@@ -39,7 +39,7 @@ def compress(
         label = label or load_recipe(recipe_file).label
     else:
         opts = {k: v for k, v in {"ratio": kvcrush_ratio, "anchor": anchor, "page_size": page_size}.items() if v is not None}
-        if method.split(":", 1)[0] in ("pyramid", "adaptive") and ":" in method:
+        if method.split(":", 1)[0] in ("pyramid", "adaptive", "shared") and ":" in method:
             # per-layer budget wrappers take any method: --method pyramid:kvcrush, adaptive:kvcrush
             method, inner = method.split(":", 1)
             opts = {"press": inner, "press_options": opts} if opts else {"press": inner}

@@ -15,6 +15,7 @@ from kdnctl.presses.knorm import KNormPress
 from kdnctl.presses.kvcrush import KVCrushPress
 from kdnctl.presses.pyramid import PyramidPress
 from kdnctl.presses.random import RandomPress
+from kdnctl.presses.shared import SharedPress
 from kdnctl.presses.snapkv import SnapKVPress
 from kdnctl.presses.spans import SpansPress
 from kdnctl.presses.streaming import StreamingPress
@@ -32,6 +33,7 @@ PRESSES: dict[str, type[Press]] = {
         PyramidPress,
         SpansPress,
         AdaptivePress,
+        SharedPress,
     )
 }
 
@@ -98,6 +100,7 @@ __all__ = [
     "PyramidPress",
     "RandomPress",
     "ScoreContext",
+    "SharedPress",
     "SnapKVPress",
     "StreamingPress",
     "get_press",
