@@ -188,7 +188,7 @@ def _parse_header(data: bytes) -> dict[str, Any]:
         )
     try:
         header = json.loads(data[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise BundleFormatError("bundle header is not valid safetensors JSON (corrupted?)") from None
     if not isinstance(header, dict):
         raise BundleFormatError("bundle header is not a JSON object (corrupted?)")
@@ -205,7 +205,7 @@ def _load_meta(header: dict[str, Any]) -> tuple[dict[str, Any], str, str | None]
     meta_json = md[META_KEY]
     try:
         meta = json.loads(meta_json)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         raise BundleFormatError("bundle metadata 'kdnctl' is not valid JSON (corrupted?)") from None
     if not isinstance(meta, dict):
         raise BundleFormatError("bundle metadata 'kdnctl' is not a JSON object")
@@ -214,7 +214,7 @@ def _load_meta(header: dict[str, Any]) -> tuple[dict[str, Any], str, str | None]
 
 def _check_version(meta: dict[str, Any]) -> None:
     v = meta.get("format_version")
-    m = re.fullmatch(r"(\d+)\.(\d+)", v) if isinstance(v, str) else None
+    m = re.fullmatch(r"(\d{1,9})\.(\d{1,9})", v) if isinstance(v, str) else None
     if m is None:
         raise BundleFormatError(f"bundle format_version {v!r} is not 'major.minor'")
     if int(m.group(1)) != SUPPORTED_MAJOR:
@@ -367,3 +367,22 @@ def _validate_bias(tensors, i: int, model: dict, t_i: int) -> None:
         raise BundleFormatError(
             f"layers.{i}.bias must be float [H_q={h_q}, T_i={t_i}], got {bias.dtype} {list(bias.shape)}"
         )
+
+
+def header_size(first8: bytes) -> int:
+    """Bytes a bundle's header occupies (8-byte length + JSON), from its first 8 bytes."""
+    if len(first8) < 8:
+        raise BundleFormatError(f"bundle is truncated ({len(first8)} bytes, not even a header length)")
+    (n,) = struct.unpack("<Q", first8[:8])
+    if n > _MAX_HEADER:
+        raise BundleFormatError(f"bundle header length {n} is not plausible (corrupted?)")
+    return 8 + n
+
+
+def read_meta(head: bytes) -> dict[str, Any]:
+    """A bundle's kdnctl metadata from its first ``header_size`` bytes, tensors unread.
+
+    Only as trustworthy as the bytes: use it on verified objects (the store's content address)."""
+    meta, _, _ = _load_meta(_parse_header(bytes(head)))
+    _check_version(meta)
+    return meta

@@ -19,19 +19,31 @@ def serve_files(
         None, "--token-file", help="Require bearer tokens: one `TOKEN namespace1,namespace2` per line, `*` = all."),
     max_body: int = typer.Option(4 << 20, "--max-body-bytes", help="Largest accepted request body (lookups)."),
     no_access_log: bool = typer.Option(False, "--no-access-log", help="Do not log every request to stderr."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection may take to send a "
+                                         "complete request head (from connect, or after a response)."),
+    body_timeout: float = typer.Option(30.0, "--body-timeout", help="Seconds to receive a request body (lookups)."),
+    keep_alive: float = typer.Option(5.0, "--keep-alive", help="Seconds an idle keep-alive connection stays open."),
+    max_connections: int = typer.Option(512, "--max-connections", help="Open connections at most; at the cap the "
+                                        "longest-idle connection is closed. Keep it under `ulimit -n`."),
     store: Optional[Path] = StoreOpt,
 ) -> None:
     """Serve the store's bundles read-only over HTTP (see docs/serve-files.md)."""
     from ..errors import UsageError
-    from ..server import serve
+    from ..server import Limits, serve
 
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be 0..65535, got {port}")
+    try:
+        limits = Limits(header_timeout, body_timeout, keep_alive, max_connections)
+    except UsageError as exc:  # the library speaks of values; name the flags here
+        raise UsageError(exc.message.replace("header_timeout_s", "--header-timeout")
+                         .replace("body_timeout_s", "--body-timeout").replace("keep_alive_s", "--keep-alive")
+                         .replace("max_connections", "--max-connections")) from None
     root = store_root(store)
     open_store(store).close()  # fail fast, with the usual message, when there is no store
     auth = f"tokens from {token_file}" if token_file else "no authentication"
     message(f"serving {root} read-only on http://{host}:{port} ({auth}); Ctrl-C stops")
-    serve(root, host, port, token_file, max_body_bytes=max_body, access_log=not no_access_log)
+    serve(root, host, port, token_file, max_body_bytes=max_body, access_log=not no_access_log, limits=limits)
 
 
 def pull(

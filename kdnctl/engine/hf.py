@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..bundle import KVBundle, decode_bundle
-from ..errors import NotFoundError
+from ..errors import NotFoundError, StoreCorruptError
+from ..store import ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
 
 
@@ -81,19 +82,32 @@ def context_from_bundles(lm, bundles: list[KVBundle], *, label: str = "full", do
     return LoadedContext(keys, values, next_position, token_ids, bias, label, doc_id)
 
 
-def _read_bundles(lm, store, chunks) -> tuple[list[KVBundle], int]:
+def _read_bundles(lm, store: ReadStore, hits) -> tuple[list[KVBundle], int]:
+    """Decode the chunks of ``hits`` ((version, chunk) pairs); each bundle's own metadata must
+    match the record that points at it (a record aimed at another document's chunk is refused)."""
     bundles, nbytes = [], 0
-    for ref in chunks:
+    for version, ref in hits:
         data = store.read_object(ref.object)
         nbytes += len(data)
-        bundles.append(decode_bundle(data, expect_fingerprint=lm.fingerprint))
+        b = decode_bundle(data, expect_fingerprint=lm.fingerprint)
+        why = bundle_mismatch(version, ref, b.meta)
+        if why:
+            raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
+                                    hint="run `kdnctl verify`; the version record is damaged or was tampered with")
+        bundles.append(b)
     return bundles, nbytes
 
 
-def load_document(lm, store, doc_id: str, label: str = "full", doc_version: str | None = None) -> LoadedContext:
+def load_document(lm, store: ReadStore, doc_id: str, label: str = "full", doc_version: str | None = None) -> LoadedContext:
     """Load every chunk of a stored document version into a context for ``lm``."""
     t = time.perf_counter()
-    version = store.get_version(doc_id, label, doc_version)
+    return load_version(lm, store, store.get_version(doc_id, label, doc_version), t0=t)
+
+
+def load_version(lm, store: ReadStore, version, *, t0: float | None = None) -> LoadedContext:
+    """Load a version record a caller already holds (``load_document`` looks it up)."""
+    t = time.perf_counter() if t0 is None else t0
+    doc_id, label = version.doc_id, version.label
     if version.fingerprint != lm.fingerprint:
         from ..errors import ModelMismatchError
 
@@ -101,21 +115,37 @@ def load_document(lm, store, doc_id: str, label: str = "full", doc_version: str 
             f"{doc_id} [{label}] was made with model {version.fingerprint[:12]}, "
             f"the loaded model is {lm.fingerprint[:12]}"
         )
-    bundles, nbytes = _read_bundles(lm, store, version.chunks)
+    try:
+        bundles, nbytes = _read_bundles(lm, store, [(version, c) for c in version.chunks])
+    except StoreCorruptError as exc:
+        # a missing object of a version that is no longer current was reclaimed by gc (after its
+        # grace period): the store is healthy, the load was just slower than the grace period
+        if "missing" in exc.message and not _still_stored(store, version):
+            raise NotFoundError(f"{doc_id} [{label}] changed while it was being loaded (a newer version replaced "
+                                "it and gc reclaimed the old one)", hint="retry the load") from None
+        raise
     ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id)
     ctx.load_s = time.perf_counter() - t
     ctx.nbytes = nbytes
     return ctx
 
 
-def load_prefix(lm, store, token_ids: list[int], label: str = "full", chunk_tokens: int | None = None):
+def _still_stored(store: ReadStore, version) -> bool:
+    try:
+        now = store.get_version(version.doc_id, version.label)
+    except NotFoundError:
+        return False
+    return now.doc_version == version.doc_version and now.chunks == version.chunks
+
+
+def load_prefix(lm, store: ReadStore, token_ids: list[int], label: str = "full", chunk_tokens: int | None = None):
     """Find the longest stored prefix of ``token_ids`` (prefix hash chain) and load it.
 
     Returns (context or None, number of matched tokens)."""
     from ..chunking import chain_hashes
 
     t = time.perf_counter()
-    sizes = [chunk_tokens] if chunk_tokens else store.chunk_sizes() if hasattr(store, "chunk_sizes") else [256]
+    sizes = [chunk_tokens] if chunk_tokens else store.chunk_sizes()
     best: tuple[list, int] = ([], 0)
     for size in sizes:
         refs = []
@@ -123,8 +153,8 @@ def load_prefix(lm, store, token_ids: list[int], label: str = "full", chunk_toke
             hit = store.lookup_chunk(lm.fingerprint, label, h)
             if hit is None:
                 break
-            refs.append(hit[1])
-        matched = refs[-1].token_end if refs else 0
+            refs.append(hit)
+        matched = refs[-1][1].token_end if refs else 0
         if matched > best[1]:
             best = (refs, matched)
     refs, matched = best
