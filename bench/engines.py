@@ -14,6 +14,7 @@ examples/qa.jsonl) for METHOD and shared:METHOD at the same budgets, same scorer
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import sys
@@ -54,8 +55,8 @@ def ttft(args) -> list[dict]:
         states = []
         for size in sizes:
             text = corpus_text(lm.tokenizer, size)
-            doc = Document(f"bench-{size}.txt", text, "bench", str(size))
-            ingest_documents(store, lm, [doc], IngestOptions())
+            doc = Document(f"bench-{size}.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
+            ingest_documents(store, lm, [doc], IngestOptions(stats=False))  # TTFT needs no statistics
             path = Path(tmp) / f"{size}.state"
             t = time.perf_counter()
             res = export_llamacpp(store, doc.doc_id, path, gguf=default_gguf_path(), fingerprint=lm.fingerprint)
