@@ -39,7 +39,7 @@ class PrefillResult:
         return self.keys[0].shape[1]
 
 
-def _grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: int) -> torch.Tensor:
+def grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: int) -> torch.Tensor:
     """Softmax attention of query tile ``q`` [Hq, b, D] (absolute positions q_start..) over keys
     ``k`` [Hkv, kv, D], returned grouped per KV head as [Hkv, group, b, kv] in fp32."""
     hq, b, d = q.shape
@@ -54,22 +54,25 @@ def _grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: in
 
 
 class StatsObserver:
-    """Accumulates ``accum`` and ``window`` statistics from each layer's queries and keys."""
+    """Accumulates ``accum`` and ``window`` statistics from each layer's queries and keys, in
+    query tiles of ``query_tile`` (``reference_stats`` is the spec it must match)."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, window: int, device):
+    def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, window: int, device,
+                 query_tile: int = QUERY_TILE):
         self.accum = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device)
         self.window = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device)
         self.window_size = window
         self.n_tokens = n_tokens
+        self.query_tile = query_tile
 
     def __call__(self, layer: int, query, key, scaling) -> None:
         q, k = query[0], key[0]
         b, kv = q.shape[1], k.shape[1]
         past = kv - b
         win_start = self.n_tokens - self.window_size
-        for s in range(0, b, QUERY_TILE):
-            e = min(b, s + QUERY_TILE)
-            probs = _grouped_probs(q[:, s:e], k, scaling, past + s)
+        for s in range(0, b, self.query_tile):
+            e = min(b, s + self.query_tile)
+            probs = grouped_probs(q[:, s:e], k, scaling, past + s)
             self.accum[layer, :, :kv] += probs.sum(dim=(1, 2))
             lo = max(win_start - past - s, 0)
             if lo < e - s:
@@ -102,10 +105,12 @@ def prefill(
     block_tokens: int = 1024,
     on_progress: Callable[[int], None] | None = None,
     bias: dict[int, torch.Tensor] | None = None,
+    query_tile: int = QUERY_TILE,
 ) -> PrefillResult:
     """Run ``token_ids`` through ``model`` and return KV (+ statistics when ``stats``).
 
-    ``bias``: optional ``{layer: [H_q, T]}`` additive attention bias over the keys (steering)."""
+    ``bias``: optional ``{layer: [H_q, T]}`` additive attention bias over the keys (steering).
+    ``block_tokens`` / ``query_tile`` bound memory; results do not depend on them."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -114,7 +119,7 @@ def prefill(
     n = len(token_ids)
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     cache = DynamicCache(config=cfg)
-    observer = StatsObserver(n_layers, n_kv, n, window, device) if stats else None
+    observer = StatsObserver(n_layers, n_kv, n, window, device, query_tile) if stats else None
     surprisal = torch.zeros(n, dtype=torch.float32)
     last_logits = None
     lm_head = model.get_output_embeddings()
@@ -130,8 +135,8 @@ def prefill(
                 position_ids=torch.arange(s, e, device=device)[None],
             )
             hidden = out.last_hidden_state[0]
-            for hs in range(0, e - s, QUERY_TILE):
-                he = min(e - s, hs + QUERY_TILE)
+            for hs in range(0, e - s, query_tile):
+                he = min(e - s, hs + query_tile)
                 logits = lm_head(hidden[hs:he]).float()
                 logp = torch.log_softmax(logits, dim=-1)
                 targets = ids[0, s + hs + 1 : s + he + 1]
@@ -151,6 +156,39 @@ def prefill(
             "surprisal": surprisal,
         }
     return result
+
+
+@torch.inference_mode()
+def reference_stats(model, token_ids: list[int], *, window: int = 32) -> dict[str, torch.Tensor]:
+    """The spec of the ingest statistics, naively: one forward over the whole sequence with
+    transformers' eager attention, every ``[H_q, T, T]`` attention matrix materialised.
+
+    ``accum[l, g, j]`` = sum over the query heads of KV group g and over every query i of
+    ``attn[l, h, i, j]``; ``window`` = the same sum over the last ``window`` queries only,
+    divided by (heads per group * min(window, T)); ``surprisal[i]`` = -log p(token_i | tokens
+    before i) from the same pass (0 for the first token). Small inputs only (O(T^2) memory)."""
+    cfg = model.config
+    n_kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    previous = cfg._attn_implementation
+    cfg._attn_implementation = "eager"
+    try:
+        out = model(input_ids=ids, output_attentions=True, use_cache=False)
+    finally:
+        cfg._attn_implementation = previous
+    n = len(token_ids)
+    accum, win = [], []
+    for attn in out.attentions:  # per layer [1, H_q, T, T]
+        a = attn[0].float()
+        grouped = a.reshape(n_kv, a.shape[0] // n_kv, n, n)  # [H_kv, group, T, T]
+        accum.append(grouped.sum(dim=(1, 2)))
+        last = grouped[:, :, max(n - window, 0):, :]
+        win.append(last.sum(dim=(1, 2)) / (grouped.shape[1] * min(window, n)))
+    logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+    surprisal = torch.zeros(n, dtype=torch.float32)
+    surprisal[1:] = -logp[:-1].gather(1, ids[0, 1:, None])[:, 0].cpu()
+    return {"window": torch.stack(win).cpu(), "accum": torch.stack(accum).cpu(), "surprisal": surprisal}
 
 
 def bare_prefill_seconds(model, token_ids: list[int]) -> float:

@@ -56,12 +56,11 @@ def env(tmp_path_factory, lm):
                         "CI builds it in scripts/install.sh)")
     docs, _ = read_corpus([EXAMPLES])
     st = Store(tmp_path_factory.mktemp("store"))
-    # no attention statistics: the presses below need only the keys (ingest is 2-3x faster)
-    ingest_documents(st, lm, docs, IngestOptions(stats=False))
+    ingest_documents(st, lm, docs, IngestOptions())
     qa = load_qa(REPO / "examples" / "qa.jsonl")
     with st.writer():
         for doc_id in sorted({i.doc for i in qa}):
-            compress_document(st, doc_id, CompressRecipe(budget=0.5, method="shared",
+            compress_document(st, doc_id, CompressRecipe(budget=0.5, method="shared", scorer="window",
                                                          method_options={"press": "knorm"}), lm=lm, label=PRUNED)
         compress_document(st, qa[0].doc, CompressRecipe(budget=0.5, method="knorm"), lm=lm)
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
@@ -129,7 +128,7 @@ def test_pruned_shared_export_loads_and_answers(env, lm):
         own = _answers(runner, env, lm, "full", own=True)
         pruned = _answers(runner, env, lm, PRUNED, own=False)
     acc_own, acc_pruned = sum(a[2] for a in own), sum(b[2] for b in pruned)
-    print(f"\nllama.cpp {PRUNED} (shared:knorm): accuracy {acc_pruned}/40 vs "
+    print(f"\nllama.cpp {PRUNED} (shared over knorm): accuracy {acc_pruned}/40 vs "
           f"full prefill {acc_own}/40")
     assert all(b[0] for b in pruned)  # every question gets a non-empty answer
 
@@ -191,4 +190,4 @@ def test_refusals_and_cli(env, tmp_path):
     assert side["n_past"] == side["n_cells"] and "llama.cpp loaded the state" in proc.stderr
     assert "{question}" in side["suffix_template"]
     bad = run_cli("export", "llama-cpp", doc_id, "--to", tmp_path / "y.bin", "--version", PER_HEAD, store=st.root)
-    assert bad.returncode == 12 and "shared:" in bad.stderr
+    assert bad.returncode == 12 and "--method shared" in bad.stderr

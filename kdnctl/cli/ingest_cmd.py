@@ -29,8 +29,7 @@ def ingest(
     from ..errors import UsageError
     from ..ingest import IngestOptions, ingest_documents
 
-    if chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
+    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)  # checks the values
     if mode not in ("prefix", "independent"):
         raise UsageError(f"--mode must be prefix or independent, got {mode!r}")
     docs, skipped = read_corpus(paths)
@@ -46,7 +45,6 @@ def ingest(
                          hint="document ids must be non-empty, without NUL, at most 200 bytes")
     st = open_store(store, create=True)  # a damaged or wrong --store fails before the model loads
     lm = load_lm(model, dtype, device)
-    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
         if mode == "independent":

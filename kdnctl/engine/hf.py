@@ -66,10 +66,9 @@ def context_from_bundles(lm, bundles: list[KVBundle], *, label: str = "full", do
             k, v = b.layer_kv(layer)
             ks.append(k)
             vs.append(v)
-            name = f"layers.{layer}.bias"
-            if name in b.tensors:
-                bs.append(b.tensors[name].float())
-            elif any(f"layers.{layer}.bias" in o.tensors for o in bundles):
+            if b.layer(layer, "bias") is not None:
+                bs.append(b.layer(layer, "bias").float())
+            elif any(o.layer(layer, "bias") is not None for o in bundles):
                 bs.append(torch.zeros(lm.summary["n_q_heads"], k.shape[1]))
         keys.append(torch.cat(ks, dim=1)[None].to(device=device, dtype=dtype))
         values.append(torch.cat(vs, dim=1)[None].to(device=device, dtype=dtype))
@@ -176,7 +175,7 @@ class GenerationResult:
     total_s: float
 
 
-def _stop_ids(tokenizer) -> set[int]:
+def stop_ids(tokenizer) -> set[int]:
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
         tid = tokenizer.convert_tokens_to_ids(tok)
@@ -211,7 +210,7 @@ def generate(lm, ctx: LoadedContext | None, suffix_ids: list[int], *, max_new_to
     logits, cache = forward_suffix(lm, ctx, suffix_ids)
     first_logits = logits[-1]
     ttft = time.perf_counter() - t0
-    stops = _stop_ids(lm.tokenizer)
+    stops = stop_ids(lm.tokenizer)
     pos = (ctx.next_position if ctx else 0) + len(suffix_ids)
     out_ids: list[int] = []
     nxt = int(first_logits.argmax())

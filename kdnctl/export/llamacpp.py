@@ -13,7 +13,7 @@ llama.cpp's own code and compares answers):
 
 Cells carry their positions, so a pruned cache keeps its original positions; but a cell holds
 every head of every layer, so a pruned version can only be exported when all layers and heads
-keep the same tokens (``kdnctl compress --method shared:METHOD``). V is transposed exactly
+keep the same tokens (``kdnctl compress --method shared``, wrapping kvcrush by default). V is transposed exactly
 when the context runs without flash attention (llama-cpp-python's default); a quantized V
 cache (q8_0) needs flash attention.
 
@@ -170,7 +170,7 @@ def kept_positions(doc: DocumentKV) -> torch.Tensor:
         raise ExportError(
             f"{doc.doc_id} [{doc.label}] keeps different tokens per layer or KV head; a llama.cpp "
             "cache cell holds every head of every layer",
-            hint="compress with --method shared:METHOD (one token set for all heads and layers)",
+            hint="compress with --method shared (one token set for all heads and layers)",
         )
     return pos
 

@@ -13,17 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from ..bundle import KVBundle, encode_bundle, make_meta
+from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes
 from ..chunking import chain_hashes, chunk_bounds
 from ..corpus import Document, Skipped, read_corpus
 from ..errors import UsageError
 from ..prefill import prefill
 from ..prompting import PromptFormat
-from ..store import ChunkRef, DocumentRecord, Store, VersionRecord
-
-STATS_DTYPE = torch.float16
+from ..store import DocumentRecord, Store, VersionRecord
+from ..versions import commit, write_chunks
 
 
 @dataclass
@@ -32,6 +29,10 @@ class IngestOptions:
     window: int = 32
     stats: bool = True
     block_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
 
     def recipe(self) -> dict:
         return {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
@@ -47,6 +48,11 @@ class IngestReport:
     seconds: float = 0.0
     kv_bytes: int = 0
     stats_bytes: int = 0
+
+    def count_bytes(self, bundles: list[KVBundle]) -> None:
+        for b in bundles:
+            self.kv_bytes += tensor_bytes(b.tensors, "layers.")
+            self.stats_bytes += tensor_bytes(b.tensors, STATS_PREFIX)
 
     @property
     def tokens_per_s(self) -> float:
@@ -90,16 +96,7 @@ def build_chunk_bundles(
     hashes = chain_hashes(token_ids, opts.chunk_tokens, lm.fingerprint)
     bundles = []
     for index, ((s, e), h) in enumerate(zip(bounds, hashes)):
-        tensors = {
-            "token_ids": torch.tensor(token_ids[s:e], dtype=torch.int64),
-            "positions": torch.arange(s, e, dtype=torch.int64),
-        }
-        for layer, (k, v) in enumerate(zip(result.keys, result.values)):
-            tensors[f"layers.{layer}.keys"] = k[:, s:e].contiguous().cpu()
-            tensors[f"layers.{layer}.values"] = v[:, s:e].contiguous().cpu()
-        for name, stat in result.stats.items():
-            part = stat[..., s:e].contiguous()
-            tensors[f"stats.{name}"] = part.to(STATS_DTYPE) if name != "surprisal" else part.float()
+        tensors = chunk_tensors(result, s, e, token_ids[s:e], s)
         meta = make_meta(
             model_fingerprint=lm.fingerprint,
             model=lm.summary,
@@ -130,8 +127,6 @@ def ingest_documents(
     on_progress: Callable[[int], None] | None = None,
     on_doc: Callable[[str, str], None] | None = None,
 ) -> IngestReport:
-    if opts.chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {opts.chunk_tokens}")
     report = IngestReport()
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     recipe = opts.recipe()
@@ -153,14 +148,8 @@ def ingest_documents(
                 result = prefill(lm.model, seg_ids, stats=opts.stats, window=opts.window,
                                  block_tokens=opts.block_tokens, on_progress=on_progress)
                 bundles = build_chunk_bundles(lm, seg_id, version, seg_ids, result, opts, recipe, n_header)
-                chunks = []
-                for b in bundles:
-                    data = encode_bundle(b)
-                    sha = store.put_object(data)
-                    chunks.append(ChunkRef(b.meta["chunk_index"], sha, b.meta["token_start"],
-                                           b.meta["token_end"], b.meta["chain_hash"], len(data)))
-                    report.kv_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("layers."))
-                    report.stats_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("stats."))
+                chunks = write_chunks(store, bundles)
+                report.count_bytes(bundles)
                 text = doc.text if len(segments) == 1 else lm.tokenizer.decode(seg_ids[n_header:])
                 text_sha = store.put_object(text.encode("utf-8"))
                 now = time.time()
@@ -168,7 +157,7 @@ def ingest_documents(
                                         lm.fingerprint, text_sha, now)
                 vrec = VersionRecord(seg_id, version, "full", None, recipe, lm.fingerprint, chunks, now,
                                      len(seg_ids), "prefix")
-                store.commit_document(record, vrec)
+                commit(store, vrec, record)
                 report.ingested.append(seg_id)
                 report.tokens += len(seg_ids)
                 if on_doc:

@@ -13,27 +13,37 @@ The cost: every head must keep tokens that only some heads need. It is measured,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 from torch import Tensor
 
-from kdnctl.presses.base import ScoreContext, sanitize, select_top
+from kdnctl.errors import UsageError
+from kdnctl.presses.base import Press, ScoreContext, sanitize, select_top
 from kdnctl.presses.spans import rank01
-from kdnctl.presses.wrapper import LayerBudgetWrapper
 
 
 @dataclass
-class SharedPress(LayerBudgetWrapper):
+class SharedPress(Press):
     name: ClassVar[str] = "shared"
+    # the default wrapped press (kvcrush) ranks by the scorer; a class-level answer, as the
+    # recipe asks the class
+    uses_importance: ClassVar[bool] = True
 
-    press: Any = "kvcrush"
+    press: str = "kvcrush"  # the wrapped press (registry name) whose scores are shared
+    press_options: dict = field(default_factory=dict)
 
-    def quotas_for_budget(self, budget: float, n_tokens: int, n_layers: int) -> list[int]:
-        return self.inner.quotas_for_budget(budget, n_tokens, n_layers)
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from kdnctl.presses import get_press  # late: the registry imports this module
 
-    def quotas_for(self, ctx: ScoreContext, budget: float) -> list[int]:
-        return self.inner.quotas_for_budget(budget, ctx.n_tokens, ctx.n_layers)
+        if str(self.press).strip().lower() == self.name:
+            raise UsageError("shared cannot wrap itself")
+        opts = {"sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens, **self.press_options}
+        self.inner = get_press(str(self.press), **opts)
+
+    def score(self, ctx: ScoreContext) -> Tensor:
+        return self.inner.score(ctx)
 
     def token_scores(self, ctx: ScoreContext) -> Tensor:
         """``[T]``: the mean over layers and heads of each row's rank of the wrapped scores."""
