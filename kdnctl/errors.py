@@ -136,6 +136,20 @@ class WorkerError(KdnError):
     default_hint = "documents committed before the failure are kept; re-run the same command to resume"
 
 
+class EngineMissingError(MissingExtraError):
+    """An optional engine package (LMCache, llama-cpp-python) an export or a check needs."""
+
+    default_hint = "install the extra: pip install 'kdnctl[lmcache]' or 'kdnctl[llamacpp]'"
+
+
+class ExportError(KdnError):
+    """A version that the target engine's format cannot hold (pruned for LMCache, per-head
+    selections for llama.cpp, a chunk size the engine does not use, another model's GGUF)."""
+
+    exit_code = 13
+    default_hint = "see docs/engines.md for what each export accepts"
+
+
 EXIT_CODES: dict[type[KdnError], int] = {
     cls: cls.exit_code
     for cls in (
@@ -152,5 +166,6 @@ EXIT_CODES: dict[type[KdnError], int] = {
         UnsupportedError,
         MissingExtraError,
         WorkerError,
+        ExportError,
     )
 }
