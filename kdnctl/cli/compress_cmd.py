@@ -47,7 +47,11 @@ def compress(
                                 group_size=group_size, seed=seed, method_options=opts)
     st = open_store(store)
     doc_ids = list(docs) if docs else [d.doc_id for d in st.list_documents()]
-    lm = load_lm(model) if recipe.needs_model else None
+    # h2o / adaptive budgets read `accum`, which ingest records only with --stats all; with the
+    # model at hand compress computes it when a version lacks it.
+    accum_press = recipe.budget < 1 and any(m in ("h2o", "adaptive") for m in (recipe.method, recipe.method_options.get("press"))) \
+        or recipe.scorer == "accum"
+    lm = load_lm(model) if recipe.needs_model or accum_press else None
     fingerprint = lm.fingerprint if lm is not None else None
     results = []
     with st.writer(), progress_bar(len(doc_ids), "compress", unit="doc") as bar:

@@ -24,6 +24,12 @@ from ..prompting import PromptFormat
 from ..store import ChunkRef, DocumentRecord, Store, VersionRecord
 
 STATS_DTYPE = torch.float16
+# What the default recipe needs (the hybrid scorer: surprisal; snapkv: the last window's
+# attention, which costs a few query rows). ``accum`` (every query's attention, for h2o and
+# adaptive budgets) is opt-in with ``--stats all``, or computed later by ``kdnctl compress``
+# when a press asks for it (one extra prefill, see kdnctl.compress).
+DEFAULT_STATS = ("surprisal", "window")
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -32,9 +38,36 @@ class IngestOptions:
     window: int = 32
     stats: bool = True
     block_tokens: int = 1024
+    stat_names: tuple[str, ...] = DEFAULT_STATS  # which statistics when ``stats``
+    kv_dtype: str | None = None  # stored K/V dtype; None = the model's dtype
+
+    def __post_init__(self) -> None:
+        from ..prefill import stat_names
+
+        self.stat_names = tuple(sorted(stat_names(self.stat_names)))
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+    @property
+    def stats_wanted(self) -> tuple[str, ...]:
+        return self.stat_names if self.stats else ()
 
     def recipe(self) -> dict:
-        return {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
+        r = {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
+        if self.stats:
+            r["stat_names"] = list(self.stat_names)
+        if self.kv_dtype is not None:
+            r["kv_dtype"] = self.kv_dtype
+        return r
+
+    def version_key(self) -> str:
+        """What, beyond text/model/header, the stored bytes depend on (for ``doc_version_for``)."""
+        key = f"{self.chunk_tokens}|{self.window}|{self.stats}"
+        if self.stats and tuple(self.stat_names) != tuple(sorted(("accum", "surprisal", "window"))):
+            key += "|" + ",".join(self.stat_names)
+        if self.kv_dtype is not None:
+            key += f"|kv={self.kv_dtype}"
+        return key
 
 
 @dataclass
@@ -47,6 +80,8 @@ class IngestReport:
     seconds: float = 0.0
     kv_bytes: int = 0
     stats_bytes: int = 0
+    prefill_seconds: float = 0.0  # the forward pass with its statistics
+    write_seconds: float = 0.0  # bundles: slice, encode, hash, write + fsync
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,7 +103,7 @@ class IngestReport:
 
 def doc_version_for(doc: Document, fingerprint: str, opts: IngestOptions, header: str) -> str:
     """A document version is what its bundles depend on: text, model, chunking and prompt header."""
-    key = f"{doc.content_sha256}|{fingerprint}|{opts.chunk_tokens}|{opts.window}|{opts.stats}|{header}"
+    key = f"{doc.content_sha256}|{fingerprint}|{opts.version_key()}|{header}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -88,6 +123,7 @@ def build_chunk_bundles(
 ) -> list[KVBundle]:
     bounds = chunk_bounds(len(token_ids), opts.chunk_tokens)
     hashes = chain_hashes(token_ids, opts.chunk_tokens, lm.fingerprint)
+    kv_dtype = KV_DTYPES[opts.kv_dtype] if opts.kv_dtype else None
     bundles = []
     for index, ((s, e), h) in enumerate(zip(bounds, hashes)):
         tensors = {
@@ -95,8 +131,8 @@ def build_chunk_bundles(
             "positions": torch.arange(s, e, dtype=torch.int64),
         }
         for layer, (k, v) in enumerate(zip(result.keys, result.values)):
-            tensors[f"layers.{layer}.keys"] = k[:, s:e].contiguous().cpu()
-            tensors[f"layers.{layer}.values"] = v[:, s:e].contiguous().cpu()
+            tensors[f"layers.{layer}.keys"] = k[:, s:e].to(device="cpu", dtype=kv_dtype or k.dtype).contiguous()
+            tensors[f"layers.{layer}.values"] = v[:, s:e].to(device="cpu", dtype=kv_dtype or v.dtype).contiguous()
         for name, stat in result.stats.items():
             part = stat[..., s:e].contiguous()
             tensors[f"stats.{name}"] = part.to(STATS_DTYPE) if name != "surprisal" else part.float()
@@ -113,7 +149,7 @@ def build_chunk_bundles(
             label="full",
             parent=None,
             recipe=recipe,
-            dtype=lm.summary["dtype"],
+            dtype=opts.kv_dtype or lm.summary["dtype"],
             mode="prefix",
             header_tokens=header_tokens,
         )
@@ -150,8 +186,11 @@ def ingest_documents(
                         if on_progress:
                             on_progress(len(seg_ids))
                         continue
-                result = prefill(lm.model, seg_ids, stats=opts.stats, window=opts.window,
+                t_pass = time.perf_counter()
+                result = prefill(lm.model, seg_ids, stats=opts.stats_wanted, window=opts.window,
                                  block_tokens=opts.block_tokens, on_progress=on_progress)
+                report.prefill_seconds += time.perf_counter() - t_pass
+                t_write = time.perf_counter()
                 bundles = build_chunk_bundles(lm, seg_id, version, seg_ids, result, opts, recipe, n_header)
                 chunks = []
                 for b in bundles:
@@ -161,6 +200,7 @@ def ingest_documents(
                                            b.meta["token_end"], b.meta["chain_hash"], len(data)))
                     report.kv_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("layers."))
                     report.stats_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("stats."))
+                report.write_seconds += time.perf_counter() - t_write
                 text = doc.text if len(segments) == 1 else lm.tokenizer.decode(seg_ids[n_header:])
                 text_sha = store.put_object(text.encode("utf-8"))
                 now = time.time()
