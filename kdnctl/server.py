@@ -274,7 +274,7 @@ class _FileSlice(Response):
 # -- the application ------------------------------------------------------------------------
 
 def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | None = None,
-               *, max_body_bytes: int = MAX_BODY_BYTES) -> Starlette:
+               *, max_body_bytes: int = MAX_BODY_BYTES, accel_prefix: str | None = None) -> Starlette:
     """The ASGI app serving ``store_root`` read-only. ``tokens``: token -> namespace grants
     (``["*"]`` = all); None = no authentication. Raises NotFoundError if there is no store."""
     if tokens is not None and not tokens:
@@ -423,6 +423,11 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         inm = request.headers.get("if-none-match")
         if inm is not None and _etag_matches(inm, etag):
             return Response(status_code=304, headers=headers)
+        if accel_prefix is not None:  # nginx sends the bytes (ranges too): kdnctl/nginx.py
+            from .nginx import accel_path
+
+            headers.pop("content-type")
+            return Response(status_code=200, headers={**headers, "x-accel-redirect": accel_path(sha, accel_prefix)})
         start, end, status = 0, st.st_size, 200
         rng = request.headers.get("range")
         if_range = request.headers.get("if-range")
@@ -477,12 +482,13 @@ def _log_config(level: str) -> dict:
 
 def serve(store_root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8700,
           token_file: str | os.PathLike | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
-          access_log: bool = True, log_level: str = "info", graceful_timeout_s: float = 10.0) -> None:
+          access_log: bool = True, log_level: str = "info", graceful_timeout_s: float = 10.0,
+          accel_prefix: str | None = None) -> None:
     """Run the server until SIGINT/SIGTERM; in-flight requests get ``graceful_timeout_s`` to finish."""
     import uvicorn
 
     tokens = load_tokens(token_file) if token_file else None
-    app = create_app(store_root, tokens, max_body_bytes=max_body_bytes)
+    app = create_app(store_root, tokens, max_body_bytes=max_body_bytes, accel_prefix=accel_prefix)
     if tokens is None and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving {store_root} on {host} without --token-file: anyone who can reach it can read it",
               file=sys.stderr)
