@@ -201,6 +201,9 @@ def main() -> None:
             if args.profile:
                 for label in ("full", "b1-int8"):
                     profiles.append((len(ids), label, profile_row(lm, store, doc.doc_id, label, question, reps)))
+            print(f"# done {size}: ttft {rows[-1]} load {loads[-1]} ingest {ingests[-1][:3]} "
+                  f"prefill+stats {report.prefill_seconds:.3f} write {report.write_seconds:.3f} "
+                  f"profile {profiles[-2:] if args.profile else ''}", file=sys.stderr, flush=True)
             del ctx
             pt.unlink()
             st.unlink()
