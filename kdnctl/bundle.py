@@ -188,7 +188,7 @@ def _parse_header(data: bytes) -> dict[str, Any]:
         )
     try:
         header = json.loads(bytes(data[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise BundleFormatError("bundle header is not valid safetensors JSON (corrupted?)") from None
     if not isinstance(header, dict):
         raise BundleFormatError("bundle header is not a JSON object (corrupted?)")
@@ -205,7 +205,7 @@ def _load_meta(header: dict[str, Any]) -> tuple[dict[str, Any], str, str | None]
     meta_json = md[META_KEY]
     try:
         meta = json.loads(meta_json)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RecursionError):
         raise BundleFormatError("bundle metadata 'kdnctl' is not valid JSON (corrupted?)") from None
     if not isinstance(meta, dict):
         raise BundleFormatError("bundle metadata 'kdnctl' is not a JSON object")
@@ -214,7 +214,7 @@ def _load_meta(header: dict[str, Any]) -> tuple[dict[str, Any], str, str | None]
 
 def _check_version(meta: dict[str, Any]) -> None:
     v = meta.get("format_version")
-    m = re.fullmatch(r"(\d+)\.(\d+)", v) if isinstance(v, str) else None
+    m = re.fullmatch(r"(\d{1,9})\.(\d{1,9})", v) if isinstance(v, str) else None
     if m is None:
         raise BundleFormatError(f"bundle format_version {v!r} is not 'major.minor'")
     if int(m.group(1)) != SUPPORTED_MAJOR:
@@ -250,6 +250,10 @@ def _tensor_views(header: dict[str, Any], buf, n_header: int) -> dict[str, torch
             continue
         if not isinstance(info, dict):
             raise _unreadable(f"tensor index entry {name!r} is not an object (corrupted?)")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _unreadable(f"tensor name {name!r} is not valid UTF-8") from None
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dt not in _DTYPES:
             raise _unreadable(f"tensor {name!r} has unknown dtype {dt!r}")
@@ -306,7 +310,11 @@ def decode_bundle(data, *, expect_fingerprint: str | None = None) -> KVBundle:
     _check_version(meta)
     (n,) = struct.unpack_from("<Q", data, 0)
     tensors = _tensor_views(header, data, n)
-    if digest is not None and digest != header_digest(meta_json, tensors):
+    try:
+        computed = header_digest(meta_json, tensors) if digest is not None else None
+    except UnicodeEncodeError:
+        raise BundleFormatError("bundle metadata is not valid UTF-8 (corrupted?)") from None
+    if digest is not None and digest != computed:
         raise BundleFormatError("bundle header checksum mismatch (corrupted metadata or tensor index)")
     _validate(meta, tensors)
     fp = meta["model_fingerprint"]
@@ -429,3 +437,22 @@ def _validate_bias(tensors, i: int, model: dict, t_i: int) -> None:
         raise BundleFormatError(
             f"layers.{i}.bias must be float [H_q={h_q}, T_i={t_i}], got {bias.dtype} {list(bias.shape)}"
         )
+
+
+def header_size(first8: bytes) -> int:
+    """Bytes a bundle's header occupies (8-byte length + JSON), from its first 8 bytes."""
+    if len(first8) < 8:
+        raise BundleFormatError(f"bundle is truncated ({len(first8)} bytes, not even a header length)")
+    (n,) = struct.unpack("<Q", first8[:8])
+    if n > _MAX_HEADER:
+        raise BundleFormatError(f"bundle header length {n} is not plausible (corrupted?)")
+    return 8 + n
+
+
+def read_meta(head: bytes) -> dict[str, Any]:
+    """A bundle's kdnctl metadata from its first ``header_size`` bytes, tensors unread.
+
+    Only as trustworthy as the bytes: use it on verified objects (the store's content address)."""
+    meta, _, _ = _load_meta(_parse_header(bytes(head)))
+    _check_version(meta)
+    return meta

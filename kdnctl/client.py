@@ -12,7 +12,6 @@ already received (the object is immutable, so ``If-Range`` on its hash makes the
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import random
@@ -29,9 +28,7 @@ import httpx
 
 from . import __version__
 from .errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
-from .store import ChunkRef, DocumentRecord, VersionRecord
-
-_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+from .store import ChunkRef, DocumentRecord, VersionRecord, check_sha
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 TOKEN_HINT = ("pass --token-file with a token from the server's token file, and check that it grants "
               "the document's namespace")
@@ -48,20 +45,14 @@ def _blake3_hasher():
     return None if mod is None else mod.blake3()
 
 
-def _fields(cls, d: dict) -> dict:
-    # ignore fields a newer server may add (record schemas are additive)
-    names = {f.name for f in dataclasses.fields(cls)}
-    return {k: v for k, v in d.items() if k in names}
+def _doc(d) -> DocumentRecord:
+    # the same validating decoder the local catalog uses: a hostile or broken server's records
+    # end as StoreCorruptError naming the field, never as a TypeError in the loader
+    return DocumentRecord.from_dict(d, "document record from the server")
 
 
-def _doc(d: dict) -> DocumentRecord:
-    return DocumentRecord(**_fields(DocumentRecord, d))
-
-
-def _version(d: dict) -> VersionRecord:
-    d = _fields(VersionRecord, d)
-    d["chunks"] = [ChunkRef(**_fields(ChunkRef, c)) for c in d.get("chunks", [])]
-    return VersionRecord(**d)
+def _version(d) -> VersionRecord:
+    return VersionRecord.from_dict(d, "version record from the server")
 
 
 def _q(part: str) -> str:
@@ -197,7 +188,9 @@ class RemoteStore:
         body = self._json(path, "chunk lookup", missing=None)
         if body is None:
             return None
-        return self._learn(_version(body["version"])), ChunkRef(**_fields(ChunkRef, body["chunk"]))
+        if not isinstance(body, dict):
+            raise RemoteError(f"{self.url}{path} answered {type(body).__name__}, not a chunk")
+        return self._learn(_version(body.get("version"))), ChunkRef.from_dict(body.get("chunk"), "chunk from the server")
 
     def lookup_prefix(self, fingerprint: str, label: str, token_ids: list[int], chunk_tokens: int | None = None) -> dict:
         """The longest stored chain matching ``token_ids``, in one request (POST /v1/lookup)."""
@@ -214,8 +207,7 @@ class RemoteStore:
 
     # -- objects -----------------------------------------------------------------------------
     def _check_sha(self, sha: str) -> None:
-        if not isinstance(sha, str) or not _SHA_RE.match(sha):
-            raise UsageError(f"invalid object id {str(sha)[:80]!r}: expected 64 lowercase hex chars")
+        check_sha(sha)
 
     def has_object(self, sha: str) -> bool:
         self._check_sha(sha)
@@ -327,6 +319,11 @@ class RemoteStore:
         self._to_cache(sha, data)
         return data
 
+    def read_object_head(self, sha: str, n: int) -> bytes:
+        """The first ``n`` bytes of an object; the whole object is fetched (and verified): a
+        range request could not be checked against the object's hash."""
+        return self.read_object(sha)[:n]
+
     def fetch_objects(self, shas: Iterable[str], max_workers: int | None = None) -> dict[str, bytes]:
         """Download (and verify) several objects in parallel; the first failure is raised."""
         todo = list(dict.fromkeys(shas))
@@ -384,6 +381,14 @@ def mirror(remote: RemoteStore, store, doc_ids: list[str] | None = None, label: 
                         raise StoreCorruptError(f"object {sha[:12]} changed while being stored")
                     report["objects"] += 1
                     report["bytes"] += len(data)
+            from .store.maintenance import bundle_problems
+
+            for v in todo:  # the server's records are checked against the (verified) bundles
+                problems = bundle_problems(store, v)
+                if problems:
+                    raise StoreCorruptError(f"{remote.url} sent a version record that does not match its bundles: "
+                                            f"{problems[0]}", hint="nothing was committed; check the served store "
+                                            "with `kdnctl verify`")
             if not is_current:
                 store.commit_document(doc, todo[0])
                 todo = todo[1:]

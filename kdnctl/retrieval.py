@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 from .bundle import KVBundle, decode_bundle
 from .errors import ModelMismatchError, NotFoundError, UsageError
-from .ingest.independent import HEADER_INDEX, LABEL, read_bundle_meta
+from .ingest.independent import HEADER_INDEX, LABEL
+from .store import ReadStore, read_bundle_meta
 
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
 _STOP = frozenset(
@@ -52,7 +53,7 @@ class ChunkInfo:
     def n_tokens(self) -> int:
         return self.token_end - self.token_start
 
-    def text(self, store) -> str:
+    def text(self, store: ReadStore) -> str:
         if self._text is None:
             self._text = str(read_bundle_meta(store, self.object).get("text", ""))
         return self._text
@@ -62,7 +63,7 @@ class ChunkInfo:
                 "score": round(self.score, 4)}
 
 
-def list_chunks(store, *, doc_id: str | None = None, fingerprint: str | None = None) -> list[ChunkInfo]:
+def list_chunks(store: ReadStore, *, doc_id: str | None = None, fingerprint: str | None = None) -> list[ChunkInfo]:
     """Every independent chunk of the current document versions (document order)."""
     out = []
     for v in store.list_versions(doc_id):
@@ -80,7 +81,7 @@ def list_chunks(store, *, doc_id: str | None = None, fingerprint: str | None = N
     return out
 
 
-def resolve_chunks(store, ids: list[str], *, doc_id: str | None = None, fingerprint: str | None = None) -> list[ChunkInfo]:
+def resolve_chunks(store: ReadStore, ids: list[str], *, doc_id: str | None = None, fingerprint: str | None = None) -> list[ChunkInfo]:
     """Chunks named by ``DOC#INDEX``, a content-hash prefix, or (with ``doc_id``) a bare index."""
     wanted = [i.strip() for i in ids if i.strip()]
     if not wanted:
@@ -143,7 +144,7 @@ class BM25:
         return out
 
 
-def rank(store, question: str, chunks: list[ChunkInfo]) -> list[ChunkInfo]:
+def rank(store: ReadStore, question: str, chunks: list[ChunkInfo]) -> list[ChunkInfo]:
     """``chunks`` (deduplicated by content) scored against ``question``, best first."""
     unique: dict[str, ChunkInfo] = {}
     for c in chunks:
@@ -155,7 +156,7 @@ def rank(store, question: str, chunks: list[ChunkInfo]) -> list[ChunkInfo]:
     return sorted(cands, key=lambda c: (-c.score, c.doc_id, c.index))
 
 
-def retrieve(store, question: str, k: int, *, doc_id: str | None = None, fingerprint: str | None = None) -> list[ChunkInfo]:
+def retrieve(store: ReadStore, question: str, k: int, *, doc_id: str | None = None, fingerprint: str | None = None) -> list[ChunkInfo]:
     """The ``k`` independent chunks that best match ``question`` (BM25), best first."""
     if k < 1:
         raise UsageError(f"--retrieve must be >= 1, got {k}")
@@ -166,7 +167,7 @@ def retrieve(store, question: str, k: int, *, doc_id: str | None = None, fingerp
     return rank(store, question, chunks)[:k]
 
 
-def load_chunk_bundles(lm, store, chunks: list[ChunkInfo]) -> tuple[KVBundle, list[KVBundle], int]:
+def load_chunk_bundles(lm, store: ReadStore, chunks: list[ChunkInfo]) -> tuple[KVBundle, list[KVBundle], int]:
     """(header bundle, chunk bundles in the given order, bytes read) for ``compose``."""
     if not chunks:
         raise UsageError("no chunks to load")
@@ -189,7 +190,7 @@ def load_chunk_bundles(lm, store, chunks: list[ChunkInfo]) -> tuple[KVBundle, li
     return header, bundles, read
 
 
-def compose_chunks(lm, store, chunks: list[ChunkInfo], suffix_ids: list[int], recompute: float, *, info: dict | None = None):
+def compose_chunks(lm, store: ReadStore, chunks: list[ChunkInfo], suffix_ids: list[int], recompute: float, *, info: dict | None = None):
     """Load ``chunks`` from ``store`` and compose them (kdnctl.engine.compose). Returns a
     LoadedContext with ``load_s`` and ``nbytes`` set."""
     from .engine.compose import compose

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from kdnctl.errors import NotFoundError, StoreCorruptError, StoreLockedError, UsageError
+from storekit import FP, add_doc, add_label, chain
+
 from kdnctl.store import (
     ChunkRef,
     DocumentRecord,
@@ -21,35 +23,8 @@ from kdnctl.store import (
     default_store_root,
 )
 
-FP = "f" * 64
 REPO = Path(__file__).resolve().parents[1]
-PY = str(REPO / ".venv" / "bin" / "python")
-
-
-def chain(i: int, salt: str = "") -> str:
-    return hashlib.sha256(f"chain{i}{salt}".encode()).hexdigest()
-
-
-def add_doc(store: Store, doc_id="doc-a", text=b"hello world", chunks=(b"c0", b"c1"), *,
-            label="full", salt="", created=None):
-    """Put the text and chunk objects, then commit a document with one version."""
-    dv = hashlib.sha256(text).hexdigest()[:16]
-    created = time.time() if created is None else created
-    with store.writer():
-        text_sha = store.put_object(text)
-        refs = [ChunkRef(i, store.put_object(c), 4 * i, 4 * i + 4, chain(i, salt), len(c)) for i, c in enumerate(chunks)]
-        doc = DocumentRecord(doc_id, dv, hashlib.sha256(text).hexdigest(), f"/src/{doc_id}.txt", 4 * len(chunks), FP, text_sha, created)
-        ver = VersionRecord(doc_id, dv, label, None, {"chunk_tokens": 4}, FP, refs, created, 4 * len(chunks))
-        store.commit_document(doc, ver)
-    return doc, ver
-
-
-def add_label(store: Store, doc: DocumentRecord, label: str, chunks, salt=""):
-    with store.writer():
-        refs = [ChunkRef(i, store.put_object(c), 4 * i, 4 * i + 4, chain(i, salt), len(c)) for i, c in enumerate(chunks)]
-        ver = VersionRecord(doc.doc_id, doc.doc_version, label, "full", {"press": "x"}, FP, refs, time.time(), doc.n_tokens)
-        store.commit_version(ver)
-    return ver
+PY = sys.executable
 
 
 @pytest.fixture
@@ -135,7 +110,7 @@ def test_commit_refuses_missing_objects_and_leaves_catalog_unchanged(store):
                             time.time(), 8)
         with pytest.raises(StoreCorruptError, match=f"1 referenced object.*{ghost[:12]}"):
             store.commit_version(bad)
-        doc2 = DocumentRecord("doc-b", "v9", "x" * 64, "/src/b", 4, FP, ghost, time.time())
+        doc2 = DocumentRecord("doc-b", "v9", "a" * 64, "/src/b", 4, FP, ghost, time.time())
         ver2 = VersionRecord("doc-b", "v9", "full", None, {}, FP, [], time.time(), 4)
         with pytest.raises(StoreCorruptError, match=ghost[:12]):
             store.commit_document(doc2, ver2)
@@ -165,7 +140,7 @@ def test_records_round_trip_and_listing(store):
     add_doc(store, "doc-b", b"other text", (b"b0",), salt="b")
     assert store.get_document("doc-a") == doc
     got = store.get_version("doc-a")
-    assert got == ver and got.nbytes == 4 and got.mode == "prefix"
+    assert got == ver and got.nbytes == sum(c.nbytes for c in ver.chunks) and got.mode == "prefix"
     assert [d.doc_id for d in store.list_documents()] == ["doc-a", "doc-b"]
     assert sorted((v.doc_id, v.label) for v in store.list_versions()) == [("doc-a", "full"), ("doc-b", "full")]
     assert store.find_document("doc-a", doc.content_sha256) == doc
@@ -242,9 +217,11 @@ def test_changed_document_gets_new_version_with_independent_labels(store):
 
 
 def test_gc_removes_superseded_versions_and_orphans_but_keeps_current(store):
-    d1, v1 = add_doc(store, text=b"first text", chunks=(b"shared", b"old-1"))
-    add_label(store, d1, "kv50", (b"old-pruned",))
-    d2, v2 = add_doc(store, text=b"second text", chunks=(b"shared", b"new-1"), salt="2")
+    # independent chunks are document-neutral, so two versions may share one ("shared")
+    d1, v1 = add_doc(store, text=b"first text", chunks=(b"shared", b"old-1"), mode="independent")
+    kv = add_label(store, d1, "kv50", (b"old-pruned",), salt="p")
+    d2, v2 = add_doc(store, text=b"second text", chunks=(b"shared", b"new-1"), mode="independent",
+                     salt="")
     orphan = store.put_object(b"nobody refers to me")
     old_tmp, new_tmp = store.root / "tmp" / "old.tmp", store.root / "tmp" / "new.tmp"
     old_tmp.write_bytes(b"12345")
@@ -252,26 +229,28 @@ def test_gc_removes_superseded_versions_and_orphans_but_keeps_current(store):
     os.utime(old_tmp, (time.time() - 3600, time.time() - 3600))
 
     before = store.catalog_dump()
-    dry = store.gc(dry_run=True)
+    dry = store.gc(dry_run=True, grace_s=0)
     assert store.catalog_dump() == before and store.has_object(orphan) and old_tmp.exists()
 
-    stats = store.gc()
-    gone = [d1.text_object, v1.chunks[1].object, store.object_path(orphan).name]
+    size = lambda sha: store.object_path(sha).stat().st_size  # noqa: E731
+    gone = [d1.text_object, v1.chunks[1].object, kv.chunks[0].object, orphan]
+    freed = sum(size(s) for s in gone) + 5
+    stats = store.gc(grace_s=0)
     assert stats == dict(dry, dry_run=False)
     assert stats["doc_versions_removed"] == 1 and stats["versions_removed"] == 2
     assert stats["prefix_entries_removed"] == 3  # v1 full: 2 chunks, kv50: 1 chunk
     assert stats["objects_removed"] == 4 and stats["tmp_removed"] == 1  # text, old-1, old-pruned, orphan
-    assert stats["bytes_freed"] == len(b"first text") + len(b"old-1") + len(b"old-pruned") + len(b"nobody refers to me") + 5
+    assert stats["bytes_freed"] == freed
     for sha in gone:
         assert not store.has_object(sha)
     assert store.has_object(v2.chunks[0].object)  # "shared" is still used by the current version
     assert store.has_object(d2.text_object) and store.has_object(v2.chunks[1].object)
     assert not old_tmp.exists() and new_tmp.exists()
     assert [d.doc_version for d in store.document_history("doc-a")] == [d2.doc_version]
-    assert store.lookup_chunk(FP, "kv50", chain(0)) is None
+    assert store.lookup_chunk(FP, "kv50", chain(0, "p")) is None
     new_tmp.unlink()
     assert store.verify() == []
-    assert store.gc()["objects_removed"] == 0  # nothing left to collect
+    assert store.gc(grace_s=0)["objects_removed"] == 0  # nothing left to collect
 
 
 def test_remove_document_then_gc_reclaims_everything(store):
@@ -281,7 +260,7 @@ def test_remove_document_then_gc_reclaims_everything(store):
         with pytest.raises(NotFoundError):
             store.remove_document("doc-a")
     assert store.list_documents() == []
-    assert store.gc()["objects_removed"] == 3
+    assert store.gc(grace_s=0)["objects_removed"] == 3
     assert list((store.root / "objects").rglob("*.*")) == [] and store.verify() == []
 
 

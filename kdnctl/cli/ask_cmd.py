@@ -47,6 +47,8 @@ def ask(
         raise UsageError("use either --chunks or --retrieve, not both")
     if not 0.0 <= recompute <= 1.0:
         raise UsageError(f"--recompute must be in [0, 1], got {recompute}")
+    if max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
 
     if remote:
         from ..client import RemoteStore

@@ -32,6 +32,18 @@ def open_store(store: Optional[Path], *, create: bool = False):
     return Store(store_root(store), create=create)
 
 
+def check_name(kind: str, value: Optional[str], flag: str) -> None:
+    """Validate a doc id / label before any work (no orphan objects, no wasted prefill)."""
+    if value is None:
+        return
+    from ..errors import UsageError
+    from ..store.records import id_problem
+
+    problem = id_problem(kind, value)
+    if problem:
+        raise UsageError(f"{flag}: {problem}")
+
+
 def load_lm(model: Optional[str], dtype: Optional[str] = None, device: Optional[str] = None):
     from ..model import load_model
 

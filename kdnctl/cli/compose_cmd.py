@@ -42,8 +42,8 @@ def eval_compose(
     items = load_multichunk_qa(qa)
     if limit is not None:
         items = items[: max(limit, 0)]
-    lm = load_lm(model)
     st = open_store(store, create=bool(corpus))
+    lm = load_lm(model)
     if corpus:
         from ..corpus import read_corpus
         from ..ingest import IngestOptions

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
+from .common import JsonOpt, check_name, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
 
 
 def compress(
@@ -45,6 +45,8 @@ def compress(
             opts = {"press": inner, "press_options": opts} if opts else {"press": inner}
         recipe = CompressRecipe(budget=budget, method=method, scorer=scorer or DEFAULT_SCORER, quant=quant,
                                 group_size=group_size, seed=seed, method_options=opts)
+    check_name("label", label or recipe.default_label(), "--label")
+    check_name("label", source, "--from")
     st = open_store(store)
     doc_ids = list(docs) if docs else [d.doc_id for d in st.list_documents()]
     # h2o / adaptive budgets read `accum`, which ingest records only with --stats all; with the

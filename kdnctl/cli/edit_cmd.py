@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import UsageError
-from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
+from .common import JsonOpt, check_name, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
 
 DEFAULT_TASKS = Path("examples/steering/tasks.jsonl")
 DEFAULT_HEADS_OUT = Path("recipes/heads/smollm2-135m.json")
@@ -33,10 +33,12 @@ def edit(
     from ..steer.base import SteerSpec, steer_document
     from ..steer.heads import resolve_heads
 
+    check_name("label", label, "--label")
+    check_name("label", source, "--from")
+    st = open_store(store)  # a damaged store fails before the model loads
     lm = load_lm(model)
     head_map, heads_desc = resolve_heads(heads, lm)
     spec = SteerSpec(list(steer), head_map, alpha=alpha, mode=mode, heads_spec=heads_desc)
-    st = open_store(store)
     results = []
     with st.writer(), progress_bar(len(docs), "steer", unit="doc") as bar:
         for doc_id in docs:

@@ -43,8 +43,14 @@ def ingest(
         message(f"warning: skipped {s.path}: {s.reason}")
     if not docs:
         raise UsageError("no readable documents in the given paths", hint="supported: .txt .md .rst .html .jsonl")
+    from ..store.records import id_problem
+
+    bad = [(d.source, id_problem("doc_id", d.doc_id)) for d in docs if id_problem("doc_id", d.doc_id)]
+    if bad:  # before the model loads and before any prefill
+        raise UsageError(f"{len(bad)} document id(s) cannot be stored, e.g. {bad[0][0]}: {bad[0][1]}",
+                         hint="document ids must be non-empty, without NUL, at most 200 bytes")
+    st = open_store(store, create=True)  # a damaged or wrong --store fails before the model loads
     lm = load_lm(model, dtype, device)
-    st = open_store(store, create=True)
     from ..ingest.prefix import DEFAULT_STATS
     from ..prefill import ALL_STATS
 

@@ -32,8 +32,8 @@ def run(
         message(f"warning: skipped {s.path}: {s.reason}")
     if not docs:
         raise UsageError("no readable documents in the given paths")
-    lm = load_lm(model)
     st = open_store(store, create=True)
+    lm = load_lm(model)
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
         report = ingest_documents(st, lm, docs, opts, on_progress=bar.update)

@@ -27,14 +27,26 @@ def serve_files(
     nginx_user: Optional[str] = typer.Option(None, "--nginx-user", help="`user` directive of the emitted config "
                                              "(the account nginx workers read the objects as)."),
     x_accel: bool = typer.Option(False, "--x-accel", help="Answer object downloads with X-Accel-Redirect (behind nginx)."),
+    header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection may take to send a "
+                                         "complete request head (from connect, or after a response)."),
+    body_timeout: float = typer.Option(30.0, "--body-timeout", help="Seconds to receive a request body (lookups)."),
+    keep_alive: float = typer.Option(5.0, "--keep-alive", help="Seconds an idle keep-alive connection stays open."),
+    max_connections: int = typer.Option(512, "--max-connections", help="Open connections at most; at the cap the "
+                                        "longest-idle connection is closed. Keep it under `ulimit -n`."),
     store: Optional[Path] = StoreOpt,
 ) -> None:
     """Serve the store's bundles read-only over HTTP (see docs/serve-files.md)."""
     from ..errors import UsageError
-    from ..server import serve
+    from ..server import Limits, serve
 
     if not 0 <= port <= 65535:
         raise UsageError(f"--port must be 0..65535, got {port}")
+    try:
+        limits = Limits(header_timeout, body_timeout, keep_alive, max_connections)
+    except UsageError as exc:  # the library speaks of values; name the flags here
+        raise UsageError(exc.message.replace("header_timeout_s", "--header-timeout")
+                         .replace("body_timeout_s", "--body-timeout").replace("keep_alive_s", "--keep-alive")
+                         .replace("max_connections", "--max-connections")) from None
     root = store_root(store)
     open_store(store).close()  # fail fast, with the usual message, when there is no store
     auth = f"tokens from {token_file}" if token_file else "no authentication"
@@ -51,7 +63,8 @@ def serve_files(
 
         accel = ACCEL_PREFIX
     message(f"serving {root} read-only on http://{host}:{port} ({auth}{', X-Accel-Redirect' if accel else ''}); Ctrl-C stops")
-    serve(root, host, port, token_file, max_body_bytes=max_body, access_log=not no_access_log, accel_prefix=accel)
+    serve(root, host, port, token_file, max_body_bytes=max_body, access_log=not no_access_log, limits=limits,
+          accel_prefix=accel)
 
 
 def pull(

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from .common import JsonOpt, StoreOpt, emit_json, message, open_store
+from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, store_root
 
 
 def _version_dict(v) -> dict:
@@ -62,28 +62,75 @@ def show(doc: str = typer.Argument(..., help="Document id."), version: Optional[
 
 
 def verify(store: Optional[Path] = StoreOpt, as_json: bool = JsonOpt) -> None:
-    """Re-hash every object and check every catalog reference. Exit 1 on any problem."""
+    """Check every catalog record, re-hash every object and check each chunk's bundle header
+    against the record that points at it. Exit 1 on any problem."""
     st = open_store(store)
-    problems = st.verify()
+    rep = st.verify_report()
+    problems = rep.problems
     if as_json:
-        emit_json({"ok": not problems, "problems": problems})
+        emit_json({"ok": not problems, "problems": problems, "info": rep.info, "records": rep.n_records,
+                   "objects": rep.n_objects, "bytes": rep.n_bytes})
     else:
         for p in problems:
             message(f"problem: {p}")
-        message("store OK" if not problems else f"{len(problems)} problem(s) found")
+        for line in rep.info:
+            message(f"note: {line}")
+        summary = f"{rep.n_records} catalog record(s), {rep.n_objects} object(s) checked"
+        message(f"store OK ({summary})" if not problems else f"{len(problems)} problem(s) found ({summary})")
     if problems:
         sys.exit(1)
 
 
-def gc(store: Optional[Path] = StoreOpt, dry_run: bool = typer.Option(False, "--dry-run"), as_json: bool = JsonOpt) -> None:
-    """Drop superseded document versions, unreferenced objects and stale temp files."""
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """'600', '30s', '10m', '2h', '1d' -> seconds."""
+    from ..errors import UsageError
+
+    t = text.strip().lower()
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise UsageError(f"--grace must be a duration like 30s, 10m, 2h or 0, got {text!r}")
+    return value * _UNITS[unit]
+
+
+def gc(store: Optional[Path] = StoreOpt, dry_run: bool = typer.Option(False, "--dry-run"),
+       grace: str = typer.Option("10m", "--grace", help="Keep objects of versions superseded less than this long ago "
+                                 "(readers may still be loading them), e.g. 30s, 10m, 2h; 0 = none."),
+       as_json: bool = JsonOpt) -> None:
+    """Drop superseded document versions (after --grace), unreferenced objects and stale temp files."""
+    grace_s = parse_duration(grace)
     st = open_store(store)
     with st.writer():
-        report = st.gc(dry_run=dry_run)
+        report = st.gc(dry_run=dry_run, grace_s=grace_s)
     if as_json:
         emit_json(report)
     else:
         message(" ".join(f"{k}={v}" for k, v in report.items()))
+
+
+def rebuild_catalog(store: Optional[Path] = StoreOpt, model: Optional[str] = ModelOpt,
+                    force: bool = typer.Option(False, "--force", help="Rebuild even if the catalog opens fine."),
+                    as_json: bool = JsonOpt) -> None:
+    """Rebuild a damaged catalog from the bundles' own metadata (the old catalog is kept aside)."""
+    from ..ingest.rebuild import rebuild_catalog as rebuild
+
+    root = store_root(store)
+    lm = load_lm(model)
+    report = rebuild(root, lm, force=force)
+    if as_json:
+        emit_json(report.as_dict())
+    else:
+        for line in report.skipped:
+            message(f"not recovered: {line}")
+        message(f"rebuilt {len(report.documents)} document(s), {report.versions} version(s)"
+                + (f"; damaged catalog kept at {report.damaged_catalog}" if report.damaged_catalog else "")
+                + "; run `kdnctl verify`")
 
 
 def register(app: typer.Typer) -> None:
@@ -91,3 +138,4 @@ def register(app: typer.Typer) -> None:
     app.command("show")(show)
     app.command("verify")(verify)
     app.command("gc")(gc)
+    app.command("rebuild-catalog")(rebuild_catalog)

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..bundle import KVBundle, decode_bundle
-from ..errors import NotFoundError
+from ..errors import NotFoundError, StoreCorruptError
+from ..store import ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
 from .dequant import FAST_SCHEMES, dequantize_into
 
@@ -180,12 +181,16 @@ def _run(fn, items, workers: int) -> list:
         return list(pool.map(fn, items))
 
 
-def _read_bundles(lm, store, chunks, *, workers: int = 1, profile: LoadProfile | None = None) -> tuple[list[KVBundle], int]:
-    """Read, check (every byte, before decoding) and decode each chunk's bundle; chunks run in
-    parallel threads (file reads and hashing release the GIL)."""
-    checked = getattr(store, "object_path", None) is not None and hasattr(store, "read_object_checked")
+def _read_bundles(lm, store: ReadStore, hits, *, workers: int = 1,
+                  profile: LoadProfile | None = None) -> tuple[list[KVBundle], int]:
+    """Read, check (every byte, before decoding) and decode the chunks of ``hits`` ((version,
+    chunk) pairs) in parallel threads (file reads and hashing release the GIL); each bundle's own
+    metadata must match the record that points at it (a record aimed at another document's
+    chunk is refused)."""
+    checked = hasattr(store, "read_object_checked")
 
-    def one(ref):
+    def one(hit):
+        version, ref = hit
         prof = LoadProfile()
         t0 = time.perf_counter()
         if checked:
@@ -199,6 +204,10 @@ def _read_bundles(lm, store, chunks, *, workers: int = 1, profile: LoadProfile |
             data = store.read_object(ref.object)
             t0 = prof.add("read", t0)
         b = decode_bundle(data, expect_fingerprint=lm.fingerprint)
+        why = bundle_mismatch(version, ref, b.meta)
+        if why:
+            raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
+                                    hint="run `kdnctl verify`; the version record is damaged or was tampered with")
         prof.add("decode", t0)
         if profile is not None:
             with _PROFILE_LOCK:
@@ -207,16 +216,16 @@ def _read_bundles(lm, store, chunks, *, workers: int = 1, profile: LoadProfile |
                 profile.decode += prof.decode
         return b, len(data)
 
-    out = _run(one, chunks, workers)
+    out = _run(one, hits, workers)
     return [b for b, _ in out], sum(n for _, n in out)
 
 
-def load_chunks(lm, store, chunks, *, label: str = "full", doc_id: str | None = None, workers: int | None = None,
-                profile: LoadProfile | None = None) -> LoadedContext:
-    """Stored chunk refs -> a context (read + check + decode in parallel, then placement)."""
+def load_chunks(lm, store: ReadStore, hits, *, label: str = "full", doc_id: str | None = None,
+                workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
+    """(version, chunk) hits -> a context (read + check + decode in parallel, then placement)."""
     t = time.perf_counter()
-    workers = _default_workers(len(chunks)) if workers is None else workers
-    bundles, nbytes = _read_bundles(lm, store, chunks, workers=workers, profile=profile)
+    workers = _default_workers(len(hits)) if workers is None else workers
+    bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
     ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=workers, profile=profile)
     ctx.load_s = time.perf_counter() - t
     ctx.nbytes = nbytes
@@ -226,11 +235,19 @@ def load_chunks(lm, store, chunks, *, label: str = "full", doc_id: str | None = 
     return ctx
 
 
-def load_document(lm, store, doc_id: str, label: str = "full", doc_version: str | None = None, *,
+def load_document(lm, store: ReadStore, doc_id: str, label: str = "full", doc_version: str | None = None, *,
                   workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
     """Load every chunk of a stored document version into a context for ``lm``."""
     t = time.perf_counter()
-    version = store.get_version(doc_id, label, doc_version)
+    return load_version(lm, store, store.get_version(doc_id, label, doc_version), t0=t, workers=workers,
+                        profile=profile)
+
+
+def load_version(lm, store: ReadStore, version, *, t0: float | None = None, workers: int | None = None,
+                 profile: LoadProfile | None = None) -> LoadedContext:
+    """Load a version record a caller already holds (``load_document`` looks it up)."""
+    t = time.perf_counter() if t0 is None else t0
+    doc_id, label = version.doc_id, version.label
     if version.fingerprint != lm.fingerprint:
         from ..errors import ModelMismatchError
 
@@ -238,19 +255,36 @@ def load_document(lm, store, doc_id: str, label: str = "full", doc_version: str 
             f"{doc_id} [{label}] was made with model {version.fingerprint[:12]}, "
             f"the loaded model is {lm.fingerprint[:12]}"
         )
-    ctx = load_chunks(lm, store, version.chunks, label=label, doc_id=doc_id, workers=workers, profile=profile)
+    try:
+        ctx = load_chunks(lm, store, [(version, c) for c in version.chunks], label=label, doc_id=doc_id,
+                          workers=workers, profile=profile)
+    except StoreCorruptError as exc:
+        # a missing object of a version that is no longer current was reclaimed by gc (after its
+        # grace period): the store is healthy, the load was just slower than the grace period
+        if "missing" in exc.message and not _still_stored(store, version):
+            raise NotFoundError(f"{doc_id} [{label}] changed while it was being loaded (a newer version replaced "
+                                "it and gc reclaimed the old one)", hint="retry the load") from None
+        raise
     ctx.load_s = time.perf_counter() - t
     return ctx
 
 
-def load_prefix(lm, store, token_ids: list[int], label: str = "full", chunk_tokens: int | None = None):
+def _still_stored(store: ReadStore, version) -> bool:
+    try:
+        now = store.get_version(version.doc_id, version.label)
+    except NotFoundError:
+        return False
+    return now.doc_version == version.doc_version and now.chunks == version.chunks
+
+
+def load_prefix(lm, store: ReadStore, token_ids: list[int], label: str = "full", chunk_tokens: int | None = None):
     """Find the longest stored prefix of ``token_ids`` (prefix hash chain) and load it.
 
     Returns (context or None, number of matched tokens)."""
     from ..chunking import chain_hashes
 
     t = time.perf_counter()
-    sizes = [chunk_tokens] if chunk_tokens else store.chunk_sizes() if hasattr(store, "chunk_sizes") else [256]
+    sizes = [chunk_tokens] if chunk_tokens else store.chunk_sizes()
     best: tuple[list, int] = ([], 0)
     for size in sizes:
         refs = []
@@ -258,8 +292,8 @@ def load_prefix(lm, store, token_ids: list[int], label: str = "full", chunk_toke
             hit = store.lookup_chunk(lm.fingerprint, label, h)
             if hit is None:
                 break
-            refs.append(hit[1])
-        matched = refs[-1].token_end if refs else 0
+            refs.append(hit)
+        matched = refs[-1][1].token_end if refs else 0
         if matched > best[1]:
             best = (refs, matched)
     refs, matched = best

@@ -42,7 +42,8 @@ from ..errors import NotFoundError, UnsupportedError, UsageError
 from .prefix import STATS_DTYPE, IngestOptions, IngestReport, doc_version_for
 from ..prefill import prefill
 from ..prompting import PromptFormat
-from ..store import ChunkRef, DocumentRecord, Store, VersionRecord
+from ..store import ChunkRef, DocumentRecord, ReadStore, Store, VersionRecord
+from ..store import read_bundle_meta as store_bundle_meta
 
 LABEL = "independent"
 MODE = "independent"
@@ -119,24 +120,9 @@ def _bundle(lm, token_ids: list[int], result, start: int, *, chash: str, role: s
     return KVBundle(meta=meta, tensors=tensors)
 
 
-def read_bundle_meta(store, sha: str) -> dict:
-    """A stored bundle's meta without loading its tensors (reads only the safetensors header
-    from a local store; a remote store returns the whole object)."""
-    import json
-    import struct
-
-    from ..bundle import decode_bundle
-
-    path_of = getattr(store, "object_path", None)
-    if path_of is None:
-        return decode_bundle(store.read_object(sha)).meta
-    try:
-        with open(path_of(sha), "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        return json.loads(header["__metadata__"]["kdnctl"])
-    except (OSError, ValueError, KeyError, struct.error, TypeError):
-        return decode_bundle(store.read_object(sha)).meta
+def read_bundle_meta(store: ReadStore, sha: str) -> dict:
+    """A stored bundle's meta without decoding its tensors (kdnctl.store.read_bundle_meta)."""
+    return store_bundle_meta(store, sha)
 
 
 @dataclass

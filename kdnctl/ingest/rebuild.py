@@ -1,0 +1,158 @@
+"""Rebuild a damaged catalog from the objects: every prefix-mode bundle names its document,
+document version, label, chunk index, token range, chain hash, parent and recipe, so the
+version records can be recomputed exactly. A document's text object is found by recomputing
+its document version (``doc_version_for``: text hash, model, chunking, prompt header) for
+every non-bundle object, which needs the model the bundles were made with (for its prompt
+header). What cannot be recovered is reported, never guessed: independent-mode chunks (they
+are shared and name no document), documents whose text or model is not available, and
+incomplete versions. The damaged catalog is kept beside the new one (``catalog.damaged-*``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..bundle import header_size, read_meta
+from ..errors import BundleFormatError, StoreLockedError, UsageError
+from ..prompting import PromptFormat
+from ..store import ChunkRef, DocumentRecord, Store, VersionRecord, is_sha
+from ..store import catalog as cat
+
+REBUILT_SOURCE = "(rebuilt from bundles)"
+
+
+@dataclass
+class RebuildReport:
+    documents: list[str] = field(default_factory=list)
+    versions: int = 0
+    skipped: list[str] = field(default_factory=list)  # what could not be recovered, and why
+    damaged_catalog: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"documents": self.documents, "versions": self.versions, "skipped": self.skipped,
+                "damaged_catalog": self.damaged_catalog}
+
+
+def _scan(objects: Path, report: RebuildReport) -> tuple[dict, list[str]]:
+    groups: dict[tuple, dict[int, tuple[str, dict, int]]] = {}
+    others: list[str] = []
+    for p in sorted(objects.glob("*/*")):
+        if not p.is_file() or not is_sha(p.name):
+            continue
+        data = p.read_bytes()
+        if hashlib.sha256(data).hexdigest() != p.name:
+            report.skipped.append(f"object {p.name[:12]} is corrupted; not used")
+            continue
+        try:
+            meta = read_meta(data[: header_size(data[:8])])
+        except BundleFormatError:
+            others.append(p.name)  # a document text (or foreign bytes)
+            continue
+        if meta.get("mode", "prefix") != "prefix":
+            continue  # independent chunks name no document
+        try:
+            key = (meta["doc_id"], meta["doc_version"], meta["label"])
+            groups.setdefault(key, {})[int(meta["chunk_index"])] = (p.name, meta, len(data))
+        except (KeyError, TypeError, ValueError):
+            report.skipped.append(f"bundle {p.name[:12]} lacks its document fields")
+    return groups, others
+
+
+def _ingest_recipe(recipe) -> dict | None:
+    if isinstance(recipe, dict) and recipe.get("step") == "ingest":
+        return recipe
+    steps = recipe.get("steps") if isinstance(recipe, dict) else None
+    return steps[0] if isinstance(steps, list) and steps and isinstance(steps[0], dict) else None
+
+
+def _version(key: tuple, chunks: dict) -> VersionRecord:
+    metas = [m for _, m, _ in chunks.values()]
+    first = chunks[min(chunks)][1]
+    refs = [ChunkRef(i, sha, m["token_start"], m["token_end"], m["chain_hash"], n)
+            for i, (sha, m, n) in sorted(chunks.items())]
+    return VersionRecord(key[0], key[1], key[2], first.get("parent"), first["recipe"], first["model_fingerprint"],
+                         refs, max(float(m.get("created", 0.0)) for m in metas), max(m["token_end"] for m in metas),
+                         "prefix")
+
+
+@contextlib.contextmanager
+def _write_lock(root: Path):
+    fd = os.open(root / "write.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise StoreLockedError(f"store {root} is locked by another writer") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def rebuild_catalog(root: str | os.PathLike, lm, *, force: bool = False) -> RebuildReport:
+    """Rebuild ``root``'s catalog from its objects with ``lm`` (the model of its bundles)."""
+    root = Path(root)
+    if not (root / "objects").is_dir():
+        raise UsageError(f"{root} has no objects/ directory: nothing to rebuild from")
+    if not force:
+        try:
+            Store(root, create=False).close()
+        except Exception:  # noqa: BLE001 - any failure to open is what this command is for
+            pass
+        else:
+            raise UsageError(f"the catalog of {root} is healthy; nothing to rebuild", hint="pass --force to rebuild anyway")
+    report = RebuildReport()
+    header = PromptFormat.for_tokenizer(lm.tokenizer).header
+    with _write_lock(root):
+        groups, others = _scan(root / "objects", report)
+        complete = {}
+        for key, chunks in groups.items():
+            n = {m.get("n_chunks") for _, m, _ in chunks.values()}
+            if len(n) != 1 or set(chunks) != set(range(n.pop() or 0)):
+                report.skipped.append(f"{key[0]}@{key[1]}/{key[2]}: chunks missing; version not rebuilt")
+            else:
+                complete[key] = _version(key, chunks)
+        # text objects: recompute each document version from every candidate text
+        wanted = {}
+        for (doc_id, dv, _), v in complete.items():
+            r = _ingest_recipe(v.recipe)
+            if r is not None and v.fingerprint == lm.fingerprint:
+                wanted[(doc_id, dv)] = (r.get("chunk_tokens"), r.get("window"), r.get("stats"))
+        by_dv = {}
+        for text_sha in others:
+            for params in set(wanted.values()):
+                key = f"{text_sha}|{lm.fingerprint}|{params[0]}|{params[1]}|{params[2]}|{header}"
+                by_dv[hashlib.sha256(key.encode()).hexdigest()[:16]] = text_sha
+        docs = []
+        for (doc_id, dv), _ in sorted(wanted.items()):
+            text = by_dv.get(dv)
+            full = [v for (d, x, _), v in complete.items() if (d, x) == (doc_id, dv) and v.parent is None]
+            if text is None or not full:
+                report.skipped.append(f"{doc_id}@{dv}: its text object (or full version) is not in the store")
+                continue
+            docs.append(DocumentRecord(doc_id, dv, text, REBUILT_SOURCE, full[0].n_tokens, full[0].fingerprint,
+                                       text, max(v.created for (d, x, _), v in complete.items() if (d, x) == (doc_id, dv))))
+        for key in complete:
+            if key[:2] not in {(d.doc_id, d.doc_version) for d in docs}:
+                report.skipped.append(f"{key[0]}@{key[1]}/{key[2]}: made with another model or without its text")
+        old = root / "catalog"
+        if old.exists():
+            report.damaged_catalog = str(root / f"catalog.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.rename(old, report.damaged_catalog)
+        cat.create_catalog(old)
+    with Store(root, create=False) as st, st.writer():
+        for d in sorted(docs, key=lambda d: d.created):  # the newest version of a document ends current
+            labels = sorted((v for k, v in complete.items() if k[:2] == (d.doc_id, d.doc_version)),
+                            key=lambda v: (v.parent is not None, v.label))
+            st.commit_document(d, labels[0])
+            for v in labels[1:]:
+                st.commit_version(v)
+            report.versions += len(labels)
+            if d.doc_id not in report.documents:
+                report.documents.append(d.doc_id)
+    return report

@@ -1,0 +1,319 @@
+"""The local Store: content-addressed objects plus the LMDB catalog (layout: docs/bundle-format.md).
+
+Invariants the code below protects (promises: docs/reliability.md):
+- an object file, once visible under objects/, is complete (tmp write + fsync + rename);
+- a catalog entry never points at an object that is missing (commits check first, in one txn);
+- exactly one writer at a time (flock on write.lock); readers never take it;
+- a store is created only in a missing or empty directory; a directory holding objects but no
+  valid catalog is damaged and every operation refuses it (StoreCorruptError), writing nothing;
+- every catalog record is validated when read (records.py); a bad one is a StoreCorruptError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import socket
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from kdnctl.errors import NotFoundError, StoreCorruptError, StoreLockedError, UsageError
+
+from . import catalog as cat
+from .reads import CatalogReader, _dumps, _lookup_key, _seal
+from .records import DocumentRecord, VersionRecord, check_id, check_sha, record_dict
+
+LAYOUT = {"objects", "tmp", "catalog", "write.lock"}
+
+
+def default_store_root() -> Path:
+    return Path(os.environ.get("KDN_STORE", ".kdn"))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Store(CatalogReader):
+    def __init__(self, root: str | os.PathLike, *, create: bool = True):
+        self.root = Path(root)
+        self.objects_dir = self.root / "objects"
+        self.tmp_dir = self.root / "tmp"
+        self.catalog_dir = self.root / "catalog"
+        self.lock_path = self.root / "write.lock"
+        self._lock_fd: int | None = None
+        self._lock_depth = 0
+        self._blake3_of: dict[str, str] = {}  # sha256 -> BLAKE3 of objects written by this process
+        self._closed = True
+        if not (self.catalog_dir / "data.mdb").exists():
+            self._create_or_refuse(create)
+        self._env_key, self._env = cat.acquire_env(self.root, self.catalog_dir)
+        self._closed = False
+        try:
+            self._db = cat.open_dbs(self.root, self._env)
+        except BaseException:
+            self.close()
+            raise
+
+    def _create_or_refuse(self, create: bool) -> None:
+        """No catalog here: create a store if the directory is missing or empty, else refuse."""
+        if self.root.exists() and not self.root.is_dir():
+            raise UsageError(f"store path {self.root} is not a directory")
+        entries = set(os.listdir(self.root)) if self.root.is_dir() else set()
+        leftovers = {e for e in entries if e.startswith(".catalog-new-")}  # an interrupted create
+        has_objects = self.objects_dir.is_dir() and any(p.is_file() for p in self.objects_dir.rglob("*"))
+        if has_objects:
+            raise cat._damaged(self.root, "it holds objects but no catalog (catalog/data.mdb is missing)")
+        if entries - LAYOUT - leftovers:
+            if create:
+                raise UsageError(f"{self.root} is not empty and is not a kdnctl store; refusing to create one there",
+                                 hint="pass --store with a new or empty directory")
+            raise NotFoundError(f"no kdnctl store at {self.root}",
+                                hint="point KDN_STORE/--store at an existing store")
+        if not create:
+            raise NotFoundError(f"no kdnctl store at {self.root}",
+                                hint="run `kdnctl ingest` first, or point KDN_STORE/--store at an existing store")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if self.catalog_dir.is_dir() and set(os.listdir(self.catalog_dir)) <= {"lock.mdb"}:
+                (self.catalog_dir / "lock.mdb").unlink(missing_ok=True)  # an old-style create cut short
+            cat.create_catalog(self.catalog_dir)
+            for d in (self.objects_dir, self.tmp_dir):
+                d.mkdir(exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create a store at {self.root}: {e.strerror or e}") from None
+
+    # -- lifecycle / locking -------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the fd releases the flock
+            self._lock_fd, self._lock_depth = None, 0
+        cat.release_env(self._env_key)
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever a write txn commits (LMDB's last txn id): a cheap cache key."""
+        return int(self._env.info()["last_txnid"])
+
+    @contextlib.contextmanager
+    def writer(self) -> Iterator["Store"]:
+        """Exclusive, non-blocking writer lock; re-entrant within this Store instance."""
+        if self._lock_depth == 0:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+                os.close(fd)
+                who = f" (pid {holder})" if holder else ""
+                raise StoreLockedError(f"store {self.root} is locked by another writer{who}") from None
+            # pid for diagnostics only: the flock, not the file content, is the lock.
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+            self._lock_fd = fd
+        self._lock_depth += 1
+        try:
+            yield self
+        finally:
+            self._lock_depth -= 1
+            if self._lock_depth == 0 and self._lock_fd is not None:
+                fd, self._lock_fd = self._lock_fd, None
+                os.ftruncate(fd, 0)
+                os.close(fd)
+
+    def _require_writer(self, what: str) -> None:
+        if self._lock_depth == 0:
+            raise StoreLockedError(f"{what} requires the store's writer lock",
+                                   hint="wrap the write in `with store.writer():`")
+
+    # -- objects ---------------------------------------------------------------------------
+    def object_path(self, sha: str) -> Path:
+        check_sha(sha)  # also keeps a hostile id like "../x" from escaping the store
+        return self.objects_dir / sha[:2] / sha
+
+    def has_object(self, sha: str) -> bool:
+        return self.object_path(sha).is_file()
+
+    def put_object(self, data: bytes) -> str:
+        data = bytes(data)
+        sha = hashlib.sha256(data).hexdigest()
+        self._remember_blake3(sha, data)
+        final = self.object_path(sha)
+        # Idempotent; but a damaged copy of the same content is replaced, not trusted.
+        if final.is_file() and hash_file(final) == sha:
+            return sha
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        # host and pid in the name let gc tell a dead writer's leftovers from a live write
+        tmp = self.tmp_dir / f"{sha[:16]}.{socket.gethostname()[:32]}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            if not final.parent.is_dir():
+                final.parent.mkdir(parents=True, exist_ok=True)
+                _fsync_dir(self.objects_dir)  # make the new fan-out dir entry durable
+            os.rename(tmp, final)  # atomic: readers see nothing or the whole object
+            _fsync_dir(final.parent)  # make the rename durable before any commit refers to it
+        finally:
+            tmp.unlink(missing_ok=True)
+        return sha
+
+    def _remember_blake3(self, sha: str, data: bytes) -> None:
+        from ..fastread import blake3_hex
+
+        digest = blake3_hex(data)
+        if digest is not None:
+            self._blake3_of[sha] = digest
+
+    def read_object_checked(self, sha: str, blake3: str | None = None) -> bytearray:
+        """The object's bytes in one writable buffer (zero-copy tensor views can point into
+        it), every byte checked before return: against ``blake3`` when the catalog recorded it
+        (several GB/s), else against the sha256 name (kdnctl/fastread.py)."""
+        from ..fastread import read_verified
+
+        return read_verified(self.object_path(sha), sha, blake3)
+
+    def read_object(self, sha: str, *, verify: bool = True) -> bytes:
+        path = self.object_path(sha)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise StoreCorruptError(f"object {sha[:12]} is missing from {self.objects_dir}") from None
+        if verify and hashlib.sha256(data).hexdigest() != sha:
+            raise StoreCorruptError(f"object {sha[:12]} is corrupted (its bytes no longer match its hash)")
+        return data
+
+    def read_object_head(self, sha: str, n: int) -> bytes:
+        """The first ``n`` bytes of an object (bundle headers), unverified: callers that act on
+        them check them against something already verified (the catalog record)."""
+        try:
+            with open(self.object_path(sha), "rb") as f:
+                return f.read(n)
+        except FileNotFoundError:
+            raise StoreCorruptError(f"object {sha[:12]} is missing from {self.objects_dir}") from None
+
+    # -- commits ---------------------------------------------------------------------------
+    def _check_objects(self, shas: list[str], what: str) -> None:
+        missing = [s for s in shas if not self.has_object(s)]
+        if missing:
+            listed = ", ".join(s[:12] for s in missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise StoreCorruptError(
+                f"refusing to commit {what}: {len(missing)} referenced object(s) missing ({listed})",
+                hint="put_object every chunk and text before committing",
+            )
+
+    def _put_version(self, txn, v: VersionRecord, now: float) -> None:
+        vkey = cat.key(v.doc_id, v.doc_version, v.label)
+        old = txn.get(vkey, db=self._db["versions"])
+        if old is not None:  # re-commit of a label: drop the old prefix entries first
+            o = self._version(vkey, old)
+            for c in o.chunks:
+                txn.delete(cat.key(o.fingerprint, o.label, c.chain_hash, o.doc_id, o.doc_version), db=self._db["prefix"])
+            # objects the new record no longer uses stay for gc's grace period (readers may hold them)
+            for sha in {c.object for c in o.chunks} - {c.object for c in v.chunks}:
+                txn.put(cat.key("released", sha), _dumps({"created": now}), db=self._db["meta"])
+        for c in v.chunks:  # fast-read digests of objects this process wrote (kdnctl/fastread.py)
+            if c.blake3 is None:
+                c.blake3 = self._blake3_of.get(c.object)
+        txn.put(vkey, _seal(v), db=self._db["versions"])
+        for c in v.chunks:
+            pkey = cat.key(v.fingerprint, v.label, c.chain_hash, v.doc_id, v.doc_version)
+            txn.put(pkey, _dumps({"index": c.index}), db=self._db["prefix"])
+
+    @staticmethod
+    def _check_new(cls, record) -> None:
+        try:  # the same schema a read enforces: nothing a read would refuse is ever written
+            cls.from_dict(record_dict(record), f"new {cls.__name__}")
+        except StoreCorruptError as e:
+            raise UsageError(e.message) from None
+
+    def _check_version_record(self, v: VersionRecord) -> None:
+        self._check_new(VersionRecord, v)
+        for kind in ("doc_id", "doc_version", "label"):
+            check_id(kind, getattr(v, kind))
+
+    def commit_document(self, doc: DocumentRecord, version: VersionRecord) -> None:
+        """Record a document version (made current) and its first label, in one txn."""
+        import time
+
+        self._require_writer("commit_document")
+        check_id("doc_id", doc.doc_id)
+        check_id("doc_version", doc.doc_version)
+        self._check_new(DocumentRecord, doc)
+        self._check_version_record(version)
+        if (version.doc_id, version.doc_version) != (doc.doc_id, doc.doc_version):
+            raise UsageError("commit_document: the version belongs to a different document version")
+        self._check_objects([doc.text_object] + [c.object for c in version.chunks], f"document {doc.doc_id}")
+        now = time.time()
+        with self._env.begin(write=True) as txn:
+            prev = self._current(txn, doc.doc_id)
+            if prev is not None and prev != doc.doc_version:  # superseded now: gc's grace starts
+                txn.put(cat.key("retired", doc.doc_id, prev), _dumps({"created": now}), db=self._db["meta"])
+            txn.delete(cat.key("retired", doc.doc_id, doc.doc_version), db=self._db["meta"])
+            txn.put(cat.key(doc.doc_id, doc.doc_version), _seal(doc), db=self._db["docs"])
+            txn.put(cat.key(doc.doc_id), _dumps(doc.doc_version), db=self._db["current"])
+            self._put_version(txn, version, now)
+
+    def commit_version(self, version: VersionRecord) -> None:
+        """Add (or replace) a label of an existing document version, in one txn."""
+        import time
+
+        self._require_writer("commit_version")
+        self._check_version_record(version)
+        self._check_objects([c.object for c in version.chunks], f"version {version.doc_id}/{version.label}")
+        with self._env.begin(write=True) as txn:
+            if txn.get(cat.key(version.doc_id, version.doc_version), db=self._db["docs"]) is None:
+                raise NotFoundError(f"document {version.doc_id} version {version.doc_version} is not in the store")
+            self._put_version(txn, version, time.time())
+
+    def remove_document(self, doc_id: str) -> None:
+        """Forget a document: it stops being current; `gc` then reclaims its data after the grace period."""
+        import time
+
+        self._require_writer("remove_document")
+        k = _lookup_key(doc_id)
+        with self._env.begin(write=True) as txn:
+            prev = self._current(txn, doc_id) if k is not None else None
+            if prev is None:
+                raise NotFoundError(f"document {doc_id!r} is not in the store")
+            txn.delete(k, db=self._db["current"])
+            txn.put(cat.key("retired", doc_id, prev), _dumps({"created": time.time()}), db=self._db["meta"])
+
+    # -- maintenance (maintenance.py) ---------------------------------------------------------
+    def verify_report(self, *, check_bundles: bool = True):
+        from .maintenance import verify_store
+
+        return verify_store(self, check_bundles=check_bundles)
+
+    def verify(self) -> list[str]:
+        return self.verify_report().problems
+
+    def gc(self, *, dry_run: bool = False, grace_s: float | None = None, tmp_grace_s: float | None = None) -> dict:
+        from .maintenance import collect_garbage
+
+        return collect_garbage(self, dry_run=dry_run, grace_s=grace_s, tmp_grace_s=tmp_grace_s)

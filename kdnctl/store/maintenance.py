@@ -1,0 +1,318 @@
+"""`verify` (check every record, object and bundle header) and `gc` (reclaim, with a grace period).
+
+gc deletes only what it can prove unreferenced: it reads (and validates) the whole catalog
+first and any damaged record stops it before anything is deleted. Superseded document versions
+and labels replaced by a re-commit keep their objects for ``grace_s`` seconds after they stopped
+being current, so a reader (a load, a `pull`) that picked a version just before keeps its objects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import lmdb
+
+from kdnctl.errors import BundleFormatError, KdnError, StoreCorruptError
+
+from . import catalog as cat
+from .records import CATALOG_HINT, SHA_RE, VersionRecord, bundle_mismatch
+
+DEFAULT_GRACE_S = 600.0  # superseded objects stay this long after they stopped being current
+TMP_GRACE_S = 600.0  # a tmp file of a live (or unknown) writer is left alone this long
+
+
+@dataclass
+class VerifyReport:
+    problems: list[str] = field(default_factory=list)  # anything that makes data unusable
+    info: list[str] = field(default_factory=list)  # harmless findings (orphans, tmp files)
+    n_objects: int = 0
+    n_bytes: int = 0
+    n_records: int = 0
+
+
+def _show(k: bytes) -> str:
+    return repr(k.replace(b"\x00", b"/"))[2:-1][:80]
+
+
+def _time_of(raw: bytes) -> float:
+    val = json.loads(raw)
+    t = val.get("created") if isinstance(val, dict) else None
+    if not isinstance(t, (int, float)) or isinstance(t, bool):
+        raise StoreCorruptError(f"catalog bookkeeping entry holds {str(val)[:40]!r}", hint=CATALOG_HINT)
+    return float(t)
+
+
+def object_files(store) -> Iterator[Path]:
+    if store.objects_dir.is_dir():
+        for sub in sorted(store.objects_dir.iterdir()):
+            if sub.is_dir():
+                yield from sorted(p for p in sub.iterdir() if p.is_file())
+
+
+def _bundle_meta(path: Path) -> dict:
+    from kdnctl.bundle import header_size, read_meta
+
+    with open(path, "rb") as f:
+        n = header_size(f.read(8))
+        f.seek(0)
+        return read_meta(f.read(n))
+
+
+def verify_store(store, *, check_bundles: bool = True) -> VerifyReport:
+    from .local import hash_file
+
+    rep = VerifyReport()
+    bad = rep.problems.append
+    docs: dict[tuple, Any] = {}
+    versions: dict[tuple, VersionRecord] = {}
+    try:
+        with store._env.begin() as txn:
+            for k, v in store._scan(txn, "docs"):
+                rep.n_records += 1
+                try:
+                    d = store._doc(k, v)
+                    docs[(d.doc_id, d.doc_version)] = d
+                except (KdnError, ValueError, UnicodeDecodeError, RecursionError) as e:
+                    bad(f"document entry {_show(k)}: {getattr(e, 'message', e)}")
+            for k, v in store._scan(txn, "versions"):
+                rep.n_records += 1
+                try:
+                    r = store._version(k, v)
+                except (KdnError, ValueError, UnicodeDecodeError, RecursionError) as e:
+                    bad(f"version entry {_show(k)}: {getattr(e, 'message', e)}")
+                    continue
+                versions[(r.doc_id, r.doc_version, r.label)] = r
+                if (r.doc_id, r.doc_version) not in docs:
+                    bad(f"version {r.doc_id}@{r.doc_version}/{r.label} has no document record")
+            for k, v in store._scan(txn, "current"):
+                rep.n_records += 1
+                try:
+                    parts, dv = cat.split(k), json.loads(v)
+                except (ValueError, UnicodeDecodeError):
+                    bad(f"current entry {_show(k)} is unreadable")
+                    continue
+                if len(parts) != 1 or not isinstance(dv, str) or (parts[0], dv) not in docs:
+                    bad(f"current version of {_show(k)} points at a missing document record")
+            for k, v in store._scan(txn, "prefix"):
+                rep.n_records += 1
+                try:
+                    parts, entry = cat.split(k), json.loads(v)
+                    fp, label, chain, doc_id, dv = parts
+                    idx = entry["index"]
+                except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+                    bad(f"prefix entry {_show(k)} is unreadable")
+                    continue
+                r = versions.get((doc_id, dv, label))
+                c = r.chunk(idx) if r is not None and isinstance(idx, int) else None
+                if c is None or c.chain_hash != chain or r.fingerprint != fp:
+                    bad(f"dangling prefix entry {chain[:12]} -> {doc_id}@{dv}/{label} chunk {idx}")
+            for k, v in store._scan(txn, "meta"):
+                rep.n_records += 1
+                try:
+                    kind = cat.split(k)[0]
+                    if kind in ("retired", "released"):
+                        _time_of(v)
+                    elif kind != "schema_version":
+                        bad(f"unknown catalog meta entry {_show(k)}")
+                except (KdnError, ValueError, UnicodeDecodeError):
+                    bad(f"catalog meta entry {_show(k)} is unreadable")
+    except lmdb.Error as e:
+        bad(f"the catalog cannot be read ({type(e).__name__}: {e})")
+    refs: dict[str, list[str]] = {}
+    for d in docs.values():
+        refs.setdefault(d.text_object, []).append(f"text of {d.doc_id}@{d.doc_version}")
+    for r in versions.values():
+        for c in r.chunks:
+            refs.setdefault(c.object, []).append(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}")
+    present: set[str] = set()
+    for p in object_files(store):
+        if not SHA_RE.match(p.name) or p.parent.name != p.name[:2]:
+            rep.info.append(f"unexpected file in objects/: {p.relative_to(store.root)}")
+            continue
+        rep.n_objects += 1
+        rep.n_bytes += p.stat().st_size
+        if hash_file(p) != p.name:
+            used = refs.get(p.name)
+            where = f"used by {'; '.join(used[:3])}" if used else "unreferenced"
+            bad(f"object {p.name[:12]} is corrupted (hash mismatch), {where}")
+            continue
+        present.add(p.name)
+    for sha, used in sorted(refs.items()):
+        if sha not in present and not any(f"object {sha[:12]} is corrupted" in q for q in rep.problems):
+            bad(f"object {sha[:12]} is missing, used by {'; '.join(used[:3])}")
+    if check_bundles:
+        metas: dict[str, dict | str] = {}
+        for r in versions.values():
+            for c in r.chunks:
+                if c.object not in present:
+                    continue
+                if c.object not in metas:
+                    try:
+                        metas[c.object] = _bundle_meta(store.object_path(c.object))
+                    except (BundleFormatError, OSError) as e:
+                        metas[c.object] = getattr(e, "message", str(e))
+                meta = metas[c.object]
+                if isinstance(meta, str):
+                    bad(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}: object {c.object[:12]} is not "
+                        f"a readable bundle ({meta})")
+                    continue
+                why = bundle_mismatch(r, c, meta)
+                if why:
+                    bad(why)
+    orphans = len(present - set(refs))
+    if orphans:
+        rep.info.append(f"{orphans} unreferenced object(s) (`kdnctl gc` removes them)")
+    tmps = [p for p in store.tmp_dir.iterdir() if p.is_file()] if store.tmp_dir.is_dir() else []
+    if tmps:
+        size = sum(p.stat().st_size for p in tmps)
+        dead = sum(1 for p in tmps if _dead_writer(p))
+        rep.info.append(f"{len(tmps)} temp file(s) in tmp/, {size} bytes, {dead} left by a writer that is gone "
+                        "(interrupted writes; `kdnctl gc` removes those)")
+    return rep
+
+
+def _dead_writer(p: Path) -> bool:
+    """True if tmp file ``p`` was written by a process of this host that no longer runs."""
+    parts = p.name.split(".")
+    if len(parts) != 5 or parts[1] != socket.gethostname()[:32] or not parts[2].isdigit():
+        return False  # another host, or an old name: only its age can tell
+    pid = int(parts[2])
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def collect_garbage(store, *, dry_run: bool = False, grace_s: float | None = None,
+                    tmp_grace_s: float | None = None) -> dict:
+    """Drop superseded doc versions (after the grace period), then unreferenced objects and
+    stale tmp files. Holds the writer lock so no writer is between put_object and commit."""
+    grace = DEFAULT_GRACE_S if grace_s is None else float(grace_s)
+    tmp_grace = TMP_GRACE_S if tmp_grace_s is None else float(tmp_grace_s)
+    with store.writer():
+        names = ("doc_versions_removed", "versions_removed", "prefix_entries_removed",
+                 "objects_removed", "tmp_removed", "bytes_freed", "kept_in_grace")
+        stats: dict[str, Any] = {"dry_run": dry_run, "grace_s": grace, **dict.fromkeys(names, 0)}
+        refs: set[str] = set()  # objects referenced once this txn is done
+        now = time.time()
+        try:
+            with store._env.begin(write=not dry_run) as txn:
+                def drop(db: str, key: bytes, counter: str | None) -> None:
+                    if counter:
+                        stats[counter] += 1
+                    if not dry_run:
+                        txn.delete(key, db=store._db[db])
+
+                # Read and validate EVERYTHING first: a damaged record raises before any delete.
+                current = {}
+                for k, _ in store._scan(txn, "current"):
+                    doc_id = cat.split(k)[0]
+                    current[doc_id] = store._current(txn, doc_id)
+                doc_recs = [(k, store._doc(k, v)) for k, v in store._scan(txn, "docs")]
+                ver_recs = [(k, store._version(k, v)) for k, v in store._scan(txn, "versions")]
+                prefix_keys = [(k, cat.split(k)) for k, _ in store._scan(txn, "prefix")]
+                retired, released = {}, {}
+                for k, v in store._scan(txn, "meta"):
+                    parts = cat.split(k)
+                    if parts[0] == "retired" and len(parts) == 3:
+                        retired[(parts[1], parts[2])] = (k, _time_of(v))
+                    elif parts[0] == "released" and len(parts) == 2:
+                        released[parts[1]] = (k, _time_of(v))
+                created = {(d.doc_id, d.doc_version): d.created for _, d in doc_recs}
+                for doc_id, dv in current.items():
+                    if (doc_id, dv) not in created:
+                        raise StoreCorruptError(f"current version of {doc_id!r} points at a missing document "
+                                                "record; gc refuses to guess what is referenced", hint=CATALOG_HINT)
+
+                live_docs = set()
+                for k, d in doc_recs:
+                    key = (d.doc_id, d.doc_version)
+                    if current.get(d.doc_id) == d.doc_version:
+                        live_docs.add(key)
+                        continue
+                    if key in retired:
+                        since = retired[key][1]
+                    else:  # written before retire times were kept: the successor's creation
+                        since = created.get((d.doc_id, current.get(d.doc_id)), 0.0)
+                    if now - since < grace:
+                        live_docs.add(key)
+                        stats["kept_in_grace"] += 1
+                    else:
+                        drop("docs", k, "doc_versions_removed")
+                        if key in retired:
+                            drop("meta", retired.pop(key)[0], None)
+                live_docs_set = live_docs
+                for k, d in doc_recs:
+                    if (d.doc_id, d.doc_version) in live_docs_set:
+                        refs.add(d.text_object)
+                live_versions = set()
+                for k, r in ver_recs:
+                    if (r.doc_id, r.doc_version) in live_docs_set:
+                        live_versions.add((r.doc_id, r.doc_version, r.label))
+                        refs.update(c.object for c in r.chunks)
+                    else:
+                        drop("versions", k, "versions_removed")
+                for k, parts in prefix_keys:
+                    if len(parts) != 5 or (parts[3], parts[4], parts[1]) not in live_versions:
+                        drop("prefix", k, "prefix_entries_removed")
+                for key, (k, _) in retired.items():  # a retire mark of a record already gone
+                    if key not in live_docs_set or key[1] == current.get(key[0]):
+                        drop("meta", k, None)
+                for sha, (k, t) in released.items():
+                    if now - t < grace:
+                        if sha not in refs:
+                            stats["kept_in_grace"] += 1
+                        refs.add(sha)
+                    else:
+                        drop("meta", k, None)
+        except lmdb.Error as e:
+            raise StoreCorruptError(f"catalog of {store.root} cannot be read ({e}); gc deleted nothing",
+                                    hint=CATALOG_HINT) from None
+        except (ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError) as e:
+            raise StoreCorruptError(f"catalog of {store.root} is damaged ({type(e).__name__}); gc deleted nothing",
+                                    hint=CATALOG_HINT) from None
+
+        def reclaim(p: Path, counter: str) -> None:
+            stats[counter] += 1
+            stats["bytes_freed"] += p.stat().st_size
+            if not dry_run:
+                p.unlink()
+
+        # Files go only after the catalog txn committed: a crash in between leaves
+        # unreferenced files (harmless), never a reference to a deleted file.
+        for p in object_files(store):
+            if SHA_RE.match(p.name) and p.name not in refs:
+                reclaim(p, "objects_removed")
+        for p in sorted(store.tmp_dir.iterdir()) if store.tmp_dir.is_dir() else []:
+            if p.is_file() and (_dead_writer(p) or now - p.stat().st_mtime >= tmp_grace):
+                reclaim(p, "tmp_removed")
+        return stats
+
+
+def bundle_problems(store, version: VersionRecord) -> list[str]:
+    """Why chunks of ``version`` do not match their bundles' own metadata (header-only reads)."""
+    from .protocol import read_bundle_meta
+
+    out = []
+    for c in version.chunks:
+        try:
+            meta = read_bundle_meta(store, c.object)
+        except BundleFormatError as e:
+            out.append(f"{version.doc_id}/{version.label} chunk {c.index}: object {c.object[:12]} is not a "
+                       f"readable bundle ({e.message})")
+            continue
+        why = bundle_mismatch(version, c, meta)
+        if why:
+            out.append(why)
+    return out
