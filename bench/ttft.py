@@ -29,6 +29,7 @@ forward pass over the same tokens (``bare_prefill_seconds``), with the statistic
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 import sys
 import tempfile
@@ -161,7 +162,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="per-step breakdown of the stored path")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default); 1 keeps "
+                    "timings sane on a machine shared by many jobs (no OpenMP oversubscription)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     lm = load_model(args.model)
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
@@ -174,7 +179,7 @@ def main() -> None:
             reps = args.repeats
             slow_reps = 1 if size >= 8000 else min(reps, 2)
             text = corpus_text(lm.tokenizer, size)
-            doc = Document(f"bench-{size}.txt", text, "bench", str(size))
+            doc = Document(f"bench-{size}.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
             ids, _ = fmt.document_ids(lm.tokenizer, text)
             bare = min(bare_prefill_seconds(lm.model, ids) for _ in range(slow_reps))
             t = time.perf_counter()
@@ -207,7 +212,8 @@ def main() -> None:
             del ctx
             pt.unlink()
             st.unlink()
-    print(f"question: {len(question)} tokens; medians of {args.repeats} (full prefill: fewer at 8k)\n")
+    print(f"question: {len(question)} tokens; medians of {args.repeats} (full prefill: fewer at 8k); "
+          f"torch threads: {torch.get_num_threads()}\n")
     print("| context tokens | oracle (in-memory) | oracle (old forward) | kdnctl full | kdnctl b1-int8 | torch.load | "
           "safetensors (no check) | full prefill | kdnctl speedup vs prefill | kdnctl / oracle (full, b1-int8) |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
