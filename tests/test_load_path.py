@@ -4,6 +4,8 @@ Real SmolLM2 for the model tests; no timings are asserted (bench/ttft.py measure
 
 from __future__ import annotations
 
+import hashlib
+
 import pytest
 import torch
 
@@ -31,7 +33,8 @@ def small(lm, tmp_path_factory):
     a b1-int8 version of the fp32 one."""
     text = (EXAMPLES / DOC).read_text()
     ids = lm.tokenizer(text, add_special_tokens=False).input_ids[:200]
-    doc = Document(DOC, lm.tokenizer.decode(ids), "test", "1")
+    body = lm.tokenizer.decode(ids)
+    doc = Document(DOC, body, "test", hashlib.sha256(body.encode()).hexdigest())
     stores = {}
     for kv in (None, "float16"):
         st = Store(tmp_path_factory.mktemp(f"store-{kv}"))
