@@ -30,7 +30,7 @@ from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
 from kdnctl.model import load_model  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
-METHODS = ["kvcrush", "snapkv", "h2o", "streaming", "knorm", "random", "pyramid", "spans"]
+METHODS = ["kvcrush", "snapkv", "h2o", "streaming", "knorm", "random", "pyramid:snapkv", "spans"]
 SCORERS = ["window", "accum", "surprisal", "reconstruct", "hybrid"]
 
 

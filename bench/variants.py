@@ -35,8 +35,8 @@ VARIANTS: dict[str, dict] = {
     "kvcrush, scorer window": {"scorer": "window"},
     "kvcrush, scorer surprisal": {"scorer": "surprisal"},
     "kvcrush, ratio 0 (importance only)": {"options": {"ratio": 0.0}},
-    "pyramid:kvcrush": {"method": "pyramid", "options": {"press": "kvcrush"}},
-    "adaptive:kvcrush": {"method": "adaptive", "options": {"press": "kvcrush"}},
+    "pyramid:kvcrush": {"allocator": "pyramid"},
+    "adaptive:kvcrush": {"allocator": "adaptive"},
     "spans 16": {"method": "spans"},
     "snapkv": {"method": "snapkv"},
     "streaming": {"method": "streaming"},
@@ -73,7 +73,8 @@ def main() -> None:
     for i, (name, v) in enumerate((n, VARIANTS[n]) for n in chosen):
         label = f"variant-{i}"
         recipe = CompressRecipe(budget=args.budget, method=v.get("method", "kvcrush"),
-                                scorer=v.get("scorer", scoring.DEFAULT_SCORER), method_options=v.get("options", {}))
+                                scorer=v.get("scorer", scoring.DEFAULT_SCORER), method_options=v.get("options", {}),
+                                allocator=v.get("allocator", "uniform"))
         t = time.perf_counter()
         with store.writer():
             for d in docs:

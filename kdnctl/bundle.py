@@ -45,6 +45,61 @@ QUANT_SUFFIXES = (".q", ".scale", ".zero")
 _MAX_HEADER = 64 << 20
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
+# Ingest statistics are stored as float16 except ``surprisal`` (one float32 per token).
+STATS_DTYPE = torch.float16
+STATS_PREFIX = "stats."
+# Meta keys the writer stamps itself; a derived bundle gets fresh ones (see ``derived_meta``).
+STAMPED_META_KEYS = ("format_version", "created", "tool_version")
+
+
+# -- tensor naming: the only place that spells a bundle's tensor names ---------------------
+
+def tensor_name(layer: int, role: str) -> str:
+    """Name of layer ``layer``'s tensor ``role``: ``keys``, ``values``, ``positions``, ``bias``,
+    or a quantized part such as ``keys.q`` (see docs/bundle-format.md)."""
+    return f"layers.{layer}.{role}"
+
+
+def stats_name(stat: str) -> str:
+    """Name of an ingest statistic's tensor (``window``, ``accum``, ``surprisal``)."""
+    return STATS_PREFIX + stat
+
+
+def stats_tensors(stats: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """Token range ``[start, end)`` of whole-sequence statistics (last dim = tokens), named and
+    in their stored dtypes."""
+    out = {}
+    for name, stat in stats.items():
+        part = stat[..., start:end].contiguous()
+        out[stats_name(name)] = part.float() if name == "surprisal" else part.to(STATS_DTYPE)
+    return out
+
+
+def chunk_tensors(result, start: int, end: int, token_ids: list[int], first_position: int) -> dict[str, torch.Tensor]:
+    """Tensors of one dense chunk bundle from a prefill result: tokens ``[start, end)`` of
+    ``result`` (``keys``/``values`` per layer ``[H_kv, T, D]``, ``stats``), whose ids are
+    ``token_ids`` and whose original positions start at ``first_position``."""
+    n = end - start
+    tensors = {
+        "token_ids": torch.tensor(token_ids, dtype=torch.int64),
+        "positions": torch.arange(first_position, first_position + n, dtype=torch.int64),
+    }
+    for layer, (k, v) in enumerate(zip(result.keys, result.values)):
+        tensors[tensor_name(layer, "keys")] = k[:, start:end].contiguous().cpu()
+        tensors[tensor_name(layer, "values")] = v[:, start:end].contiguous().cpu()
+    tensors.update(stats_tensors(result.stats, start, end))
+    return tensors
+
+
+def stats_of(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The statistics a bundle carries, by statistic name."""
+    return {n[len(STATS_PREFIX):]: t for n, t in tensors.items() if n.startswith(STATS_PREFIX)}
+
+
+def tensor_bytes(tensors: dict[str, torch.Tensor], prefix: str) -> int:
+    """Payload bytes of the tensors whose names start with ``prefix`` (``"layers."``, ``"stats."``)."""
+    return sum(t.numel() * t.element_size() for n, t in tensors.items() if n.startswith(prefix))
+
 
 @dataclass
 class KVBundle:
@@ -66,11 +121,15 @@ class KVBundle:
         return int(self.tensors["token_ids"].shape[0])
 
     def is_quantized(self, i: int) -> bool:
-        return f"layers.{i}.keys.q" in self.tensors
+        return tensor_name(i, "keys.q") in self.tensors
+
+    def layer(self, i: int, role: str) -> torch.Tensor | None:
+        """Layer i's tensor ``role`` (``keys``, ``bias``, ...), or None when absent."""
+        return self.tensors.get(tensor_name(i, role))
 
     def layer_len(self, i: int) -> int:
         """T_i, the number of tokens layer i keeps (per head)."""
-        p = self.tensors.get(f"layers.{i}.positions")
+        p = self.layer(i, "positions")
         return int(p.shape[1]) if p is not None else self.n_tokens
 
     @property
@@ -86,7 +145,7 @@ class KVBundle:
 
     def layer_positions(self, i: int) -> torch.Tensor:
         """Absolute original positions of layer i's kept tokens, int64 [H_kv, T_i]."""
-        p = self.tensors.get(f"layers.{i}.positions")
+        p = self.layer(i, "positions")
         if p is not None:
             return p
         h = int(self.meta["model"]["n_kv_heads"])
@@ -97,14 +156,14 @@ class KVBundle:
         if not 0 <= i < self.n_layers:
             raise IndexError(f"layer {i} out of range (bundle has {self.n_layers} layers)")
         if not self.is_quantized(i):
-            return self.tensors[f"layers.{i}.keys"], self.tensors[f"layers.{i}.values"]
+            return self.tensors[tensor_name(i, "keys")], self.tensors[tensor_name(i, "values")]
         # Imported lazily: kdnctl.quant is optional for readers of dense bundles and must not
         # be a hard import-time dependency of the bundle module.
         from kdnctl.quant import dequantize_tensors
 
         q = self.meta["quant"]
-        k = dequantize_tensors(self.tensors, f"layers.{i}.keys", q)
-        v = dequantize_tensors(self.tensors, f"layers.{i}.values", q)
+        k = dequantize_tensors(self.tensors, tensor_name(i, "keys"), q)
+        v = dequantize_tensors(self.tensors, tensor_name(i, "values"), q)
         dt = getattr(torch, str(self.meta.get("dtype", "")), None)
         if isinstance(dt, torch.dtype) and dt.is_floating_point:
             k, v = k.to(dt), v.to(dt)
@@ -126,6 +185,14 @@ def make_meta(**fields: Any) -> dict[str, Any]:
         "tool_version": __version__,
     }
     meta.update(fields)
+    return meta
+
+
+def derived_meta(source: dict[str, Any], **updates: Any) -> dict[str, Any]:
+    """Meta of a bundle derived from ``source``'s (a new version of the same chunk): the source's
+    fields with fresh writer stamps, then ``updates`` (label, parent, recipe, ...)."""
+    meta = make_meta(**{k: v for k, v in source.items() if k not in STAMPED_META_KEYS})
+    meta.update(updates)
     return meta
 
 
@@ -373,7 +440,7 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     for i in range(n_layers):
         t_i = _validate_positions(tensors, i, h_kv, pos, t_full)
         for kind in ("keys", "values"):
-            base = f"layers.{i}.{kind}"
+            base = tensor_name(i, kind)
             dense, coded = base in tensors, f"{base}.q" in tensors
             if dense and coded:
                 raise BundleFormatError(f"layer {i} has both dense and quantized {kind}")
@@ -389,8 +456,8 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
                     raise BundleFormatError(f"{base}.shape is {shp.tolist()}, expected {[h_kv, t_i, d]}")
             elif not dense:
                 raise BundleFormatError(f"layer {i}: missing tensor {base!r}")
-        k, v = tensors.get(f"layers.{i}.keys"), tensors.get(f"layers.{i}.values")
-        for name, t in ((f"layers.{i}.keys", k), (f"layers.{i}.values", v)):
+        k, v = tensors.get(tensor_name(i, "keys")), tensors.get(tensor_name(i, "values"))
+        for name, t in ((tensor_name(i, "keys"), k), (tensor_name(i, "values"), v)):
             if t is None:
                 continue
             if not t.dtype.is_floating_point:
@@ -408,7 +475,7 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
 
 def _validate_positions(tensors, i: int, h_kv: int, pos, t_full: int) -> int:
     """Check layer i's positions; return T_i."""
-    lp = tensors.get(f"layers.{i}.positions")
+    lp = tensors.get(tensor_name(i, "positions"))
     if lp is None:
         if pos is None:
             raise BundleFormatError(f"layer {i} has no positions (neither 'positions' nor 'layers.{i}.positions')")
@@ -427,7 +494,7 @@ def _validate_positions(tensors, i: int, h_kv: int, pos, t_full: int) -> int:
 
 
 def _validate_bias(tensors, i: int, model: dict, t_i: int) -> None:
-    bias = tensors.get(f"layers.{i}.bias")
+    bias = tensors.get(tensor_name(i, "bias"))
     if bias is None:
         return
     h_q = model.get("n_q_heads")

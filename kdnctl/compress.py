@@ -1,7 +1,8 @@
 """``kdnctl compress``: a stored version -> a pruned and/or quantized new version.
 
 Per document: load the source chunks, score every token with a query-agnostic scorer, let the
-press pick kept tokens per layer and KV head over the WHOLE document (so the budget can go to
+allocator split the budget over layers and the press pick kept tokens per layer and KV head
+over the WHOLE document (so the budget can go to
 the chunks that need it), split the picks back into chunks (every head of a layer keeps the
 same count within a chunk), gather K/V (and any steering bias), quantize, and commit the new
 version in one transaction. The source version stays; re-running the same recipe is a no-op.
@@ -9,21 +10,30 @@ version in one transaction. The source version stays; re-running the same recipe
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from .bundle import KVBundle, decode_bundle, encode_bundle, make_meta
-from .errors import UnsupportedError, UsageError
+from .bundle import KVBundle, decode_bundle, stats_of, tensor_name
+from .errors import UnsupportedError
 from .kernels.kvcrush import gather_layers
-from .presses import get_press
-from .presses.allocate import select_document
-from .presses.base import ScoreContext, validate_budget
+from .allocate import ALLOCATORS, DEFAULT_ALLOCATOR, Allocator, allocate, get_allocator
+from .presses import get_press, press_class
+from .presses.base import Press, ScoreContext, validate_budget
+from .presses.document import select_document
+from .registry import method_fields
 from .quant import get_quantizer
 from .scoring import DEFAULT_SCORER, NEEDS_MODEL, compute_importance
-from .store import ChunkRef, Store, VersionRecord
+from .store import Store
+from .versions import derive_version, existing_version
+
+
+# The per-layer allocators used to be presses wrapping another press; their old spellings
+# (``method = "pyramid"``, ``"pyramid:kvcrush"``, ``method_options = {"press": ...}``) still work.
+_LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
 
 
 @dataclass
@@ -35,27 +45,55 @@ class CompressRecipe:
     group_size: int = 32
     seed: int = 0
     method_options: dict[str, Any] = field(default_factory=dict)
+    allocator: str = DEFAULT_ALLOCATOR
+    allocator_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.budget = validate_budget(self.budget)
+        wrapper, _, inner = str(self.method).partition(":")
+        if wrapper in _LEGACY_WRAPPED:
+            opts = dict(self.method_options)
+            inner = inner or opts.pop("press", None) or _LEGACY_WRAPPED[wrapper]
+            press_opts = opts.pop("press_options", {})
+            own = method_fields(ALLOCATORS[wrapper])
+            self.allocator, self.method = wrapper, str(inner)
+            self.allocator_options = {**{k: v for k, v in opts.items() if k in own}, **self.allocator_options}
+            self.method_options = {**{k: v for k, v in opts.items() if k not in own}, **press_opts}
 
     def as_dict(self) -> dict:
-        return {"step": "compress", "budget": self.budget, "method": self.method, "scorer": self.scorer,
-                "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
-                "method_options": dict(sorted(self.method_options.items()))}
+        d = {"step": "compress", "budget": self.budget, "method": self.method, "scorer": self.scorer,
+             "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
+             "method_options": dict(sorted(self.method_options.items()))}
+        if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
+            d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
+        return d
 
     def default_label(self) -> str:
         label = f"{self.method}-b{self.budget:g}" if self.budget < 1 else "b1"
+        if self.budget < 1 and self.allocator != DEFAULT_ALLOCATOR:
+            label = f"{self.allocator}-{label}"
         if self.budget < 1 and self.scorer != DEFAULT_SCORER:
             label += f"-{self.scorer}"
         if self.quant != "none":
             label += f"-{self.quant}"
         return label
 
+    def build_press(self, header_tokens: int = 0) -> Press:
+        """The press, keeping at least the ``header_tokens`` prompt-header tokens as sinks."""
+        press = get_press(self.method, **self.method_options)
+        if header_tokens > press.sink_tokens:
+            # The prompt header (system prompt, start of the user turn) precedes every question
+            # and is where attention sinks live: it is always kept, as the press's sinks.
+            press = dataclasses.replace(press, sink_tokens=header_tokens)
+        return press
+
+    def build_allocator(self) -> Allocator:
+        return get_allocator(self.allocator, **self.allocator_options)
+
     @property
     def uses_scorer(self) -> bool:
         """The scorer ranks tokens for presses that use it, and picks int8 tokens for ``mixed``."""
-        return self.quant == "mixed" or get_press(self.method, **self.method_options).uses_importance
+        return self.quant == "mixed" or press_class(self.method).uses_importance
 
     @property
     def needs_model(self) -> bool:
@@ -78,8 +116,9 @@ class CompressResult:
 
 
 def _cat_stats(bundles: list[KVBundle]) -> dict[str, torch.Tensor]:
-    names = set.intersection(*(set(n[6:] for n in b.tensors if n.startswith("stats.")) for b in bundles))
-    return {n: torch.cat([b.tensors[f"stats.{n}"].float() for b in bundles], dim=-1) for n in sorted(names)}
+    per_chunk = [stats_of(b.tensors) for b in bundles]
+    names = set.intersection(*(set(s) for s in per_chunk))
+    return {n: torch.cat([s[n].float() for s in per_chunk], dim=-1) for n in sorted(names)}
 
 
 def _attention_stats(lm, token_ids: list[int], ingest_recipe: dict) -> dict[str, torch.Tensor]:
@@ -111,17 +150,15 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     t0 = time.perf_counter()
     label = label or recipe.default_label()
     src = store.get_version(doc_id, source)
-    existing = {v.label: v for v in store.list_versions(doc_id)}
-    full_recipe = {"source": source, **recipe.as_dict()}
-    if label in existing:
-        if existing[label].recipe.get("steps", [existing[label].recipe])[-1] == full_recipe:
-            return CompressResult(doc_id, label, "unchanged", src.nbytes, existing[label].nbytes)
-        raise UsageError(f"label {label!r} of {doc_id} was made by another recipe", hint="pass --label NAME")
+    step = {"source": source, **recipe.as_dict()}
+    done = existing_version(store, doc_id, label, step)
+    if done is not None:
+        return CompressResult(doc_id, label, "unchanged", src.nbytes, done.nbytes)
     bundles = [decode_bundle(store.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
     if any("quant" in b.meta for b in bundles):
-        raise UnsupportedError(f"{doc_id} [{source}] is already quantized", hint="compress from an unquantized version (--from full)")
+        raise UnsupportedError(f"{doc_id} [{source}] is already quantized", hint="compress from an unquantized version (e.g. full)", param="source")
     if any("positions" not in b.tensors for b in bundles) and recipe.budget < 1:
-        raise UnsupportedError(f"{doc_id} [{source}] is already pruned", hint="compress from an unpruned version (--from full)")
+        raise UnsupportedError(f"{doc_id} [{source}] is already pruned", hint="compress from an unpruned version (e.g. full)", param="source")
     n_layers = bundles[0].n_layers
     dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]
     keys = [torch.cat([d[i][0] for d in dense], dim=1).float() for i in range(n_layers)]
@@ -134,7 +171,8 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     score_s = 0.0
     if recipe.budget < 1:
         stats = _cat_stats(bundles)
-        press = get_press(recipe.method, **recipe.method_options)
+        press = recipe.build_press(int(bundles[0].meta.get("header_tokens", 0)))
+        allocator = recipe.build_allocator()
         if recipe.uses_scorer and recipe.scorer in ("accum", "window") and recipe.scorer not in stats \
                 and lm is not None and bounds[0][0] == 0 and src.mode == "prefix":
             stats.update(_attention_stats(lm, token_ids, src.recipe))  # not recorded at ingest
@@ -144,13 +182,8 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
             else torch.zeros(n_layers, n_heads, len(token_ids))
         score_s = time.perf_counter() - t_score
         ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
-        header = int(bundles[0].meta.get("header_tokens", 0))
-        if header > press.sink_tokens:
-            # The prompt header (system prompt, start of the user turn) precedes every question
-            # and is where attention sinks live: it is always kept, as the press's sinks.
-            press = get_press(recipe.method, **{**recipe.method_options, "sink_tokens": header})
         try:
-            picks = select_document(press, ctx, recipe.budget, local_bounds)
+            picks = select_document(press, ctx, allocate(allocator, press, ctx, recipe.budget), local_bounds)
         except UnsupportedError as exc:
             # A statistic ingest did not record (``accum`` is opt-in): compute it now from one
             # prefill of the document, when the model is at hand and the version starts at 0.
@@ -158,53 +191,51 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
                 raise UnsupportedError(exc.message, hint="ingest with `--stats all`, or pass --model so compress "
                                        "can compute it") from None
             ctx.stats = {**stats, **_attention_stats(lm, token_ids, src.recipe)}
-            picks = select_document(press, ctx, recipe.budget, local_bounds)
+            picks = select_document(press, ctx, allocate(allocator, press, ctx, recipe.budget), local_bounds)
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
         picks = None
     quantizer = get_quantizer(recipe.quant, group_size=recipe.group_size) if recipe.quant != "none" else None
-    chunks, total = [], 0
-    parent_recipe = src.recipe if "steps" in src.recipe else {"steps": [src.recipe]}
-    version_recipe = {"steps": parent_recipe["steps"] + [full_recipe]}
+    new_tensors, metas = [], []
     for c, (b, (ls, le)) in enumerate(zip(bundles, local_bounds)):
-        tensors: dict[str, torch.Tensor] = {"token_ids": b.tensors["token_ids"]}
-        qmeta = None
-        if picks is None:
-            if "positions" in b.tensors:
-                tensors["positions"] = b.tensors["positions"]
-        else:  # one gather launch for all layers' K and one for V (kernel dispatch: Triton on CUDA)
-            kept_k = gather_layers([kv[0] for kv in dense[c]], picks[c])
-            kept_v = gather_layers([kv[1] for kv in dense[c]], picks[c])
-        for i in range(n_layers):
-            k, v = dense[c][i]
-            if picks is not None:
-                idx = picks[c][i]
-                k, v = kept_k[i], kept_v[i]
-                tensors[f"layers.{i}.positions"] = (idx + bounds[c][0]).to(torch.int64)
-                imp = importance[i][:, ls:le]
-                mask = _importance_mask(imp, idx)
-            else:
-                if "positions" not in b.tensors:
-                    tensors[f"layers.{i}.positions"] = b.layer_positions(i)
-                idx, mask = None, None
-            bias = b.tensors.get(f"layers.{i}.bias")
-            if bias is not None:
-                tensors[f"layers.{i}.bias"] = _gather_bias(bias.float(), idx).half() if idx is not None else bias
-            if quantizer is not None:
-                qt, qmeta = quantizer.quantize_layer(k.float(), v.float(), importance=mask)
-                tensors.update({f"layers.{i}.{n}": t for n, t in qt.items()})
-            else:
-                tensors[f"layers.{i}.keys"] = k.contiguous()
-                tensors[f"layers.{i}.values"] = v.contiguous()
-        meta = make_meta(**{k: v for k, v in b.meta.items() if k not in ("format_version", "created", "tool_version", "quant")})
-        meta.update(label=label, parent=source, recipe=version_recipe)
-        if qmeta is not None:
-            meta["quant"] = qmeta
-        data = encode_bundle(KVBundle(meta=meta, tensors=tensors))
-        sha = store.put_object(data)
-        chunks.append(ChunkRef(c, sha, bounds[c][0], bounds[c][1], b.meta["chain_hash"], len(data)))
-        total += len(data)
-    record = VersionRecord(doc_id, src.doc_version, label, source, version_recipe, src.fingerprint, chunks,
-                           time.time(), src.n_tokens, src.mode)
-    store.commit_version(record)
-    return CompressResult(doc_id, label, "compressed", src.nbytes, total, time.perf_counter() - t0, score_s)
+        tensors, qmeta = _chunk_tensors(b, dense[c], None if picks is None else picks[c], importance[:, :, ls:le]
+                                        if picks is not None else None, quantizer)
+        new_tensors.append(tensors)
+        metas.append({"quant": qmeta} if qmeta is not None else {})
+    record = derive_version(store, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
+    return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0, score_s)
+
+
+def _chunk_tensors(b: KVBundle, dense: list[tuple[torch.Tensor, torch.Tensor]], picks: list[torch.Tensor] | None,
+                   importance: torch.Tensor | None, quantizer) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """One chunk of the new version: kept K/V (``picks[i]`` = chunk-local kept indices of layer
+    i, None = keep all), their positions and steering bias, quantized when ``quantizer``."""
+    tensors: dict[str, torch.Tensor] = {"token_ids": b.tensors["token_ids"]}
+    qmeta = None
+    start = b.meta["token_start"]
+    if picks is None:
+        if "positions" in b.tensors:
+            tensors["positions"] = b.tensors["positions"]
+    else:  # one gather launch for all layers' K and one for V (kernel dispatch: Triton on CUDA)
+        kept_k = gather_layers([kv[0] for kv in dense], picks)
+        kept_v = gather_layers([kv[1] for kv in dense], picks)
+    for i, (k, v) in enumerate(dense):
+        if picks is not None:
+            idx = picks[i]
+            k, v = kept_k[i], kept_v[i]
+            tensors[tensor_name(i, "positions")] = (idx + start).to(torch.int64)
+            mask = _importance_mask(importance[i], idx)
+        else:
+            if "positions" not in b.tensors:
+                tensors[tensor_name(i, "positions")] = b.layer_positions(i)
+            idx, mask = None, None
+        bias = b.layer(i, "bias")
+        if bias is not None:
+            tensors[tensor_name(i, "bias")] = _gather_bias(bias.float(), idx).half() if idx is not None else bias
+        if quantizer is not None:
+            qt, qmeta = quantizer.quantize_layer(k.float(), v.float(), importance=mask)
+            tensors.update({tensor_name(i, n): t for n, t in qt.items()})
+        else:
+            tensors[tensor_name(i, "keys")] = k.contiguous()
+            tensors[tensor_name(i, "values")] = v.contiguous()
+    return tensors, qmeta

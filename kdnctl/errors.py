@@ -2,6 +2,10 @@
 
 Library code raises these instead of printing or exiting, so the same failures are usable
 from Python. ``EXIT_CODES`` is the one table of exit codes.
+
+Messages speak of values and parameters (``alpha must be in (0, 1]``), never of command-line
+flags: an error about one argument names it in ``param`` (the library's parameter name), and
+the CLI maps that to its flag (``kdnctl.cli.common.FLAGS``).
 """
 
 from __future__ import annotations
@@ -12,14 +16,24 @@ class KdnError(Exception):
 
     exit_code = 1
     default_hint = ""
+    default_param: str | None = None
 
-    def __init__(self, message: str, hint: str | None = None):
+    def __init__(self, message: str, hint: str | None = None, *, param: str | None = None):
         super().__init__(message)
         self.message = message
         self.hint = hint if hint is not None else self.default_hint
+        self.param = param if param is not None else self.default_param  # the parameter it is about
 
-    def one_line(self) -> str:
-        text = f"error: {self.message}"
+    def one_line(self, flag: str | None = None) -> str:
+        """``error: MESSAGE (hint: HINT)``; with ``flag`` (the CLI's spelling of ``param``) the
+        parameter's name at the start of the message becomes the flag, or the flag is appended."""
+        message = self.message
+        if flag and self.param:
+            if message.startswith(self.param):
+                message = flag + message[len(self.param):]
+            else:
+                message += f" ({flag})"
+        text = f"error: {message}"
         if self.hint:
             text += f" (hint: {self.hint})"
         return " ".join(text.split())
@@ -50,7 +64,8 @@ class ModelMismatchError(KdnError):
     """A bundle made with another model (fingerprint differs)."""
 
     exit_code = 5
-    default_hint = "load the bundle with the model it was made with (--model), or re-ingest"
+    default_hint = "load the bundle with the model it was made with, or re-ingest"
+    default_param = "model"
 
 
 class BundleFormatError(KdnError):
@@ -78,7 +93,8 @@ class ModelLoadError(KdnError):
     """The model path is missing or not a model kdnctl can load."""
 
     exit_code = 8
-    default_hint = "pass --model with a HF model directory or a .gguf file"
+    default_hint = "give a HF model directory or a .gguf file"
+    default_param = "model"
 
 
 class RemoteError(KdnError):

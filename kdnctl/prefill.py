@@ -39,7 +39,7 @@ class PrefillResult:
         return self.keys[0].shape[1]
 
 
-def _grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: int) -> torch.Tensor:
+def grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: int) -> torch.Tensor:
     """Softmax attention of query tile ``q`` [Hq, b, D] (absolute positions q_start..) over keys
     ``k`` [Hkv, kv, D], returned grouped per KV head as [Hkv, group, b, kv] in fp32."""
     hq, b, d = q.shape
@@ -80,8 +80,9 @@ class StatsObserver:
     (tile by tile), so the pass runs attention once, not twice."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, window: int, device,
-                 names=("accum", "window")):
+                 names=("accum", "window"), query_tile: int = QUERY_TILE):
         self.names = frozenset(names)
+        self.query_tile = query_tile
         self.accum = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device) if "accum" in self.names else None
         self.window = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device)
         self.window_size = window
@@ -109,9 +110,9 @@ class StatsObserver:
         past = kv - b
         # window alone: only the last `window` queries' rows are needed
         first = 0 if self.accum is not None else min(max(self.n_tokens - self.window_size - past, 0), b)
-        for s in range(first, b, QUERY_TILE):
-            e = min(b, s + QUERY_TILE)
-            self._tile(layer, _grouped_probs(q[:, s:e], k, scaling, past + s), past, s, e, kv)
+        for s in range(first, b, self.query_tile):
+            e = min(b, s + self.query_tile)
+            self._tile(layer, grouped_probs(q[:, s:e], k, scaling, past + s), past, s, e, kv)
         self._finish(layer, past, b, query.shape[1] // key.shape[1])
 
     def attend(self, layer: int, query, key, value, scaling) -> torch.Tensor:
@@ -122,9 +123,9 @@ class StatsObserver:
         g = hq // hkv
         past = kv - b
         out = torch.empty(hkv, g, b, v.shape[-1], dtype=torch.float32, device=q.device)
-        for s in range(0, b, QUERY_TILE):
-            e = min(b, s + QUERY_TILE)
-            probs = _grouped_probs(q[:, s:e], k, scaling, past + s)  # [Hkv, g, e-s, kv]
+        for s in range(0, b, self.query_tile):
+            e = min(b, s + self.query_tile)
+            probs = grouped_probs(q[:, s:e], k, scaling, past + s)  # [Hkv, g, e-s, kv]
             self._tile(layer, probs, past, s, e, kv)
             out[:, :, s:e] = torch.matmul(probs, v.float()[:, None])
         self._finish(layer, past, b, g)
@@ -154,6 +155,7 @@ def prefill(
     block_tokens: int = 1024,
     on_progress: Callable[[int], None] | None = None,
     bias: dict[int, torch.Tensor] | None = None,
+    query_tile: int = QUERY_TILE,
 ) -> PrefillResult:
     """Run ``token_ids`` through ``model`` and return KV (+ statistics when ``stats``).
 
@@ -171,7 +173,7 @@ def prefill(
     cache = DynamicCache(config=cfg)
     names = stat_names(stats)
     attn_names = names & {"window", "accum"}
-    observer = StatsObserver(n_layers, n_kv, n, window, device, attn_names) if attn_names else None
+    observer = StatsObserver(n_layers, n_kv, n, window, device, attn_names, query_tile) if attn_names else None
     want_surprisal = "surprisal" in names
     surprisal = torch.zeros(n, dtype=torch.float32)
     last_logits = None
@@ -189,8 +191,8 @@ def prefill(
             )
             hidden = out.last_hidden_state[0]
             if want_surprisal:
-                for hs in range(0, e - s, QUERY_TILE):
-                    he = min(e - s, hs + QUERY_TILE)
+                for hs in range(0, e - s, query_tile):
+                    he = min(e - s, hs + query_tile)
                     logits = lm_head(hidden[hs:he]).float()
                     targets = ids[0, s + hs + 1 : s + he + 1]
                     # -log p(target) = logsumexp(logits) - logit[target]: no log-softmax tensor
@@ -213,6 +215,39 @@ def prefill(
     if want_surprisal:
         result.stats["surprisal"] = surprisal
     return result
+
+
+@torch.inference_mode()
+def reference_stats(model, token_ids: list[int], *, window: int = 32) -> dict[str, torch.Tensor]:
+    """The spec of the ingest statistics, naively: one forward over the whole sequence with
+    transformers' eager attention, every ``[H_q, T, T]`` attention matrix materialised.
+
+    ``accum[l, g, j]`` = sum over the query heads of KV group g and over every query i of
+    ``attn[l, h, i, j]``; ``window`` = the same sum over the last ``window`` queries only,
+    divided by (heads per group * min(window, T)); ``surprisal[i]`` = -log p(token_i | tokens
+    before i) from the same pass (0 for the first token). Small inputs only (O(T^2) memory)."""
+    cfg = model.config
+    n_kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], dtype=torch.long, device=device)
+    previous = cfg._attn_implementation
+    cfg._attn_implementation = "eager"
+    try:
+        out = model(input_ids=ids, output_attentions=True, use_cache=False)
+    finally:
+        cfg._attn_implementation = previous
+    n = len(token_ids)
+    accum, win = [], []
+    for attn in out.attentions:  # per layer [1, H_q, T, T]
+        a = attn[0].float()
+        grouped = a.reshape(n_kv, a.shape[0] // n_kv, n, n)  # [H_kv, group, T, T]
+        accum.append(grouped.sum(dim=(1, 2)))
+        last = grouped[:, :, max(n - window, 0):, :]
+        win.append(last.sum(dim=(1, 2)) / (grouped.shape[1] * min(window, n)))
+    logp = torch.log_softmax(out.logits[0].float(), dim=-1)
+    surprisal = torch.zeros(n, dtype=torch.float32)
+    surprisal[1:] = -logp[:-1].gather(1, ids[0, 1:, None])[:, 0].cpu()
+    return {"window": torch.stack(win).cpu(), "accum": torch.stack(accum).cpu(), "surprisal": surprisal}
 
 
 def bare_prefill_seconds(model, token_ids: list[int]) -> float:

@@ -11,8 +11,10 @@
     scorer = "hybrid"
     quant = "int4"
     group_size = 32
+    allocator = "uniform"                # optional: uniform | pyramid | adaptive (kdnctl.allocate)
     [compress.options]                   # method options, e.g. KVCrush's ratio/anchor/page_size
     ratio = 0.25
+    [compress.allocator_options]         # optional, e.g. pyramid's beta
 
 Every version made by a recipe stores the same step dicts in its ``recipe`` metadata
 (``{"steps": [ingest, compress, ...]}``), so a version can be rebuilt from its metadata.
@@ -54,7 +56,7 @@ class Recipe:
             raise UsageError(f"recipe {self.name} has no [compress] step")
         c = dict(self.compress)
         options = c.pop("options", {})
-        allowed = {"method", "budget", "scorer", "quant", "group_size", "seed"}
+        allowed = {"method", "budget", "scorer", "quant", "group_size", "seed", "allocator", "allocator_options"}
         bad = set(c) - allowed
         if bad:
             raise UsageError(f"recipe {self.name}: unknown [compress] keys {sorted(bad)}", hint=f"allowed: {sorted(allowed)}")

@@ -85,7 +85,7 @@ def resolve_chunks(store: ReadStore, ids: list[str], *, doc_id: str | None = Non
     """Chunks named by ``DOC#INDEX``, a content-hash prefix, or (with ``doc_id``) a bare index."""
     wanted = [i.strip() for i in ids if i.strip()]
     if not wanted:
-        raise UsageError("--chunks is empty", hint="pass DOC#INDEX or content-hash prefixes, comma-separated")
+        raise UsageError("chunks is empty", hint="give DOC#INDEX or content-hash prefixes, comma-separated", param="chunks")
     everything = list_chunks(store, fingerprint=fingerprint)
     if not everything:
         raise NotFoundError("the store has no independent chunks",
@@ -159,7 +159,7 @@ def rank(store: ReadStore, question: str, chunks: list[ChunkInfo]) -> list[Chunk
 def retrieve(store: ReadStore, question: str, k: int, *, doc_id: str | None = None, fingerprint: str | None = None) -> list[ChunkInfo]:
     """The ``k`` independent chunks that best match ``question`` (BM25), best first."""
     if k < 1:
-        raise UsageError(f"--retrieve must be >= 1, got {k}")
+        raise UsageError(f"retrieve must be >= 1, got {k}", param="retrieve")
     chunks = list_chunks(store, doc_id=doc_id, fingerprint=fingerprint)
     if not chunks:
         raise NotFoundError("the store has no independent chunks" + (f" for {doc_id!r}" if doc_id else ""),
@@ -191,9 +191,9 @@ def load_chunk_bundles(lm, store: ReadStore, chunks: list[ChunkInfo]) -> tuple[K
 
 
 def compose_chunks(lm, store: ReadStore, chunks: list[ChunkInfo], suffix_ids: list[int], recompute: float, *, info: dict | None = None):
-    """Load ``chunks`` from ``store`` and compose them (kdnctl.engine.compose). Returns a
+    """Load ``chunks`` from ``store`` and compose them (kdnctl.engine.independent). Returns a
     LoadedContext with ``load_s`` and ``nbytes`` set."""
-    from .engine.compose import compose
+    from .engine.independent import compose
 
     t = time.perf_counter()
     header, bundles, nbytes = load_chunk_bundles(lm, store, chunks)

@@ -56,7 +56,7 @@ def reconstruct_scores(lm, keys: list[torch.Tensor], values: list[torch.Tensor],
     from transformers import DynamicCache
 
     from .engine.attention import AttentionState, kdn_attention
-    from .prefill import _grouped_probs
+    from .prefill import grouped_probs
 
     model = lm.model
     device = lm.device
@@ -67,7 +67,7 @@ def reconstruct_scores(lm, keys: list[torch.Tensor], values: list[torch.Tensor],
     def observer(layer, query, key, scaling):
         q, k = query[0], key[0]
         b, kv = q.shape[1], k.shape[1]
-        probs = _grouped_probs(q, k, scaling, kv - b)  # [Hkv, g, b, kv]
+        probs = grouped_probs(q, k, scaling, kv - b)  # [Hkv, g, b, kv]
         best[layer] = torch.maximum(best[layer], probs[..., :t].amax(dim=(1, 2)))
 
     cache = DynamicCache(ddp_cache_data=[(k[None].to(device, lm.dtype), v[None].to(device, lm.dtype))
@@ -85,17 +85,46 @@ def reconstruct_scores(lm, keys: list[torch.Tensor], values: list[torch.Tensor],
     return best.cpu()
 
 
+@torch.inference_mode()
+def reference_reconstruct_scores(lm, token_ids: list[int], *, chunk_tokens: int = 256) -> torch.Tensor:
+    """The spec of ``reconstruct_scores``, naively: for each chunk, one forward over
+    ``document + repeat prompt + chunk`` from scratch with transformers' eager attention; the
+    score of document token j in layer l, KV group g is the max over that group's query heads
+    and over the chunk's repeat queries (prompt and chunk tokens) of ``attn[l, h, i, j]``, and
+    the max over chunks. Small inputs only (O(T^2) memory, no cache reuse)."""
+    model = lm.model
+    cfg = model.config
+    n_kv = getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    t = len(token_ids)
+    prompt = lm.tokenizer(REPEAT_PROMPT, add_special_tokens=False).input_ids
+    best = torch.zeros(cfg.num_hidden_layers, n_kv, t)
+    previous = cfg._attn_implementation
+    cfg._attn_implementation = "eager"
+    try:
+        for s in range(0, t, chunk_tokens):
+            piece = prompt + list(token_ids[s : s + chunk_tokens])
+            ids = torch.tensor([list(token_ids) + piece], device=lm.device)
+            out = model(input_ids=ids, output_attentions=True, use_cache=False)
+            for layer, attn in enumerate(out.attentions):
+                a = attn[0, :, t:, :t].float().cpu()  # repeat queries -> document keys
+                per_group = a.reshape(n_kv, a.shape[0] // n_kv, len(piece), t).amax(dim=(1, 2))
+                best[layer] = torch.maximum(best[layer], per_group)
+    finally:
+        cfg._attn_implementation = previous
+    return best
+
+
 def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, keys=None, values=None,
                        token_ids=None, n_layers: int, n_heads: int) -> torch.Tensor:
     """The ``[L, H_kv, T]`` importance of scorer ``name`` for one document."""
     if name not in SCORERS:
-        raise UsageError(f"unknown scorer {name!r}", hint=f"choose one of {', '.join(SCORERS)}")
+        raise UsageError(f"unknown scorer {name!r}", hint=f"choose one of {', '.join(SCORERS)}", param="scorer")
     if name in ("window", "accum", "surprisal") or name in NEEDS_MODEL:
         missing = [s for s in ("window", "accum", "surprisal") if s not in stats and (s == name or (name == "hybrid" and s == "surprisal"))]
         if missing:
             raise UsageError(
                 f"scorer {name!r} needs ingest statistics {missing} that this version lacks",
-                hint="re-ingest without --no-stats, or use --scorer reconstruct",
+                hint="re-ingest with statistics, or use the reconstruct scorer", param="scorer",
             )
     if name == "window":
         return stats["window"].float()
@@ -104,7 +133,7 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
     if name == "surprisal":
         return stats["surprisal"].float().expand(n_layers, n_heads, -1).clone()
     if lm is None:
-        raise UsageError(f"scorer {name!r} runs the model", hint="pass --model (or use --scorer window)")
+        raise UsageError(f"scorer {name!r} runs the model", hint="give a loaded model (or use the window scorer)", param="model")
     recon = reconstruct_scores(lm, keys, values, token_ids)
     if name == "reconstruct":
         return recon

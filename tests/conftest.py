@@ -6,6 +6,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,12 +17,23 @@ REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "corpus"
 
 
-@pytest.fixture(scope="session")
-def lm():
+# Models loaded once per session; in-process CLI runs get them through the library's
+# injection point (kdnctl.model.use_loaded_models) instead of loading their own.
+_SESSION_MODELS: list = []
+
+
+def default_lm():
     """The real default model (SmolLM2-135M-Instruct), loaded once per test session."""
     from kdnctl.model import load_model
 
-    return load_model()
+    if not _SESSION_MODELS:
+        _SESSION_MODELS.append(load_model())
+    return _SESSION_MODELS[0]
+
+
+@pytest.fixture(scope="session")
+def lm():
+    return default_lm()
 
 
 @pytest.fixture(scope="session")
@@ -42,21 +54,56 @@ def tiny_model_dir(tmp_path_factory, lm):
     return path
 
 
-def run_cli(*args, store=None, env=None, timeout=600, check=False):
-    """Run the real `kdnctl` console entry in a subprocess; returns CompletedProcess."""
-    import os
+@pytest.fixture(scope="session")
+def tiny_lm(tiny_model_dir):
+    """The tiny random model of ``tiny_model_dir``, loaded once per session."""
+    from kdnctl.model import load_model
 
-    full_env = dict(os.environ)
-    full_env.pop("KDNCTL_DEBUG", None)
-    if env:
-        full_env.update(env)
-    cmd = [sys.executable, "-m", "kdnctl.cli.app", *map(str, args)]
-    if store is not None:
-        cmd += ["--store", str(store)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    model = load_model(tiny_model_dir)
+    _SESSION_MODELS.append(model)
+    return model
+
+
+def run_cli(*args, store=None, env=None, timeout=600, check=False, own_process=False):
+    """Run the real `kdnctl` entry point (argument parsing, error table, exit codes) on ``args``;
+    returns a CompletedProcess. In-process on the session's models by default; ``own_process``
+    runs it as a subprocess, for tests where the process boundary is the point."""
+    argv = [*map(str, args)] + (["--store", str(store)] if store is not None else [])
+    # KDNCTL_TEST_CLI=subprocess runs every CLI test in its own process (to compare timings)
+    own_process = own_process or os.environ.get("KDNCTL_TEST_CLI") == "subprocess"
+    proc = _run_subprocess(argv, env, timeout) if own_process else _run_in_process(argv, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"kdnctl {args} failed ({proc.returncode}): {proc.stderr}")
     return proc
+
+
+def _run_subprocess(argv, env, timeout):
+    full_env = dict(os.environ)
+    full_env.pop("KDNCTL_DEBUG", None)
+    full_env.update(env or {})
+    cmd = [sys.executable, "-m", "kdnctl.cli.app", *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def _run_in_process(argv, env):
+    from click.testing import CliRunner
+
+    from kdnctl.cli.app import app
+    from kdnctl.cli.common import run_cli as entry
+    from kdnctl.model import use_loaded_models
+
+    code = 0
+    with CliRunner().isolation(env={"KDNCTL_DEBUG": None, **(env or {})}) as (out, err, _):
+        with use_loaded_models(default_lm(), *_SESSION_MODELS):
+            try:
+                entry(app, argv)
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+        stdout, stderr = out.getvalue().decode(), err.getvalue().decode()
+    return subprocess.CompletedProcess(["kdnctl", *argv], code, stdout, stderr)
 
 
 def cli_json(*args, store=None, **kw):

@@ -76,7 +76,7 @@ def _keys_at(lm, ids: torch.Tensor, start: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("p,d", [(24, 100), (500, 3000)])
 def test_rerotate_equals_direct_rope(lm, p, d):
-    from kdnctl.engine.compose import rerotate_keys, rope_inv_freq
+    from kdnctl.engine.independent import rerotate_keys, rope_inv_freq
 
     ids = torch.tensor([lm.tokenizer("The quick brown fox jumps over the lazy dog.").input_ids])
     inv = rope_inv_freq(lm)
@@ -92,7 +92,7 @@ def test_rerotate_exact_for_linear_and_llama3(rope):
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from kdnctl.engine.compose import rerotate_keys, rope_inv_freq
+    from kdnctl.engine.independent import rerotate_keys, rope_inv_freq
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=2048,
                       rope_parameters={"rope_theta": 10000.0, **rope})
@@ -111,7 +111,7 @@ def test_rerotate_exact_for_linear_and_llama3(rope):
 
 
 def test_unsupported_rope_type_refused():
-    from kdnctl.engine.compose import rope_inv_freq
+    from kdnctl.engine.independent import rope_inv_freq
     from kdnctl.errors import UnsupportedError
 
     rot = SimpleNamespace(inv_freq=torch.ones(4), rope_type="yarn", attention_scaling=1.2)
@@ -122,7 +122,7 @@ def test_unsupported_rope_type_refused():
 # -- compose -----------------------------------------------------------------------------------
 
 def test_recompute_one_equals_full_prefill(lm, parts):
-    from kdnctl.engine.compose import compose
+    from kdnctl.engine.independent import compose
     from kdnctl.engine.hf import forward_suffix
     from kdnctl.prompting import PromptFormat
 
@@ -147,7 +147,7 @@ def test_recompute_one_equals_full_prefill(lm, parts):
 
 
 def test_recompute_zero_is_rerotated_concatenation(lm, parts):
-    from kdnctl.engine.compose import compose, rerotate_keys, rope_inv_freq
+    from kdnctl.engine.independent import compose, rerotate_keys, rope_inv_freq
     from kdnctl.engine.hf import generate
     from kdnctl.prompting import PromptFormat
 

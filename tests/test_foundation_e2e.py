@@ -170,7 +170,7 @@ def test_bad_inputs_clear_error_and_unchanged_store(small_store, tmp_path, case)
     else:
         target = bad / "x.txt"
         target.write_bytes({"empty": b"", "binary": b"\x00\x01\x02ELF\x00" * 50, "latin1": b"caf\xe9 cr\xe8me"}[case])
-    proc = run_cli("ingest", target, store=store)
+    proc = run_cli("ingest", target, store=store, own_process=case == "missing")  # one through the real process
     assert proc.returncode != 0
     lines = [l for l in proc.stderr.strip().splitlines() if l]
     assert lines and all(len(l) < 300 for l in lines)
@@ -179,12 +179,13 @@ def test_bad_inputs_clear_error_and_unchanged_store(small_store, tmp_path, case)
     assert _snapshot(store) == before
 
 
-def test_bundle_from_other_model_refused(small_store, tiny_model_dir):
+def test_bundle_from_other_model_refused(small_store, tiny_model_dir, tiny_lm):
     store, docs = small_store
     other = store.parent / "other"
     run_cli("ingest", docs, "--model", tiny_model_dir, store=other, check=True)
     before = _snapshot(other)
-    proc = run_cli("ask", "ok.md", "When does the depot open?", store=other)
+    # the exit code as a shell sees it: through a real process
+    proc = run_cli("ask", "ok.md", "When does the depot open?", store=other, own_process=True)
     assert proc.returncode == 5, proc.stderr
     assert "made with model" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert _snapshot(other) == before

@@ -17,7 +17,7 @@ from kdnctl.engine.hf import LoadProfile, forward_suffix, generate, load_documen
 from kdnctl.errors import BundleFormatError, StoreCorruptError, UsageError
 from kdnctl.fastread import blake3_hex
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prefill import _grouped_probs, prefill
+from kdnctl.prefill import grouped_probs, prefill
 from kdnctl.prompting import PromptFormat
 from kdnctl.quant import dequantize_tensors, get_quantizer
 from kdnctl.store import Store
@@ -163,7 +163,7 @@ def _reference_stats(model, ids, window):
     rows = {}
 
     def grab(layer, query, key, scaling):
-        rows[layer] = _grouped_probs(query[0], key[0], scaling, 0)  # [Hkv, g, n, n]
+        rows[layer] = grouped_probs(query[0], key[0], scaling, 0)  # [Hkv, g, n, n]
 
     with torch.inference_mode(), kdn_attention(model, AttentionState(observer=grab)):
         model.model(input_ids=torch.tensor([ids]), use_cache=False)

@@ -13,7 +13,6 @@ from kdnctl.presses import (
     H2OPress,
     KNormPress,
     KVCrushPress,
-    PyramidPress,
     RandomPress,
     ScoreContext,
     SnapKVPress,
@@ -21,11 +20,19 @@ from kdnctl.presses import (
     get_press,
     validate_budget,
 )
-from kdnctl.presses.allocate import chunk_quotas, select_document
+from kdnctl.allocate import get_allocator
+from kdnctl.allocate import allocate as allocate_quotas
 from kdnctl.presses.base import select_top
+from kdnctl.presses.document import chunk_quotas
+from kdnctl.presses.document import select_document as select_with_quotas
 from kdnctl.presses.kvcrush import representative_mask
-from kdnctl.presses.pyramid import pyramid_quotas
 from kdnctl.presses.snapkv import pool_scores
+
+
+def select_document(press, ctx, budget, bounds, allocator="uniform"):
+    """Document selection at ``budget`` with quotas split by ``allocator`` (as compress does)."""
+    quotas = allocate_quotas(get_allocator(allocator), press, ctx, budget)
+    return select_with_quotas(press, ctx, quotas, bounds)
 
 
 def make_ctx(n_layers=2, n_heads=3, n_tokens=40, seed=0, **over):
@@ -91,7 +98,7 @@ def test_quotas_for_budget_rounding_and_bounds():
 
 
 def test_registry_and_options():
-    assert set(PRESSES) == {"snapkv", "h2o", "streaming", "knorm", "random", "kvcrush", "pyramid", "spans", "adaptive"}
+    assert set(PRESSES) == {"snapkv", "h2o", "streaming", "knorm", "random", "kvcrush", "spans"}
     with pytest.raises(UsageError) as e:
         get_press("nope")
     assert "snapkv" in e.value.hint and "kvcrush" in e.value.hint
@@ -312,42 +319,6 @@ def test_kvcrush_exact_quota_every_head(opts):
         assert {0, 1, 2, 3, 96} <= set(idx[0].tolist())
 
 
-# --------------------------------------------------------------------------- pyramid
-
-
-@pytest.mark.parametrize(
-    "n_tokens,budget",
-    [(512, 0.1), (512, 0.5), (100, 0.08), (100, 0.05), (100, 0.03), (2000, 0.25), (64, 0.9)],
-)
-def test_pyramid_total_and_shape(n_tokens, budget):
-    p = PyramidPress(press="snapkv", sink_tokens=4)
-    uniform = SnapKVPress(sink_tokens=4).quotas_for_budget(budget, n_tokens, 30)
-    q = p.quotas_for_budget(budget, n_tokens, 30)
-    assert sum(q) == sum(uniform)
-    assert all(a >= b for a, b in zip(q, q[1:])), "non-increasing with depth"
-    if sum(uniform) < 30 * 5:  # below sinks+1 per layer: stays uniform (at the sinks floor)
-        assert q == uniform
-        return
-    assert all(5 <= x <= n_tokens for x in q)
-    if sum(uniform) > 30 * 5 and budget < 0.9:
-        assert q[0] > q[-1]
-
-
-def test_pyramid_linear_and_options():
-    q = pyramid_quotas(total=60 * 10, n_layers=10, lo=1, hi=1000, beta=3.0)
-    # avg 60, beta 3: top 20, bottom 100, step 80/9; fractions rounded by largest remainder
-    assert q == [100, 91, 82, 73, 64, 56, 47, 38, 29, 20]
-    assert pyramid_quotas(100, 4, 30, 50, 20.0) is None  # 4*30 > 100: infeasible
-    assert PyramidPress(beta=1.0).quotas_for_budget(0.5, 100, 5) == [50] * 5
-    p = get_press("pyramid", press="kvcrush", ratio="0.3", beta=10)
-    assert isinstance(p.inner, KVCrushPress) and p.inner.ratio == 0.3 and p.beta == 10
-    ctx = make_ctx(n_layers=6, n_tokens=80)
-    q = p.quotas_for_budget(0.2, 80, 6)
-    check_shapes(p.select(ctx, q), q, 3)
-    with pytest.raises(UsageError):
-        PyramidPress(press=PyramidPress())
-
-
 # --------------------------------------------------------------------------- allocation
 
 
@@ -358,20 +329,21 @@ def test_chunk_quotas_largest_remainder():
     assert chunk_quotas(kept, [(0, 5), (5, 10)]) == [[2], [2]]
 
 
-@pytest.mark.parametrize("name", sorted(PRESSES))
-def test_select_document_equal_heads_and_layer_sums(name):
+@pytest.mark.parametrize("name,allocator", [(n, "uniform") for n in sorted(PRESSES)]
+                         + [("snapkv", "pyramid"), ("kvcrush", "pyramid"), ("kvcrush", "adaptive")])
+def test_select_document_equal_heads_and_layer_sums(name, allocator):
     ctx = make_ctx(n_layers=5, n_heads=3, n_tokens=90)
     press = get_press(name, recent_tokens=3) if name != "h2o" else get_press(name)
     bounds = [(0, 32), (32, 64), (64, 90)]
-    res = select_document(press, ctx, 0.3, bounds)
-    quotas = press.quotas_for(ctx, 0.3)
+    res = select_document(press, ctx, 0.3, bounds, allocator)
+    quotas = allocate_quotas(get_allocator(allocator), press, ctx, 0.3)
     for layer in range(5):
         assert sum(res[c][layer].shape[1] for c in range(3)) == quotas[layer]
     for c, (s, e) in enumerate(bounds):
         check_shapes(res[c], [x.shape[1] for x in res[c]], 3)
         for idx in res[c]:
             assert idx.numel() == 0 or (int(idx.min()) >= 0 and int(idx.max()) < e - s)
-    again = select_document(press, ctx, 0.3, bounds)
+    again = select_document(press, ctx, 0.3, bounds, allocator)
     assert all(torch.equal(a, b) for ra, rb in zip(res, again) for a, b in zip(ra, rb))
 
 
@@ -436,27 +408,3 @@ def test_spans_through_chunked_document_keep_spans_whole():
                 pos[i + 1] == pos[i] + 1 for i in range(len(pos) - 1) if (i + 1) % 8)
         total += chunk[0].shape[1]
     assert total == 16
-
-
-def test_adaptive_quotas_follow_attention_concentration():
-    # layer 0 spreads its attention evenly, layer 1 puts it all on 2 tokens: layer 0 gets more
-    t = 40
-    accum = torch.zeros(2, 3, t)
-    accum[0] = 1.0
-    accum[1, :, 5] = 10.0
-    accum[1, :, 9] = 5.0
-    ctx = make_ctx(n_layers=2, n_heads=3, n_tokens=t, stats={"accum": accum})
-    press = get_press("adaptive", press="kvcrush", floor=0.25, sink_tokens=0)
-    quotas = press.quotas_for(ctx, 0.25)
-    assert sum(quotas) == 2 * 10 and quotas[0] > quotas[1] >= 2  # floor 0.25 * 10 rounds to 3
-    assert quotas == [17, 3]
-    kept = select_document(press, ctx, 0.25, [(0, 20), (20, 40)])
-    assert [sum(c[layer].shape[1] for c in kept) for layer in range(2)] == quotas
-    # uniform attention everywhere: the allocation stays (almost) uniform and exact
-    ctx_u = make_ctx(n_layers=3, n_heads=3, n_tokens=t, stats={"accum": torch.ones(3, 3, t)})
-    q = get_press("adaptive", sink_tokens=0).quotas_for(ctx_u, 0.25)
-    assert sum(q) == 30 and max(q) - min(q) <= 1
-    with pytest.raises(UsageError):
-        get_press("adaptive", floor=2.0)
-    with pytest.raises(UnsupportedError):  # no accumulated-attention statistic recorded
-        get_press("adaptive").quotas_for(make_ctx(stats={}), 0.25)

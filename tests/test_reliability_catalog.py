@@ -7,20 +7,23 @@ a truncated LMDB file used to kill the process with SIGBUS, which only a subproc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import random
 from pathlib import Path
 
+import conftest
 import pytest
-from conftest import run_cli
 from storekit import FP, add_doc
 
 from kdnctl.errors import StoreCorruptError, UnsupportedError, UsageError
 from kdnctl.store import Store
 
 N_DOCS = 6
+# The commands run as real subprocesses (see above): the process boundary is the point here.
+run_cli = functools.partial(conftest.run_cli, own_process=True)
 
 
 def _snapshot(root: Path) -> dict[str, str]:

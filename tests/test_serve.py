@@ -500,5 +500,5 @@ def test_serve_files_graceful_shutdown_and_access_log(auth_server):
 
 
 def test_serve_files_needs_a_store(tmp_path):
-    proc = run_cli("serve-files", "--port", str(_free_port()), store=tmp_path / "none")
+    proc = run_cli("serve-files", "--port", str(_free_port()), store=tmp_path / "none", own_process=True)
     assert proc.returncode == 4 and "no kdnctl store" in proc.stderr

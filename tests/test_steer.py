@@ -22,7 +22,7 @@ from kdnctl.ingest import IngestOptions, ingest_documents
 from kdnctl.prompting import PromptFormat
 from kdnctl.steer.base import SteerSpec, get_edit, pasta_bias, steer_document
 from kdnctl.steer.heads import from_value, parse_pairs, resolve_heads
-from kdnctl.steer.spans import find_highlight, parse_markers
+from kdnctl.steer.highlight import find_highlight, parse_markers
 from kdnctl.store import Store
 
 pytestmark = pytest.mark.model

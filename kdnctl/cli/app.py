@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from . import ask_cmd, ingest_cmd, store_cmds
+from . import (ask_cmd, compress_cmd, edit_cmd, eval_cmd, eval_compose_cmd, ingest_cmd, run_cmd, serve_cmd,
+               store_cmds)
 from .common import run_cli
 
 app = typer.Typer(
@@ -15,16 +16,10 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-for module in (ingest_cmd, ask_cmd, store_cmds):
-    module.register(app)
-
-for optional in ("compress_cmd", "eval_cmd", "edit_cmd", "serve_cmd", "run_cmd", "compose_cmd"):
-    try:
-        module = __import__(f"kdnctl.cli.{optional}", fromlist=["register"])
-    except ModuleNotFoundError as exc:  # a command module not written yet must not break the rest
-        if exc.name != f"kdnctl.cli.{optional}":
-            raise
-        continue
+# Every command module is imported explicitly: one that fails to import fails the CLI loudly.
+COMMAND_MODULES = (ingest_cmd, ask_cmd, store_cmds, compress_cmd, eval_cmd, edit_cmd, serve_cmd, run_cmd,
+                   eval_compose_cmd)
+for module in COMMAND_MODULES:
     module.register(app)
 
 

@@ -17,6 +17,14 @@ StoreOpt = typer.Option(None, "--store", envvar="KDN_STORE", help="Store directo
 ModelOpt = typer.Option(None, "--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct).")
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
 
+# Library parameter (KdnError.param) -> the command-line flag that sets it.
+FLAGS: dict[str, str] = {
+    "alpha": "--alpha", "budget": "--budget", "chunk_tokens": "--chunk-tokens", "chunks": "--chunks",
+    "heads": "--heads", "label": "--label", "model": "--model", "recompute": "--recompute",
+    "retrieve": "--retrieve", "scorer": "--scorer", "source": "--from", "steer": "--steer",
+    "allocator": "--allocator", "method": "--method", "quant": "--quant", "corpus": "--corpus",
+}
+
 
 def store_root(store: Optional[Path]) -> Path:
     if store is not None:
@@ -81,15 +89,16 @@ def progress_bar(total: int, desc: str, unit: str = "tok"):
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not interactive(), file=sys.stderr)
 
 
-def run_cli(app: typer.Typer) -> None:
-    """Entry point: one place maps domain errors to a one-line message and an exit code."""
+def run_cli(app: typer.Typer, args: list[str] | None = None) -> None:
+    """Entry point: one place maps domain errors to a one-line message and an exit code.
+    ``args`` defaults to the process's command line."""
     debug = os.environ.get("KDNCTL_DEBUG") == "1"
     try:
-        app(standalone_mode=False)
+        app(args=args, standalone_mode=False)
     except KdnError as exc:
         if debug:
             raise
-        message(exc.one_line())
+        message(exc.one_line(FLAGS.get(exc.param or "")))
         sys.exit(exc.exit_code)
     except KeyboardInterrupt:
         message("error: interrupted")

@@ -13,7 +13,8 @@ from .common import JsonOpt, check_name, ModelOpt, StoreOpt, emit_json, load_lm,
 def compress(
     docs: Optional[List[str]] = typer.Argument(None, help="Document ids (default: every document)."),
     budget: float = typer.Option(0.25, "--budget", "-b", help="Fraction of tokens kept, 0 < B <= 1."),
-    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`); pyramid:METHOD / adaptive:METHOD wrap one."),
+    method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`)."),
+    allocator: str = typer.Option("uniform", "--allocator", help="Per-layer budget split: uniform | pyramid | adaptive (pyramid:METHOD as --method also works)."),
     quant: str = typer.Option("none", "--quant", "-q", help="none | int8 | int4 | fp8 | mixed."),
     scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
@@ -39,12 +40,8 @@ def compress(
         label = label or load_recipe(recipe_file).label
     else:
         opts = {k: v for k, v in {"ratio": kvcrush_ratio, "anchor": anchor, "page_size": page_size}.items() if v is not None}
-        if method.split(":", 1)[0] in ("pyramid", "adaptive") and ":" in method:
-            # per-layer budget wrappers take any method: --method pyramid:kvcrush, adaptive:kvcrush
-            method, inner = method.split(":", 1)
-            opts = {"press": inner, "press_options": opts} if opts else {"press": inner}
         recipe = CompressRecipe(budget=budget, method=method, scorer=scorer or DEFAULT_SCORER, quant=quant,
-                                group_size=group_size, seed=seed, method_options=opts)
+                                group_size=group_size, seed=seed, method_options=opts, allocator=allocator)
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)
@@ -71,12 +68,14 @@ def compress(
 
 
 def methods() -> None:
-    """List pruning methods, scorers and quantizers."""
+    """List pruning methods, allocators, scorers and quantizers."""
+    from ..allocate import ALLOCATORS
     from ..presses import PRESSES
     from ..quant import QUANTIZERS
     from ..scoring import SCORERS
 
     print("methods:    " + " ".join(PRESSES))
+    print("allocators: " + " ".join(ALLOCATORS))
     print("scorers:    " + " ".join(SCORERS))
     print("quantizers: " + " ".join(QUANTIZERS))
 

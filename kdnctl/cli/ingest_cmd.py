@@ -34,8 +34,13 @@ def ingest(
     from ..errors import UsageError
     from ..ingest import IngestOptions, ingest_documents
 
-    if chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
+    from ..ingest.prefix import DEFAULT_STATS
+    from ..prefill import ALL_STATS
+
+    names = DEFAULT_STATS if stats == "default" else ALL_STATS if stats == "all" else tuple(
+        n.strip() for n in stats.split(",") if n.strip())
+    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats, stat_names=names,
+                         kv_dtype=kv_dtype)  # checks the values
     if mode not in ("prefix", "independent"):
         raise UsageError(f"--mode must be prefix or independent, got {mode!r}")
     docs, skipped = read_corpus(paths)
@@ -51,13 +56,6 @@ def ingest(
                          hint="document ids must be non-empty, without NUL, at most 200 bytes")
     st = open_store(store, create=True)  # a damaged or wrong --store fails before the model loads
     lm = load_lm(model, dtype, device)
-    from ..ingest.prefix import DEFAULT_STATS
-    from ..prefill import ALL_STATS
-
-    names = DEFAULT_STATS if stats == "default" else ALL_STATS if stats == "all" else tuple(
-        n.strip() for n in stats.split(",") if n.strip())
-    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats, stat_names=names,
-                         kv_dtype=kv_dtype)
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
         if mode == "independent":

@@ -13,7 +13,7 @@ Because a name unknown to transformers' mask registry gets no mask at all, this 
 the causal mask itself: the ``q_len`` new queries are the last positions of the key sequence.
 When ``AttentionState.query_positions`` and ``key_positions`` are set, the mask is built from
 those explicit positions instead (query i sees key j iff ``key_positions[j] <= query_positions[i]``),
-which lets a pass recompute tokens that sit in the MIDDLE of a cached context (kdnctl.engine.compose).
+which lets a pass recompute tokens that sit in the MIDDLE of a cached context (kdnctl.engine.independent).
 """
 
 from __future__ import annotations

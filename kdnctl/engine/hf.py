@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..bundle import KVBundle, decode_bundle
+from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..store import ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
@@ -135,8 +135,8 @@ def context_from_bundles(lm, bundles: list[KVBundle], *, label: str = "full", do
             t0 = time.perf_counter()
             s, t = offsets[c][i], lens[c][i]
             if fast and b.is_quantized(i):  # straight into the cache slice
-                dequantize_into(bufs[i][0][0, :, s : s + t], b.tensors, f"layers.{i}.keys", quant)
-                dequantize_into(bufs[i][1][0, :, s : s + t], b.tensors, f"layers.{i}.values", quant)
+                dequantize_into(bufs[i][0][0, :, s : s + t], b.tensors, tensor_name(i, "keys"), quant)
+                dequantize_into(bufs[i][1][0, :, s : s + t], b.tensors, tensor_name(i, "values"), quant)
                 prof.add("dequantize", t0)
                 continue
             k, v = b.layer_kv(i)
@@ -156,10 +156,9 @@ def context_from_bundles(lm, bundles: list[KVBundle], *, label: str = "full", do
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
     bias = {}
     for layer in range(n_layers):
-        name = f"layers.{layer}.bias"
-        if any(name in b.tensors for b in bundles):
-            bs = [b.tensors[name].float() if name in b.tensors else torch.zeros(lm.summary["n_q_heads"], lens[c][layer])
-                  for c, b in enumerate(bundles)]
+        if any(b.layer(layer, "bias") is not None for b in bundles):
+            bs = [b.layer(layer, "bias").float() if b.layer(layer, "bias") is not None
+                  else torch.zeros(lm.summary["n_q_heads"], lens[c][layer]) for c, b in enumerate(bundles)]
             bias[layer] = torch.cat(bs, dim=1).to(device=device, dtype=dtype)
     token_ids: list[int] = []
     for b in bundles:
@@ -313,7 +312,7 @@ class GenerationResult:
     total_s: float
 
 
-def _stop_ids(tokenizer) -> set[int]:
+def stop_ids(tokenizer) -> set[int]:
     stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
     for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
         tid = tokenizer.convert_tokens_to_ids(tok)
@@ -353,7 +352,7 @@ def generate(lm, ctx: LoadedContext | None, suffix_ids: list[int], *, max_new_to
     logits, cache = forward_suffix(lm, ctx, suffix_ids, last_only=True)
     first_logits = logits[-1]
     ttft = time.perf_counter() - t0
-    stops = _stop_ids(lm.tokenizer)
+    stops = stop_ids(lm.tokenizer)
     pos = (ctx.next_position if ctx else 0) + len(suffix_ids)
     out_ids: list[int] = []
     nxt = int(first_logits.argmax())

@@ -23,7 +23,7 @@ def _series(versions: list[dict], full: dict, metric: str) -> dict[str, list[tup
         step = _step(v.get("recipe") or {})
         if not step or v.get(metric) is None or step["budget"] >= 1:
             continue
-        name = step["method"]
+        name = step["method"] if "allocator" not in step else f"{step['allocator']}:{step['method']}"
         if step.get("scorer", DEFAULT_SCORER) != DEFAULT_SCORER and step["method"] in ("kvcrush", "spans"):
             name += f" ({step['scorer']})"
         if step.get("quant", "none") != "none":

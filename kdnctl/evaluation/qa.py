@@ -15,7 +15,6 @@ The full cache (label ``full``) is the reference for KL and is always evaluated.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import unicodedata
@@ -25,7 +24,8 @@ from pathlib import Path
 import torch
 
 from ..engine.hf import LoadedContext, forward_suffix, generate, load_document
-from ..errors import InputError, NotFoundError
+from ..errors import NotFoundError
+from .jsonl import read_jsonl
 from ..prompting import PromptFormat
 
 PROBE_TEMPLATE = "Complete this sentence from the document: {head}"
@@ -40,19 +40,8 @@ class QAItem:
 
 
 def load_qa(path: str | Path) -> list[QAItem]:
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"QA file {path} does not exist")
-    items = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-            items.append(QAItem(obj["doc"], obj["question"], obj["answer"], list(obj.get("aliases", []))))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InputError(f"{path}:{n}: bad QA line ({exc})", hint='each line: {"doc", "question", "answer"}') from None
-    return items
+    return read_jsonl(path, lambda o: QAItem(o["doc"], o["question"], o["answer"], list(o.get("aliases", []))),
+                      what="QA", fields='{"doc", "question", "answer"}')
 
 
 def normalise(text: str) -> str:

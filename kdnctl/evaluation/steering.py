@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from ..errors import InputError
+from ..steer.checks import score_check
+from .jsonl import read_jsonl
 
 CHECK_TYPES = {"contains", "contains_any", "uppercase", "lowercase", "word_count_max", "starts_with", "ends_with"}
-_EDGE = " \t\r\n\"'`*.,!?;:()[]{}-"
 
 
 @dataclass
@@ -41,48 +41,15 @@ class SteerTask:
 
 
 def load_tasks(path: str | Path) -> list[SteerTask]:
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"task file {path} does not exist")
-    tasks = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            o = json.loads(line)
-            task = SteerTask(o["id"], o.get("kind", ""), o["text"], o["highlight"], o["question"], dict(o["check"]))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InputError(f"{path}:{n}: bad task line ({exc})",
-                             hint='each line: {"id", "text", "highlight", "question", "check"}') from None
+    tasks = read_jsonl(path, lambda o: SteerTask(o["id"], o.get("kind", ""), o["text"], o["highlight"], o["question"],
+                                                 dict(o["check"])),
+                       what="task", fields='{"id", "text", "highlight", "question", "check"}')
+    for n, task in enumerate(tasks, 1):
         if task.check.get("type") not in CHECK_TYPES:
-            raise InputError(f"{path}:{n}: unknown check type {task.check.get('type')!r}")
-        tasks.append(task)
+            raise InputError(f"{path}: task {n} ({task.id}): unknown check type {task.check.get('type')!r}")
     if not tasks:
         raise InputError(f"task file {path} has no tasks")
     return tasks
-
-
-def score_check(answer: str, check: dict) -> bool:
-    """True if ``answer`` passes the mechanical ``check`` (see examples/check_examples.py)."""
-    t = check["type"]
-    a = answer.strip()
-    if t == "contains":
-        return check["value"].lower() in a.lower()
-    if t == "contains_any":
-        return any(v.lower() in a.lower() for v in check["value"])
-    if t == "uppercase":
-        return any(c.isalpha() for c in a) and not any(c.islower() for c in a)
-    if t == "lowercase":
-        return any(c.isalpha() for c in a) and not any(c.isupper() for c in a)
-    if t == "word_count_max":
-        return 1 <= len(a.split()) <= int(check["value"])
-    if t in ("starts_with", "ends_with"):
-        core = a.strip(_EDGE).lower()
-        v = check["value"].lower()
-        if t == "starts_with":
-            return re.match(re.escape(v) + r"\b", core) is not None
-        return re.search(r"\b" + re.escape(v) + r"$", core) is not None
-    raise ValueError(f"unknown check type {t!r}")
 
 
 def task_document(task: SteerTask):

@@ -4,7 +4,7 @@ Prefix mode stores chunk i's KV as computed after chunks 0..i-1, so it is only r
 behind exactly that prefix. Independent mode prefills every chunk ON ITS OWN, right after the
 shared prompt header (the chat template's part before the user content), so a chunk's KV
 depends only on (model, header, its own tokens) and can be placed anywhere in a new prompt by
-``kdnctl.engine.compose`` (RoPE re-rotation + optional selective recompute).
+``kdnctl.engine.independent`` (RoPE re-rotation + optional selective recompute).
 
 Storage:
 
@@ -33,17 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
-
-from ..bundle import KVBundle, encode_bundle, make_meta
+from ..bundle import KVBundle, chunk_tensors, make_meta
 from ..chunking import chunk_content_hash
 from ..corpus import Document, read_corpus
 from ..errors import NotFoundError, UnsupportedError, UsageError
-from .prefix import STATS_DTYPE, IngestOptions, IngestReport, doc_version_for
+from .prefix import IngestOptions, IngestReport, doc_version_for
 from ..prefill import prefill
 from ..prompting import PromptFormat
 from ..store import ChunkRef, DocumentRecord, ReadStore, Store, VersionRecord
 from ..store import read_bundle_meta as store_bundle_meta
+from ..versions import commit, write_chunk
 
 LABEL = "independent"
 MODE = "independent"
@@ -80,7 +79,7 @@ def _pieces(tokenizer, text: str, budget: int) -> list[list[int]]:
 def split_chunks(tokenizer, text: str, chunk_tokens: int) -> list[list[int]]:
     """Token ids of each independent chunk (<= chunk_tokens each), in document order."""
     if chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {chunk_tokens}")
+        raise UsageError(f"chunk_tokens must be >= 1, got {chunk_tokens}", param="chunk_tokens")
     chunks: list[list[int]] = []
     current: list[int] = []
     for unit in _pieces(tokenizer, text, chunk_tokens):
@@ -99,16 +98,7 @@ def _bundle(lm, token_ids: list[int], result, start: int, *, chash: str, role: s
             header_hash: str | None, text: str, recipe: dict) -> KVBundle:
     """A bundle of tokens [start, start+n) of ``result`` (header + chunk prefill)."""
     n = len(token_ids)
-    tensors = {
-        "token_ids": torch.tensor(token_ids, dtype=torch.int64),
-        "positions": torch.arange(start, start + n, dtype=torch.int64),
-    }
-    for layer, (k, v) in enumerate(zip(result.keys, result.values)):
-        tensors[f"layers.{layer}.keys"] = k[:, start : start + n].contiguous().cpu()
-        tensors[f"layers.{layer}.values"] = v[:, start : start + n].contiguous().cpu()
-    for name, stat in result.stats.items():
-        part = stat[..., start : start + n].contiguous()
-        tensors[f"stats.{name}"] = part.to(STATS_DTYPE) if name != "surprisal" else part.float()
+    tensors = chunk_tensors(result, start, start + n, token_ids, start)
     meta = make_meta(
         model_fingerprint=lm.fingerprint, model=lm.summary,
         # Document-neutral: one stored chunk can belong to several documents.
@@ -151,11 +141,9 @@ class _Ctx:
     seen: dict[str, tuple[str, int]] = field(default_factory=dict)  # content hash -> (object, nbytes)
 
     def put(self, b: KVBundle) -> tuple[str, int]:
-        data = encode_bundle(b)
-        sha = self.store.put_object(data)
-        self.report.kv_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("layers."))
-        self.report.stats_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("stats."))
-        return sha, len(data)
+        ref = write_chunk(self.store, b)
+        self.report.count_bytes([b])
+        return ref.object, ref.nbytes
 
     def existing(self, chash: str, want_header: str | None) -> tuple[str, int] | None:
         """An object already holding this chunk (this run, or the store), made after the same header."""
@@ -222,8 +210,6 @@ def ingest_independent(
     on_doc: Callable[[str, str], None] | None = None,
 ) -> IndependentReport:
     """Store every document's chunks as independently prefilled bundles (label ``independent``)."""
-    if opts.chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {opts.chunk_tokens}")
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     recipe = independent_recipe(opts)
     c = _Ctx(store, lm, opts, recipe, fmt.header_ids(lm.tokenizer))
@@ -231,7 +217,8 @@ def ingest_independent(
         raise UnsupportedError("independent chunks need a prompt header (chat template or BOS token); this tokenizer has none")
     max_pos = lm.summary.get("max_positions")
     if max_pos and len(c.header_ids) + opts.chunk_tokens > max_pos:
-        raise UsageError(f"--chunk-tokens {opts.chunk_tokens} plus the header exceeds the model's {max_pos} positions")
+        raise UsageError(f"chunk_tokens {opts.chunk_tokens} plus the header exceeds the model's {max_pos} positions",
+                         param="chunk_tokens")
     t0 = time.perf_counter()
     with store.writer():
         header = c.header_ref()
@@ -259,13 +246,12 @@ def ingest_independent(
                 version = hashlib.sha256(f"{MODE}|{SPLITTER}|{base}".encode()).hexdigest()[:16]
             vrec = VersionRecord(doc.doc_id, version, LABEL, None, recipe, lm.fingerprint, refs, now,
                                  n_tokens, MODE)
-            if same_text:
-                store.commit_version(vrec)
-            else:
+            record = None
+            if not same_text:
                 text_sha = store.put_object(doc.text.encode("utf-8"))
                 record = DocumentRecord(doc.doc_id, version, doc.content_sha256, doc.source, n_tokens,
                                         lm.fingerprint, text_sha, now)
-                store.commit_document(record, vrec)
+            commit(store, vrec, record)
             c.report.ingested.append(doc.doc_id)
             if on_doc:
                 on_doc(doc.doc_id, "ingested")

@@ -15,15 +15,15 @@ from typing import Callable
 
 import torch
 
-from ..bundle import KVBundle, encode_bundle, make_meta
+from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes, tensor_name
 from ..chunking import chain_hashes, chunk_bounds
 from ..corpus import Document, Skipped, read_corpus
 from ..errors import UsageError
 from ..prefill import prefill
 from ..prompting import PromptFormat
-from ..store import ChunkRef, DocumentRecord, Store, VersionRecord
+from ..store import DocumentRecord, Store, VersionRecord
+from ..versions import commit, write_chunks
 
-STATS_DTYPE = torch.float16
 # What the default recipe needs (the hybrid scorer: surprisal; snapkv: the last window's
 # attention, which costs a few query rows). ``accum`` (every query's attention, for h2o and
 # adaptive budgets) is opt-in with ``--stats all``, or computed later by ``kdnctl compress``
@@ -51,6 +51,10 @@ class IngestOptions:
     @property
     def stats_wanted(self) -> tuple[str, ...]:
         return self.stat_names if self.stats else ()
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
 
     def recipe(self) -> dict:
         r = {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
@@ -82,6 +86,11 @@ class IngestReport:
     stats_bytes: int = 0
     prefill_seconds: float = 0.0  # the forward pass with its statistics
     write_seconds: float = 0.0  # bundles: slice, encode, hash, write + fsync
+
+    def count_bytes(self, bundles: list[KVBundle]) -> None:
+        for b in bundles:
+            self.kv_bytes += tensor_bytes(b.tensors, "layers.")
+            self.stats_bytes += tensor_bytes(b.tensors, STATS_PREFIX)
 
     @property
     def tokens_per_s(self) -> float:
@@ -126,16 +135,12 @@ def build_chunk_bundles(
     kv_dtype = KV_DTYPES[opts.kv_dtype] if opts.kv_dtype else None
     bundles = []
     for index, ((s, e), h) in enumerate(zip(bounds, hashes)):
-        tensors = {
-            "token_ids": torch.tensor(token_ids[s:e], dtype=torch.int64),
-            "positions": torch.arange(s, e, dtype=torch.int64),
-        }
-        for layer, (k, v) in enumerate(zip(result.keys, result.values)):
-            tensors[f"layers.{layer}.keys"] = k[:, s:e].to(device="cpu", dtype=kv_dtype or k.dtype).contiguous()
-            tensors[f"layers.{layer}.values"] = v[:, s:e].to(device="cpu", dtype=kv_dtype or v.dtype).contiguous()
-        for name, stat in result.stats.items():
-            part = stat[..., s:e].contiguous()
-            tensors[f"stats.{name}"] = part.to(STATS_DTYPE) if name != "surprisal" else part.float()
+        tensors = chunk_tensors(result, s, e, token_ids[s:e], s)
+        if kv_dtype is not None:  # --kv-dtype: the stored K/V dtype
+            for layer in range(len(result.keys)):
+                for role in ("keys", "values"):
+                    name = tensor_name(layer, role)
+                    tensors[name] = tensors[name].to(kv_dtype)
         meta = make_meta(
             model_fingerprint=lm.fingerprint,
             model=lm.summary,
@@ -166,8 +171,6 @@ def ingest_documents(
     on_progress: Callable[[int], None] | None = None,
     on_doc: Callable[[str, str], None] | None = None,
 ) -> IngestReport:
-    if opts.chunk_tokens < 1:
-        raise UsageError(f"--chunk-tokens must be >= 1, got {opts.chunk_tokens}")
     report = IngestReport()
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     recipe = opts.recipe()
@@ -192,14 +195,8 @@ def ingest_documents(
                 report.prefill_seconds += time.perf_counter() - t_pass
                 t_write = time.perf_counter()
                 bundles = build_chunk_bundles(lm, seg_id, version, seg_ids, result, opts, recipe, n_header)
-                chunks = []
-                for b in bundles:
-                    data = encode_bundle(b)
-                    sha = store.put_object(data)
-                    chunks.append(ChunkRef(b.meta["chunk_index"], sha, b.meta["token_start"],
-                                           b.meta["token_end"], b.meta["chain_hash"], len(data)))
-                    report.kv_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("layers."))
-                    report.stats_bytes += sum(t.numel() * t.element_size() for n, t in b.tensors.items() if n.startswith("stats."))
+                chunks = write_chunks(store, bundles)
+                report.count_bytes(bundles)
                 report.write_seconds += time.perf_counter() - t_write
                 text = doc.text if len(segments) == 1 else lm.tokenizer.decode(seg_ids[n_header:])
                 text_sha = store.put_object(text.encode("utf-8"))
@@ -208,7 +205,7 @@ def ingest_documents(
                                         lm.fingerprint, text_sha, now)
                 vrec = VersionRecord(seg_id, version, "full", None, recipe, lm.fingerprint, chunks, now,
                                      len(seg_ids), "prefix")
-                store.commit_document(record, vrec)
+                commit(store, vrec, record)
                 report.ingested.append(seg_id)
                 report.tokens += len(seg_ids)
                 if on_doc:

@@ -13,7 +13,7 @@ deterministic for a given input; NaN scores never win (treated as -inf).
 from __future__ import annotations
 
 import math
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -111,12 +111,12 @@ def validate_budget(budget: Any) -> float:
     except (TypeError, ValueError):
         raise UsageError(
             f"budget must be a number, got {budget!r}",
-            hint="pass --budget as a fraction of tokens to keep in (0, 1], e.g. 0.25",
+            hint="the budget is the fraction of tokens to keep, in (0, 1], e.g. 0.25", param="budget",
         ) from None
     if isinstance(budget, bool) or math.isnan(value) or not 0.0 < value <= 1.0:
         raise UsageError(
             f"budget must be in (0, 1], got {budget!r}",
-            hint="pass --budget as a fraction of tokens to keep in (0, 1], e.g. 0.25",
+            hint="the budget is the fraction of tokens to keep, in (0, 1], e.g. 0.25", param="budget",
         )
     return value
 
@@ -201,10 +201,6 @@ class Press:
         k = max(round_half_up(b * n_tokens), self.sink_tokens, 1)
         return [min(k, n_tokens)] * n_layers
 
-    def quotas_for(self, ctx: ScoreContext, budget: float) -> list[int]:
-        """Per-layer quotas for a document; presses that allocate from the data override this."""
-        return self.quotas_for_budget(budget, ctx.n_tokens, ctx.n_layers)
-
     def check_quotas(self, ctx: ScoreContext, quotas: list[int]) -> list[int]:
         if len(quotas) != ctx.n_layers:
             raise ValueError(f"{len(quotas)} quotas for {ctx.n_layers} layers")
@@ -230,18 +226,12 @@ class Press:
         uniq = [i for i in order if not (i in seen or seen.add(i))]
         return torch.tensor(uniq[:k], dtype=torch.long)
 
-    def select(
-        self,
-        ctx: ScoreContext,
-        quotas: list[int],
-        *,
-        keep_sinks: bool = True,
-        keep_recent: bool = True,
-    ) -> list[Tensor]:
+    def select(self, ctx: ScoreContext, quotas: list[int], *, keep_sinks: bool = True,
+               keep_recent: bool = True) -> list[Tensor]:
         """Per layer ``[H, k_l]`` kept indices: forced tokens, then the top of :meth:`score`.
 
         ``keep_sinks`` / ``keep_recent`` switch the forced sets off for chunks that are not
-        the first / last of their document (see :mod:`kdnctl.presses.allocate`).
+        the first / last of their document (see :mod:`kdnctl.presses.document`).
         """
         ks = self.check_quotas(ctx, quotas)
         scores = self.score(ctx)
@@ -261,16 +251,3 @@ def select_top(scores: Tensor, k: int, forced: Tensor) -> Tensor:
     cand = (~forced_mask).expand(h, t)
     mask = top_mask(scores, cand, k - int(forced.numel())) | forced_mask
     return mask_to_indices(mask, k)
-
-
-def press_fields(cls: type) -> dict[str, Any]:
-    """Option name -> default value, for option parsing and error hints."""
-    out = {}
-    for f in fields(cls):
-        if f.default is not MISSING:
-            out[f.name] = f.default
-        elif f.default_factory is not MISSING:
-            out[f.name] = f.default_factory()
-        else:
-            out[f.name] = None
-    return out

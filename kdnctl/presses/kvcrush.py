@@ -125,14 +125,8 @@ class KVCrushPress(Press):
         k_rep = min(round_half_up(float(self.ratio) * k), k - n_forced)
         return k - k_rep, k_rep
 
-    def select(
-        self,
-        ctx: ScoreContext,
-        quotas: list[int],
-        *,
-        keep_sinks: bool = True,
-        keep_recent: bool = True,
-    ) -> list[Tensor]:
+    def select(self, ctx: ScoreContext, quotas: list[int], *, keep_sinks: bool = True,
+               keep_recent: bool = True) -> list[Tensor]:
         ks = self.check_quotas(ctx, quotas)
         t, h = ctx.n_tokens, ctx.n_heads
         imp = sanitize(ctx.importance)

@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
-from ..bundle import KVBundle, decode_bundle, encode_bundle, make_meta
+from ..bundle import KVBundle, decode_bundle
 from ..errors import ModelMismatchError, UnsupportedError, UsageError
 from ..prompting import PromptFormat
-from ..store import ChunkRef, Store, VersionRecord
+from ..store import Store, VersionRecord
+from ..versions import derive_version, existing_version
 from .heads import heads_list
-from .spans import Highlight, find_highlight
+from .highlight import Highlight, find_highlight
 
 EDITS: dict[str, str] = {
     "bias": "kdnctl.steer.pasta_bias:PastaBiasEdit",
@@ -53,7 +54,7 @@ def get_edit(mode: str) -> "SteerEdit":
 def validate_alpha(alpha: float) -> float:
     alpha = float(alpha)
     if not (0 < alpha <= 1) or math.isnan(alpha):
-        raise UsageError(f"--alpha must be in (0, 1], got {alpha}", hint="PASTA uses 0.01; 1 changes nothing")
+        raise UsageError(f"alpha must be in (0, 1], got {alpha}", hint="PASTA uses 0.01; 1 changes nothing", param="alpha")
     return alpha
 
 
@@ -171,36 +172,21 @@ def steer_document(store: Store, lm, doc_id: str, spec: SteerSpec, *, source: st
     t0 = time.perf_counter()
     label = label or default_label(source, spec)
     if label == source:
-        raise UsageError(f"--label {label!r} is the source version's label", hint="pass another --label")
+        raise UsageError(f"label {label!r} is the source version's label", hint="choose another label", param="label")
     with store.writer():
         src, bundles, text = load_source(store, lm, doc_id, source)
         step = spec.step(source)
-        steps = (src.recipe["steps"] if "steps" in src.recipe else [src.recipe]) + [step]
-        existing = {v.label: v for v in store.list_versions(doc_id) if v.doc_version == src.doc_version}
-        if label in existing:
-            if existing[label].recipe.get("steps", [None])[-1] == step:
-                return SteerResult(doc_id, label, "unchanged", spec.mode, src.n_tokens,
-                                   bytes=existing[label].nbytes, seconds=time.perf_counter() - t0)
-            raise UsageError(f"label {label!r} of {doc_id} was made by another recipe", hint="pass --label NAME")
+        done = existing_version(store, doc_id, label, step, doc_version=src.doc_version)
+        if done is not None:
+            return SteerResult(doc_id, label, "unchanged", spec.mode, src.n_tokens,
+                               bytes=done.nbytes, seconds=time.perf_counter() - t0)
         token_ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
         fmt = PromptFormat.for_tokenizer(lm.tokenizer)
         highlight = find_highlight(lm.tokenizer, fmt, text, token_ids, spec.spans)
         ctx = EditContext(lm, doc_id, src, bundles, token_ids, highlight, spec)
         new_tensors = get_edit(spec.mode).apply(ctx)
-        chunks, total = [], 0
         ranges = [list(r) for m in highlight.matches for r in m.token_ranges]
-        for b, tensors in zip(bundles, new_tensors):
-            meta = make_meta(**{k: v for k, v in b.meta.items() if k not in ("format_version", "created", "tool_version")})
-            meta.update(label=label, parent=source, recipe={"steps": steps},
-                        steer={"mode": spec.mode, "alpha": spec.alpha, "heads": heads_list(spec.heads),
-                               "token_ranges": ranges})
-            data = encode_bundle(KVBundle(meta=meta, tensors=tensors))
-            sha = store.put_object(data)
-            chunks.append(ChunkRef(b.meta["chunk_index"], sha, b.meta["token_start"], b.meta["token_end"],
-                                   b.meta["chain_hash"], len(data)))
-            total += len(data)
-        record = VersionRecord(doc_id, src.doc_version, label, source, {"steps": steps}, src.fingerprint, chunks,
-                               time.time(), src.n_tokens, src.mode)
-        store.commit_version(record)
-    return SteerResult(doc_id, label, "steered", spec.mode, len(token_ids), highlight.n_highlighted, total,
+        steer = {"mode": spec.mode, "alpha": spec.alpha, "heads": heads_list(spec.heads), "token_ranges": ranges}
+        record = derive_version(store, src, label, step, bundles, new_tensors, meta={"steer": steer})
+    return SteerResult(doc_id, label, "steered", spec.mode, len(token_ids), highlight.n_highlighted, record.nbytes,
                        time.perf_counter() - t0, highlight.as_dict()["spans"])

@@ -26,9 +26,9 @@ FORMAT = "kdnctl-heads/1"
 
 def _check(layer: int, head: int, n_layers: int, n_q_heads: int) -> None:
     if not 0 <= layer < n_layers:
-        raise UsageError(f"--heads: layer {layer} out of range (the model has {n_layers} layers)")
+        raise UsageError(f"heads: layer {layer} out of range (the model has {n_layers} layers)", param="heads")
     if not 0 <= head < n_q_heads:
-        raise UsageError(f"--heads: head {head} out of range (the model has {n_q_heads} query heads)")
+        raise UsageError(f"heads: head {head} out of range (the model has {n_q_heads} query heads)", param="heads")
 
 
 def _add(out: dict[int, set[int]], layer: int, head: int, n_layers: int, n_q_heads: int) -> None:
@@ -50,13 +50,13 @@ def parse_pairs(text: str, n_layers: int, n_q_heads: int) -> dict[int, list[int]
             layer = int(layer_s)
             heads = list(range(n_q_heads)) if head_s.strip() == "*" else [int(head_s)]
         except ValueError:
-            raise UsageError(f"--heads: bad item {item!r}", hint="use L:H pairs, e.g. 12:0,12:3,20:*") from None
+            raise UsageError(f"heads: bad item {item!r}", hint="use L:H pairs, e.g. 12:0,12:3,20:*", param="heads") from None
         if not sep:
-            raise UsageError(f"--heads: bad item {item!r}", hint="use L:H pairs, e.g. 12:0,12:3,20:*")
+            raise UsageError(f"heads: bad item {item!r}", hint="use L:H pairs, e.g. 12:0,12:3,20:*", param="heads")
         for h in heads:
             _add(out, layer, h, n_layers, n_q_heads)
     if not out:
-        raise UsageError("--heads selects no head")
+        raise UsageError("heads selects no head", param="heads")
     return {layer: sorted(hs) for layer, hs in sorted(out.items())}
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..bundle import tensor_name
 from .base import EditContext, SteerEdit
 
 
@@ -26,7 +27,7 @@ class PastaBiasEdit(SteerEdit):
         for b in ctx.bundles:
             tensors = dict(b.tensors)
             for layer in ctx.spec.heads:
-                name = f"layers.{layer}.bias"
+                name = tensor_name(layer, "bias")
                 bias = ctx.layer_bias(b, layer)
                 if name in tensors:
                     bias = bias + tensors[name].float()

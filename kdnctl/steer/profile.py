@@ -29,12 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from ..engine.attention import build_bias_mask
-from ..engine.hf import _stop_ids
+from ..engine.hf import stop_ids
 from ..prefill import prefill
 from ..prompting import PromptFormat
 from .base import pasta_bias
+from .checks import score_check
 from .heads import FORMAT, heads_list
-from .spans import find_highlight
+from .highlight import find_highlight
 
 ATTN_NAME = "kdnctl-steer-batch"
 _BATCH_BIAS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kdn_steer_batch_bias", default=None)
@@ -88,7 +89,7 @@ def batched_answers(lm, keys, values, suffix_ids: list[int], biases: list[dict[i
     cache = DynamicCache(ddp_cache_data=[(k[None].expand(rows, -1, -1, -1).contiguous().to(lm.device),
                                           v[None].expand(rows, -1, -1, -1).contiguous().to(lm.device))
                                          for k, v in zip(keys, values)], config=model.config)
-    stops = _stop_ids(lm.tokenizer)
+    stops = stop_ids(lm.tokenizer)
     ids = torch.tensor([suffix_ids] * rows, device=lm.device)
     pos = n + len(suffix_ids)
     toks: list[list[int]] = [[] for _ in range(rows)]
@@ -131,7 +132,6 @@ def _key(heads: dict[int, list[int]]) -> str:
 def profile_heads(lm, tasks, *, alpha: float = 0.01, max_new_tokens: int = 16, top_layers: int = 3,
                   on_progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Run the three profiling stages; returns the head config (JSON-able)."""
-    from ..evaluation.steering import score_check
 
     t0 = time.perf_counter()
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import torch
 
+from ..bundle import stats_of, stats_tensors, tensor_name
 from ..errors import UnsupportedError
 from ..prefill import prefill
+from ..versions import recipe_steps
 from .base import EditContext, SteerEdit, pasta_bias
-
-STATS_DTYPE = torch.float16
 
 
 def _ingest_window(recipe: dict) -> int:
-    for step in recipe.get("steps", [recipe]):
+    for step in recipe_steps(recipe):
         if step.get("step") == "ingest" and "window" in step:
             return int(step["window"])
     return 32
@@ -45,13 +45,13 @@ class ReprefillEdit(SteerEdit):
                                    hint="steer the unquantized version, then `kdnctl compress --from` the steered label")
         if any(n.endswith(".bias") for b in ctx.bundles for n in b.tensors):
             raise UnsupportedError(f"{doc} already carries a steering bias; reprefill starts from an unsteered version",
-                                   hint="pass --from with the unsteered label (e.g. full)")
+                                   hint="steer from an unsteered version (e.g. full)", param="source")
         lm, n = ctx.lm, len(ctx.token_ids)
         n_kv = int(lm.summary["n_kv_heads"])
         all_pos = torch.arange(n, dtype=torch.int64)[None].expand(n_kv, n)
         bias = {layer: pasta_bias(ctx.highlight.mask, all_pos, heads, ctx.n_q_heads, ctx.spec.alpha)
                 for layer, heads in ctx.spec.heads.items()}
-        want_stats = all(any(k.startswith("stats.") for k in b.tensors) for b in ctx.bundles)
+        want_stats = all(stats_of(b.tensors) for b in ctx.bundles)
         res = prefill(lm.model, ctx.token_ids, stats=want_stats, window=_ingest_window(ctx.source.recipe), bias=bias)
         base = int(ctx.bundles[0].meta["token_start"])
         out = []
@@ -61,18 +61,16 @@ class ReprefillEdit(SteerEdit):
             if "positions" in b.tensors:
                 tensors["positions"] = b.tensors["positions"]
             for i in range(b.n_layers):
-                src_k = b.tensors[f"layers.{i}.keys"]
+                src_k = b.layer(i, "keys")
                 pos = b.layer_positions(i)
                 idx = (pos - base)[..., None].expand(-1, -1, src_k.shape[-1]).to(res.keys[i].device)
-                tensors[f"layers.{i}.keys"] = torch.gather(res.keys[i], 1, idx).to(src_k.dtype).cpu().contiguous()
-                tensors[f"layers.{i}.values"] = torch.gather(res.values[i], 1, idx).to(src_k.dtype).cpu().contiguous()
-                if f"layers.{i}.positions" in b.tensors:
-                    tensors[f"layers.{i}.positions"] = b.tensors[f"layers.{i}.positions"]
+                tensors[tensor_name(i, "keys")] = torch.gather(res.keys[i], 1, idx).to(src_k.dtype).cpu().contiguous()
+                tensors[tensor_name(i, "values")] = torch.gather(res.values[i], 1, idx).to(src_k.dtype).cpu().contiguous()
+                if b.layer(i, "positions") is not None:
+                    tensors[tensor_name(i, "positions")] = b.layer(i, "positions")
                 if i in ctx.spec.heads:
-                    tensors[f"layers.{i}.bias"] = ctx.layer_bias(b, i).to(torch.float16)
+                    tensors[tensor_name(i, "bias")] = ctx.layer_bias(b, i).to(torch.float16)
             if want_stats:
-                for name, stat in res.stats.items():
-                    part = stat[..., s:e].contiguous()
-                    tensors[f"stats.{name}"] = part.to(STATS_DTYPE) if name != "surprisal" else part.float()
+                tensors.update(stats_tensors(res.stats, s, e))
             out.append(tensors)
         return out

@@ -34,7 +34,7 @@ _PAGE_HEADER = 16  # pgno (8), pad (2), flags (2), lower (2), upper (2)
 _META_LAST_PG = _PAGE_HEADER + 8 + 8 + 8 + 2 * 48  # magic+version, address, mapsize, 2 x MDB_db
 
 
-def _damaged(root: Path, what: str) -> StoreCorruptError:
+def damaged_error(root: Path, what: str) -> StoreCorruptError:
     return StoreCorruptError(f"store {root} is damaged: {what}; nothing was changed", hint=CATALOG_HINT)
 
 
@@ -66,17 +66,17 @@ def check_data_file(root: Path, path: Path) -> None:
             else:
                 second = None
     except OSError as e:
-        raise _damaged(root, f"catalog {path} cannot be read ({e.strerror or e})") from None
+        raise damaged_error(root, f"catalog {path} cannot be read ({e.strerror or e})") from None
     if size == 0:
-        raise _damaged(root, f"catalog {path} is empty (0 bytes)")
+        raise damaged_error(root, f"catalog {path} is empty (0 bytes)")
     if first is None or second is None:
-        raise _damaged(root, f"catalog {path} is not an LMDB file (bad meta page; {size} bytes)")
+        raise damaged_error(root, f"catalog {path} is not an LMDB file (bad meta page; {size} bytes)")
     if first[0] != second[0]:
-        raise _damaged(root, f"catalog {path} has inconsistent meta pages")
+        raise damaged_error(root, f"catalog {path} has inconsistent meta pages")
     psize = first[0]
     need = max(first[1], second[1]) + 1
     if size < need * psize:
-        raise _damaged(root, f"catalog {path} is truncated ({size} bytes, its meta pages need {need * psize})")
+        raise damaged_error(root, f"catalog {path} is truncated ({size} bytes, its meta pages need {need * psize})")
 
 
 # LMDB forbids opening one environment twice in a process, so Store instances on the same
@@ -95,7 +95,7 @@ def acquire_env(root: Path, catalog_dir: Path) -> tuple[str, lmdb.Environment]:
                 env = lmdb.open(key, subdir=True, map_size=MAP_SIZE, max_dbs=8, lock=True, create=False,
                                 readonly=not writable)
             except lmdb.Error as e:
-                raise _damaged(root, f"catalog {catalog_dir} cannot be opened ({e})") from None
+                raise damaged_error(root, f"catalog {catalog_dir} cannot be opened ({e})") from None
             _ENVS[key] = [env, 0]
         _ENVS[key][1] += 1
         return key, _ENVS[key][0]
@@ -122,17 +122,17 @@ def open_dbs(root: Path, env: lmdb.Environment) -> dict:
         with env.begin() as txn:
             raw = txn.get(b"schema_version", db=dbs["meta"])
     except lmdb.NotFoundError:
-        raise _damaged(root, "the catalog lacks one of its databases") from None
+        raise damaged_error(root, "the catalog lacks one of its databases") from None
     except lmdb.Error as e:
-        raise _damaged(root, f"the catalog cannot be read ({type(e).__name__}: {e})") from None
+        raise damaged_error(root, f"the catalog cannot be read ({type(e).__name__}: {e})") from None
     if raw is None:
-        raise _damaged(root, "the catalog has no schema version (emptied or not a kdnctl catalog)")
+        raise damaged_error(root, "the catalog has no schema version (emptied or not a kdnctl catalog)")
     try:
         schema = json.loads(raw)
     except (UnicodeDecodeError, ValueError):
         schema = raw
     if not isinstance(schema, int) or isinstance(schema, bool):
-        raise _damaged(root, f"the catalog's schema version {str(schema)[:40]!r} is not an integer")
+        raise damaged_error(root, f"the catalog's schema version {str(schema)[:40]!r} is not an integer")
     if schema != SCHEMA_VERSION:
         raise UnsupportedError(f"store {root} has catalog schema {schema}; this kdnctl reads schema {SCHEMA_VERSION}",
                                hint="use the kdnctl version that wrote this store")

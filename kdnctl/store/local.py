@@ -23,7 +23,8 @@ from typing import Iterator
 from kdnctl.errors import NotFoundError, StoreCorruptError, StoreLockedError, UsageError
 
 from . import catalog as cat
-from .reads import CatalogReader, _dumps, _lookup_key, _seal
+from .maintenance import Maintenance, hash_file
+from .reads import CatalogReader, dumps_json, lookup_key, seal_record
 from .records import DocumentRecord, VersionRecord, check_id, check_sha, record_dict
 
 LAYOUT = {"objects", "tmp", "catalog", "write.lock"}
@@ -41,15 +42,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def hash_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-class Store(CatalogReader):
+class Store(CatalogReader, Maintenance):
     def __init__(self, root: str | os.PathLike, *, create: bool = True):
         self.root = Path(root)
         self.objects_dir = self.root / "objects"
@@ -78,7 +71,7 @@ class Store(CatalogReader):
         leftovers = {e for e in entries if e.startswith(".catalog-new-")}  # an interrupted create
         has_objects = self.objects_dir.is_dir() and any(p.is_file() for p in self.objects_dir.rglob("*"))
         if has_objects:
-            raise cat._damaged(self.root, "it holds objects but no catalog (catalog/data.mdb is missing)")
+            raise cat.damaged_error(self.root, "it holds objects but no catalog (catalog/data.mdb is missing)")
         if entries - LAYOUT - leftovers:
             if create:
                 raise UsageError(f"{self.root} is not empty and is not a kdnctl store; refusing to create one there",
@@ -236,14 +229,14 @@ class Store(CatalogReader):
                 txn.delete(cat.key(o.fingerprint, o.label, c.chain_hash, o.doc_id, o.doc_version), db=self._db["prefix"])
             # objects the new record no longer uses stay for gc's grace period (readers may hold them)
             for sha in {c.object for c in o.chunks} - {c.object for c in v.chunks}:
-                txn.put(cat.key("released", sha), _dumps({"created": now}), db=self._db["meta"])
+                txn.put(cat.key("released", sha), dumps_json({"created": now}), db=self._db["meta"])
         for c in v.chunks:  # fast-read digests of objects this process wrote (kdnctl/fastread.py)
             if c.blake3 is None:
                 c.blake3 = self._blake3_of.get(c.object)
-        txn.put(vkey, _seal(v), db=self._db["versions"])
+        txn.put(vkey, seal_record(v), db=self._db["versions"])
         for c in v.chunks:
             pkey = cat.key(v.fingerprint, v.label, c.chain_hash, v.doc_id, v.doc_version)
-            txn.put(pkey, _dumps({"index": c.index}), db=self._db["prefix"])
+            txn.put(pkey, dumps_json({"index": c.index}), db=self._db["prefix"])
 
     @staticmethod
     def _check_new(cls, record) -> None:
@@ -273,10 +266,10 @@ class Store(CatalogReader):
         with self._env.begin(write=True) as txn:
             prev = self._current(txn, doc.doc_id)
             if prev is not None and prev != doc.doc_version:  # superseded now: gc's grace starts
-                txn.put(cat.key("retired", doc.doc_id, prev), _dumps({"created": now}), db=self._db["meta"])
+                txn.put(cat.key("retired", doc.doc_id, prev), dumps_json({"created": now}), db=self._db["meta"])
             txn.delete(cat.key("retired", doc.doc_id, doc.doc_version), db=self._db["meta"])
-            txn.put(cat.key(doc.doc_id, doc.doc_version), _seal(doc), db=self._db["docs"])
-            txn.put(cat.key(doc.doc_id), _dumps(doc.doc_version), db=self._db["current"])
+            txn.put(cat.key(doc.doc_id, doc.doc_version), seal_record(doc), db=self._db["docs"])
+            txn.put(cat.key(doc.doc_id), dumps_json(doc.doc_version), db=self._db["current"])
             self._put_version(txn, version, now)
 
     def commit_version(self, version: VersionRecord) -> None:
@@ -296,24 +289,11 @@ class Store(CatalogReader):
         import time
 
         self._require_writer("remove_document")
-        k = _lookup_key(doc_id)
+        k = lookup_key(doc_id)
         with self._env.begin(write=True) as txn:
             prev = self._current(txn, doc_id) if k is not None else None
             if prev is None:
                 raise NotFoundError(f"document {doc_id!r} is not in the store")
             txn.delete(k, db=self._db["current"])
-            txn.put(cat.key("retired", doc_id, prev), _dumps({"created": time.time()}), db=self._db["meta"])
+            txn.put(cat.key("retired", doc_id, prev), dumps_json({"created": time.time()}), db=self._db["meta"])
 
-    # -- maintenance (maintenance.py) ---------------------------------------------------------
-    def verify_report(self, *, check_bundles: bool = True):
-        from .maintenance import verify_store
-
-        return verify_store(self, check_bundles=check_bundles)
-
-    def verify(self) -> list[str]:
-        return self.verify_report().problems
-
-    def gc(self, *, dry_run: bool = False, grace_s: float | None = None, tmp_grace_s: float | None = None) -> dict:
-        from .maintenance import collect_garbage
-
-        return collect_garbage(self, dry_run=dry_run, grace_s=grace_s, tmp_grace_s=tmp_grace_s)

@@ -8,6 +8,7 @@ being current, so a reader (a load, a `pull`) that picked a version just before 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -64,117 +65,12 @@ def _bundle_meta(path: Path) -> dict:
         return read_meta(f.read(n))
 
 
-def verify_store(store, *, check_bundles: bool = True) -> VerifyReport:
-    from .local import hash_file
-
-    rep = VerifyReport()
-    bad = rep.problems.append
-    docs: dict[tuple, Any] = {}
-    versions: dict[tuple, VersionRecord] = {}
-    try:
-        with store._env.begin() as txn:
-            for k, v in store._scan(txn, "docs"):
-                rep.n_records += 1
-                try:
-                    d = store._doc(k, v)
-                    docs[(d.doc_id, d.doc_version)] = d
-                except (KdnError, ValueError, UnicodeDecodeError, RecursionError) as e:
-                    bad(f"document entry {_show(k)}: {getattr(e, 'message', e)}")
-            for k, v in store._scan(txn, "versions"):
-                rep.n_records += 1
-                try:
-                    r = store._version(k, v)
-                except (KdnError, ValueError, UnicodeDecodeError, RecursionError) as e:
-                    bad(f"version entry {_show(k)}: {getattr(e, 'message', e)}")
-                    continue
-                versions[(r.doc_id, r.doc_version, r.label)] = r
-                if (r.doc_id, r.doc_version) not in docs:
-                    bad(f"version {r.doc_id}@{r.doc_version}/{r.label} has no document record")
-            for k, v in store._scan(txn, "current"):
-                rep.n_records += 1
-                try:
-                    parts, dv = cat.split(k), json.loads(v)
-                except (ValueError, UnicodeDecodeError):
-                    bad(f"current entry {_show(k)} is unreadable")
-                    continue
-                if len(parts) != 1 or not isinstance(dv, str) or (parts[0], dv) not in docs:
-                    bad(f"current version of {_show(k)} points at a missing document record")
-            for k, v in store._scan(txn, "prefix"):
-                rep.n_records += 1
-                try:
-                    parts, entry = cat.split(k), json.loads(v)
-                    fp, label, chain, doc_id, dv = parts
-                    idx = entry["index"]
-                except (ValueError, UnicodeDecodeError, TypeError, KeyError):
-                    bad(f"prefix entry {_show(k)} is unreadable")
-                    continue
-                r = versions.get((doc_id, dv, label))
-                c = r.chunk(idx) if r is not None and isinstance(idx, int) else None
-                if c is None or c.chain_hash != chain or r.fingerprint != fp:
-                    bad(f"dangling prefix entry {chain[:12]} -> {doc_id}@{dv}/{label} chunk {idx}")
-            for k, v in store._scan(txn, "meta"):
-                rep.n_records += 1
-                try:
-                    kind = cat.split(k)[0]
-                    if kind in ("retired", "released"):
-                        _time_of(v)
-                    elif kind != "schema_version":
-                        bad(f"unknown catalog meta entry {_show(k)}")
-                except (KdnError, ValueError, UnicodeDecodeError):
-                    bad(f"catalog meta entry {_show(k)} is unreadable")
-    except lmdb.Error as e:
-        bad(f"the catalog cannot be read ({type(e).__name__}: {e})")
-    refs: dict[str, list[str]] = {}
-    for d in docs.values():
-        refs.setdefault(d.text_object, []).append(f"text of {d.doc_id}@{d.doc_version}")
-    for r in versions.values():
-        for c in r.chunks:
-            refs.setdefault(c.object, []).append(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}")
-    present: set[str] = set()
-    for p in object_files(store):
-        if not SHA_RE.match(p.name) or p.parent.name != p.name[:2]:
-            rep.info.append(f"unexpected file in objects/: {p.relative_to(store.root)}")
-            continue
-        rep.n_objects += 1
-        rep.n_bytes += p.stat().st_size
-        if hash_file(p) != p.name:
-            used = refs.get(p.name)
-            where = f"used by {'; '.join(used[:3])}" if used else "unreferenced"
-            bad(f"object {p.name[:12]} is corrupted (hash mismatch), {where}")
-            continue
-        present.add(p.name)
-    for sha, used in sorted(refs.items()):
-        if sha not in present and not any(f"object {sha[:12]} is corrupted" in q for q in rep.problems):
-            bad(f"object {sha[:12]} is missing, used by {'; '.join(used[:3])}")
-    if check_bundles:
-        metas: dict[str, dict | str] = {}
-        for r in versions.values():
-            for c in r.chunks:
-                if c.object not in present:
-                    continue
-                if c.object not in metas:
-                    try:
-                        metas[c.object] = _bundle_meta(store.object_path(c.object))
-                    except (BundleFormatError, OSError) as e:
-                        metas[c.object] = getattr(e, "message", str(e))
-                meta = metas[c.object]
-                if isinstance(meta, str):
-                    bad(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}: object {c.object[:12]} is not "
-                        f"a readable bundle ({meta})")
-                    continue
-                why = bundle_mismatch(r, c, meta)
-                if why:
-                    bad(why)
-    orphans = len(present - set(refs))
-    if orphans:
-        rep.info.append(f"{orphans} unreferenced object(s) (`kdnctl gc` removes them)")
-    tmps = [p for p in store.tmp_dir.iterdir() if p.is_file()] if store.tmp_dir.is_dir() else []
-    if tmps:
-        size = sum(p.stat().st_size for p in tmps)
-        dead = sum(1 for p in tmps if _dead_writer(p))
-        rep.info.append(f"{len(tmps)} temp file(s) in tmp/, {size} bytes, {dead} left by a writer that is gone "
-                        "(interrupted writes; `kdnctl gc` removes those)")
-    return rep
+def hash_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def _dead_writer(p: Path) -> bool:
@@ -194,110 +90,227 @@ def _dead_writer(p: Path) -> bool:
     return False
 
 
-def collect_garbage(store, *, dry_run: bool = False, grace_s: float | None = None,
-                    tmp_grace_s: float | None = None) -> dict:
-    """Drop superseded doc versions (after the grace period), then unreferenced objects and
-    stale tmp files. Holds the writer lock so no writer is between put_object and commit."""
-    grace = DEFAULT_GRACE_S if grace_s is None else float(grace_s)
-    tmp_grace = TMP_GRACE_S if tmp_grace_s is None else float(tmp_grace_s)
-    with store.writer():
-        names = ("doc_versions_removed", "versions_removed", "prefix_entries_removed",
-                 "objects_removed", "tmp_removed", "bytes_freed", "kept_in_grace")
-        stats: dict[str, Any] = {"dry_run": dry_run, "grace_s": grace, **dict.fromkeys(names, 0)}
-        refs: set[str] = set()  # objects referenced once this txn is done
-        now = time.time()
+class Maintenance:
+    """verify and gc, a mixin of Store (needs its catalog reader and object layout)."""
+
+    def verify_report(self, *, check_bundles: bool = True) -> VerifyReport:
+        """Check every catalog record, object and bundle header (docs/reliability.md)."""
+        rep = VerifyReport()
+        bad = rep.problems.append
+        docs: dict[tuple, Any] = {}
+        versions: dict[tuple, VersionRecord] = {}
         try:
-            with store._env.begin(write=not dry_run) as txn:
-                def drop(db: str, key: bytes, counter: str | None) -> None:
-                    if counter:
-                        stats[counter] += 1
-                    if not dry_run:
-                        txn.delete(key, db=store._db[db])
-
-                # Read and validate EVERYTHING first: a damaged record raises before any delete.
-                current = {}
-                for k, _ in store._scan(txn, "current"):
-                    doc_id = cat.split(k)[0]
-                    current[doc_id] = store._current(txn, doc_id)
-                doc_recs = [(k, store._doc(k, v)) for k, v in store._scan(txn, "docs")]
-                ver_recs = [(k, store._version(k, v)) for k, v in store._scan(txn, "versions")]
-                prefix_keys = [(k, cat.split(k)) for k, _ in store._scan(txn, "prefix")]
-                retired, released = {}, {}
-                for k, v in store._scan(txn, "meta"):
-                    parts = cat.split(k)
-                    if parts[0] == "retired" and len(parts) == 3:
-                        retired[(parts[1], parts[2])] = (k, _time_of(v))
-                    elif parts[0] == "released" and len(parts) == 2:
-                        released[parts[1]] = (k, _time_of(v))
-                created = {(d.doc_id, d.doc_version): d.created for _, d in doc_recs}
-                for doc_id, dv in current.items():
-                    if (doc_id, dv) not in created:
-                        raise StoreCorruptError(f"current version of {doc_id!r} points at a missing document "
-                                                "record; gc refuses to guess what is referenced", hint=CATALOG_HINT)
-
-                live_docs = set()
-                for k, d in doc_recs:
-                    key = (d.doc_id, d.doc_version)
-                    if current.get(d.doc_id) == d.doc_version:
-                        live_docs.add(key)
+            with self._env.begin() as txn:
+                for k, v in self._scan(txn, "docs"):
+                    rep.n_records += 1
+                    try:
+                        d = self._doc(k, v)
+                        docs[(d.doc_id, d.doc_version)] = d
+                    except (KdnError, ValueError, UnicodeDecodeError, RecursionError) as e:
+                        bad(f"document entry {_show(k)}: {getattr(e, 'message', e)}")
+                for k, v in self._scan(txn, "versions"):
+                    rep.n_records += 1
+                    try:
+                        r = self._version(k, v)
+                    except (KdnError, ValueError, UnicodeDecodeError, RecursionError) as e:
+                        bad(f"version entry {_show(k)}: {getattr(e, 'message', e)}")
                         continue
-                    if key in retired:
-                        since = retired[key][1]
-                    else:  # written before retire times were kept: the successor's creation
-                        since = created.get((d.doc_id, current.get(d.doc_id)), 0.0)
-                    if now - since < grace:
-                        live_docs.add(key)
-                        stats["kept_in_grace"] += 1
-                    else:
-                        drop("docs", k, "doc_versions_removed")
-                        if key in retired:
-                            drop("meta", retired.pop(key)[0], None)
-                live_docs_set = live_docs
-                for k, d in doc_recs:
-                    if (d.doc_id, d.doc_version) in live_docs_set:
-                        refs.add(d.text_object)
-                live_versions = set()
-                for k, r in ver_recs:
-                    if (r.doc_id, r.doc_version) in live_docs_set:
-                        live_versions.add((r.doc_id, r.doc_version, r.label))
-                        refs.update(c.object for c in r.chunks)
-                    else:
-                        drop("versions", k, "versions_removed")
-                for k, parts in prefix_keys:
-                    if len(parts) != 5 or (parts[3], parts[4], parts[1]) not in live_versions:
-                        drop("prefix", k, "prefix_entries_removed")
-                for key, (k, _) in retired.items():  # a retire mark of a record already gone
-                    if key not in live_docs_set or key[1] == current.get(key[0]):
-                        drop("meta", k, None)
-                for sha, (k, t) in released.items():
-                    if now - t < grace:
-                        if sha not in refs:
-                            stats["kept_in_grace"] += 1
-                        refs.add(sha)
-                    else:
-                        drop("meta", k, None)
+                    versions[(r.doc_id, r.doc_version, r.label)] = r
+                    if (r.doc_id, r.doc_version) not in docs:
+                        bad(f"version {r.doc_id}@{r.doc_version}/{r.label} has no document record")
+                for k, v in self._scan(txn, "current"):
+                    rep.n_records += 1
+                    try:
+                        parts, dv = cat.split(k), json.loads(v)
+                    except (ValueError, UnicodeDecodeError):
+                        bad(f"current entry {_show(k)} is unreadable")
+                        continue
+                    if len(parts) != 1 or not isinstance(dv, str) or (parts[0], dv) not in docs:
+                        bad(f"current version of {_show(k)} points at a missing document record")
+                for k, v in self._scan(txn, "prefix"):
+                    rep.n_records += 1
+                    try:
+                        parts, entry = cat.split(k), json.loads(v)
+                        fp, label, chain, doc_id, dv = parts
+                        idx = entry["index"]
+                    except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+                        bad(f"prefix entry {_show(k)} is unreadable")
+                        continue
+                    r = versions.get((doc_id, dv, label))
+                    c = r.chunk(idx) if r is not None and isinstance(idx, int) else None
+                    if c is None or c.chain_hash != chain or r.fingerprint != fp:
+                        bad(f"dangling prefix entry {chain[:12]} -> {doc_id}@{dv}/{label} chunk {idx}")
+                for k, v in self._scan(txn, "meta"):
+                    rep.n_records += 1
+                    try:
+                        kind = cat.split(k)[0]
+                        if kind in ("retired", "released"):
+                            _time_of(v)
+                        elif kind != "schema_version":
+                            bad(f"unknown catalog meta entry {_show(k)}")
+                    except (KdnError, ValueError, UnicodeDecodeError):
+                        bad(f"catalog meta entry {_show(k)} is unreadable")
         except lmdb.Error as e:
-            raise StoreCorruptError(f"catalog of {store.root} cannot be read ({e}); gc deleted nothing",
-                                    hint=CATALOG_HINT) from None
-        except (ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError) as e:
-            raise StoreCorruptError(f"catalog of {store.root} is damaged ({type(e).__name__}); gc deleted nothing",
-                                    hint=CATALOG_HINT) from None
+            bad(f"the catalog cannot be read ({type(e).__name__}: {e})")
+        refs: dict[str, list[str]] = {}
+        for d in docs.values():
+            refs.setdefault(d.text_object, []).append(f"text of {d.doc_id}@{d.doc_version}")
+        for r in versions.values():
+            for c in r.chunks:
+                refs.setdefault(c.object, []).append(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}")
+        present: set[str] = set()
+        for p in object_files(self):
+            if not SHA_RE.match(p.name) or p.parent.name != p.name[:2]:
+                rep.info.append(f"unexpected file in objects/: {p.relative_to(self.root)}")
+                continue
+            rep.n_objects += 1
+            rep.n_bytes += p.stat().st_size
+            if hash_file(p) != p.name:
+                used = refs.get(p.name)
+                where = f"used by {'; '.join(used[:3])}" if used else "unreferenced"
+                bad(f"object {p.name[:12]} is corrupted (hash mismatch), {where}")
+                continue
+            present.add(p.name)
+        for sha, used in sorted(refs.items()):
+            if sha not in present and not any(f"object {sha[:12]} is corrupted" in q for q in rep.problems):
+                bad(f"object {sha[:12]} is missing, used by {'; '.join(used[:3])}")
+        if check_bundles:
+            metas: dict[str, dict | str] = {}
+            for r in versions.values():
+                for c in r.chunks:
+                    if c.object not in present:
+                        continue
+                    if c.object not in metas:
+                        try:
+                            metas[c.object] = _bundle_meta(self.object_path(c.object))
+                        except (BundleFormatError, OSError) as e:
+                            metas[c.object] = getattr(e, "message", str(e))
+                    meta = metas[c.object]
+                    if isinstance(meta, str):
+                        bad(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}: object {c.object[:12]} is not "
+                            f"a readable bundle ({meta})")
+                        continue
+                    why = bundle_mismatch(r, c, meta)
+                    if why:
+                        bad(why)
+        orphans = len(present - set(refs))
+        if orphans:
+            rep.info.append(f"{orphans} unreferenced object(s) (`kdnctl gc` removes them)")
+        tmps = [p for p in self.tmp_dir.iterdir() if p.is_file()] if self.tmp_dir.is_dir() else []
+        if tmps:
+            size = sum(p.stat().st_size for p in tmps)
+            dead = sum(1 for p in tmps if _dead_writer(p))
+            rep.info.append(f"{len(tmps)} temp file(s) in tmp/, {size} bytes, {dead} left by a writer that is gone "
+                            "(interrupted writes; `kdnctl gc` removes those)")
+        return rep
 
-        def reclaim(p: Path, counter: str) -> None:
-            stats[counter] += 1
-            stats["bytes_freed"] += p.stat().st_size
-            if not dry_run:
-                p.unlink()
+    def verify(self) -> list[str]:
+        return self.verify_report().problems
 
-        # Files go only after the catalog txn committed: a crash in between leaves
-        # unreferenced files (harmless), never a reference to a deleted file.
-        for p in object_files(store):
-            if SHA_RE.match(p.name) and p.name not in refs:
-                reclaim(p, "objects_removed")
-        for p in sorted(store.tmp_dir.iterdir()) if store.tmp_dir.is_dir() else []:
-            if p.is_file() and (_dead_writer(p) or now - p.stat().st_mtime >= tmp_grace):
-                reclaim(p, "tmp_removed")
-        return stats
+    def gc(self, *, dry_run: bool = False, grace_s: float | None = None,
+           tmp_grace_s: float | None = None) -> dict:
+        """Drop superseded doc versions (after the grace period), then unreferenced objects and
+        stale tmp files. Holds the writer lock so no writer is between put_object and commit."""
+        grace = DEFAULT_GRACE_S if grace_s is None else float(grace_s)
+        tmp_grace = TMP_GRACE_S if tmp_grace_s is None else float(tmp_grace_s)
+        with self.writer():
+            names = ("doc_versions_removed", "versions_removed", "prefix_entries_removed",
+                     "objects_removed", "tmp_removed", "bytes_freed", "kept_in_grace")
+            stats: dict[str, Any] = {"dry_run": dry_run, "grace_s": grace, **dict.fromkeys(names, 0)}
+            refs: set[str] = set()  # objects referenced once this txn is done
+            now = time.time()
+            try:
+                with self._env.begin(write=not dry_run) as txn:
+                    def drop(db: str, key: bytes, counter: str | None) -> None:
+                        if counter:
+                            stats[counter] += 1
+                        if not dry_run:
+                            txn.delete(key, db=self._db[db])
+
+                    # Read and validate EVERYTHING first: a damaged record raises before any delete.
+                    current = {}
+                    for k, _ in self._scan(txn, "current"):
+                        doc_id = cat.split(k)[0]
+                        current[doc_id] = self._current(txn, doc_id)
+                    doc_recs = [(k, self._doc(k, v)) for k, v in self._scan(txn, "docs")]
+                    ver_recs = [(k, self._version(k, v)) for k, v in self._scan(txn, "versions")]
+                    prefix_keys = [(k, cat.split(k)) for k, _ in self._scan(txn, "prefix")]
+                    retired, released = {}, {}
+                    for k, v in self._scan(txn, "meta"):
+                        parts = cat.split(k)
+                        if parts[0] == "retired" and len(parts) == 3:
+                            retired[(parts[1], parts[2])] = (k, _time_of(v))
+                        elif parts[0] == "released" and len(parts) == 2:
+                            released[parts[1]] = (k, _time_of(v))
+                    created = {(d.doc_id, d.doc_version): d.created for _, d in doc_recs}
+                    for doc_id, dv in current.items():
+                        if (doc_id, dv) not in created:
+                            raise StoreCorruptError(f"current version of {doc_id!r} points at a missing document "
+                                                    "record; gc refuses to guess what is referenced", hint=CATALOG_HINT)
+
+                    live_docs = set()
+                    for k, d in doc_recs:
+                        key = (d.doc_id, d.doc_version)
+                        if current.get(d.doc_id) == d.doc_version:
+                            live_docs.add(key)
+                            continue
+                        if key in retired:
+                            since = retired[key][1]
+                        else:  # written before retire times were kept: the successor's creation
+                            since = created.get((d.doc_id, current.get(d.doc_id)), 0.0)
+                        if now - since < grace:
+                            live_docs.add(key)
+                            stats["kept_in_grace"] += 1
+                        else:
+                            drop("docs", k, "doc_versions_removed")
+                            if key in retired:
+                                drop("meta", retired.pop(key)[0], None)
+                    live_docs_set = live_docs
+                    for k, d in doc_recs:
+                        if (d.doc_id, d.doc_version) in live_docs_set:
+                            refs.add(d.text_object)
+                    live_versions = set()
+                    for k, r in ver_recs:
+                        if (r.doc_id, r.doc_version) in live_docs_set:
+                            live_versions.add((r.doc_id, r.doc_version, r.label))
+                            refs.update(c.object for c in r.chunks)
+                        else:
+                            drop("versions", k, "versions_removed")
+                    for k, parts in prefix_keys:
+                        if len(parts) != 5 or (parts[3], parts[4], parts[1]) not in live_versions:
+                            drop("prefix", k, "prefix_entries_removed")
+                    for key, (k, _) in retired.items():  # a retire mark of a record already gone
+                        if key not in live_docs_set or key[1] == current.get(key[0]):
+                            drop("meta", k, None)
+                    for sha, (k, t) in released.items():
+                        if now - t < grace:
+                            if sha not in refs:
+                                stats["kept_in_grace"] += 1
+                            refs.add(sha)
+                        else:
+                            drop("meta", k, None)
+            except lmdb.Error as e:
+                raise StoreCorruptError(f"catalog of {self.root} cannot be read ({e}); gc deleted nothing",
+                                        hint=CATALOG_HINT) from None
+            except (ValueError, UnicodeDecodeError, TypeError, KeyError, IndexError) as e:
+                raise StoreCorruptError(f"catalog of {self.root} is damaged ({type(e).__name__}); gc deleted nothing",
+                                        hint=CATALOG_HINT) from None
+
+            def reclaim(p: Path, counter: str) -> None:
+                stats[counter] += 1
+                stats["bytes_freed"] += p.stat().st_size
+                if not dry_run:
+                    p.unlink()
+
+            # Files go only after the catalog txn committed: a crash in between leaves
+            # unreferenced files (harmless), never a reference to a deleted file.
+            for p in object_files(self):
+                if SHA_RE.match(p.name) and p.name not in refs:
+                    reclaim(p, "objects_removed")
+            for p in sorted(self.tmp_dir.iterdir()) if self.tmp_dir.is_dir() else []:
+                if p.is_file() and (_dead_writer(p) or now - p.stat().st_mtime >= tmp_grace):
+                    reclaim(p, "tmp_removed")
+            return stats
 
 
 def bundle_problems(store, version: VersionRecord) -> list[str]:

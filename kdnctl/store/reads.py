@@ -18,7 +18,7 @@ from .catalog import DBS
 from .records import CATALOG_HINT, SEP, ChunkRef, DocumentRecord, VersionRecord, record_dict
 
 
-def _dumps(obj: Any) -> bytes:
+def dumps_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
@@ -29,22 +29,22 @@ def _show(k: bytes) -> str:
 SUM_KEY = "_sum"  # per-record checksum: a flipped byte inside a record cannot read as another valid value
 
 
-def _seal(record) -> bytes:
+def seal_record(record) -> bytes:
     d = record_dict(record)
-    d[SUM_KEY] = hashlib.sha256(_dumps(d)).hexdigest()[:16]
-    return _dumps(d)
+    d[SUM_KEY] = hashlib.sha256(dumps_json(d)).hexdigest()[:16]
+    return dumps_json(d)
 
 
 def _unseal(raw: bytes, what: str) -> dict:
     d = json.loads(raw)
     if isinstance(d, dict) and SUM_KEY in d:  # records written before checksums have none
         want = d.pop(SUM_KEY)
-        if hashlib.sha256(_dumps(d)).hexdigest()[:16] != want:
+        if hashlib.sha256(dumps_json(d)).hexdigest()[:16] != want:
             raise StoreCorruptError(f"{what} fails its checksum (damaged bytes)", hint=CATALOG_HINT)
     return d
 
 
-def _lookup_key(*parts: str) -> bytes | None:
+def lookup_key(*parts: str) -> bytes | None:
     """A catalog key for a lookup, or None when no stored key can equal it (too long, NUL,
     not encodable): such an id is simply not in the store."""
     try:
@@ -97,7 +97,7 @@ class CatalogReader:
         return v
 
     def _current(self, txn, doc_id: str) -> str | None:
-        k = _lookup_key(doc_id)
+        k = lookup_key(doc_id)
         raw = txn.get(k, db=self._db["current"]) if k is not None else None
         if raw is None:
             return None
@@ -108,7 +108,7 @@ class CatalogReader:
 
     def _scan(self, txn, db: str, *prefix: str) -> Iterator[tuple[bytes, bytes]]:
         if prefix:
-            p = _lookup_key(*prefix)
+            p = lookup_key(*prefix)
             if p is None:
                 return
             p += SEP.encode()
@@ -127,7 +127,7 @@ class CatalogReader:
     def get_document(self, doc_id: str, doc_version: str | None = None) -> DocumentRecord:
         with self._env.begin() as txn:
             dv = doc_version or self._current(txn, doc_id)
-            k = _lookup_key(doc_id, dv) if dv else None
+            k = lookup_key(doc_id, dv) if dv else None
             raw = txn.get(k, db=self._db["docs"]) if k is not None else None
             if raw is None:
                 if dv and not doc_version:
@@ -166,11 +166,11 @@ class CatalogReader:
     def get_version(self, doc_id: str, label: str = "full", doc_version: str | None = None) -> VersionRecord:
         with self._env.begin() as txn:
             dv = doc_version or self._current(txn, doc_id)
-            dk = _lookup_key(doc_id, dv) if dv else None
+            dk = lookup_key(doc_id, dv) if dv else None
             if dk is None or txn.get(dk, db=self._db["docs"]) is None:
                 raise NotFoundError(f"document {doc_id!r}" + (f" version {doc_version}" if doc_version else "")
                                     + " is not in the store")
-            vk = _lookup_key(doc_id, dv, label)
+            vk = lookup_key(doc_id, dv, label)
             raw = txn.get(vk, db=self._db["versions"]) if vk is not None else None
             if raw is None:
                 labels = [cat.split(k)[2] for k, _ in self._scan(txn, "versions", doc_id, dv)]
@@ -233,7 +233,7 @@ class CatalogReader:
         whether the hash is stored invisibly or not at all: every examined key (the terminating
         non-match included) costs one split, one ``visible`` call and one cursor step, and the
         probe always examines at least two keys."""
-        p = _lookup_key(fingerprint, label, chain_hash)
+        p = lookup_key(fingerprint, label, chain_hash)
         if p is None:
             return []
         p += SEP.encode()

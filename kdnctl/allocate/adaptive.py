@@ -9,37 +9,36 @@ go; a layer that spreads it needs more. Allocation is a greedy water-filling ove
 every layer first gets ``floor`` times the uniform quota (never starve a layer), then the rest
 of the document's total goes, one token at a time, to the layer whose next-best token holds the
 most attention mass (mean over heads of each head's sorted, normalised mass). The total over
-layers equals the uniform total exactly; the question is never used.
+layers equals the uniform total exactly; the question is never used. Any press then picks the
+tokens within each layer's share.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
+from kdnctl.allocate.base import Allocator
 from kdnctl.errors import UsageError
 from kdnctl.presses.base import ScoreContext, round_half_up, sanitize
-from kdnctl.presses.wrapper import LayerBudgetWrapper
 
 
 @dataclass
-class AdaptivePress(LayerBudgetWrapper):
+class AdaptiveAllocator(Allocator):
     name: ClassVar[str] = "adaptive"
+    needs_stats: ClassVar[tuple[str, ...]] = ("accum",)
 
-    press: Any = "kvcrush"
     floor: float = 0.25
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.floor) <= 1.0:
             raise UsageError(f"adaptive: floor must be in [0, 1], got {self.floor!r}")
-        super().__post_init__()
 
-    def quotas_for(self, ctx: ScoreContext, budget: float) -> list[int]:
-        uniform = self.inner.quotas_for_budget(budget, ctx.n_tokens, ctx.n_layers)
-        return adaptive_quotas(ctx.stat("accum", self.name), uniform, float(self.floor), self.inner.sink_tokens)
+    def split(self, ctx: ScoreContext, uniform: list[int], min_tokens: int) -> list[int]:
+        return adaptive_quotas(ctx.stat("accum", self.name), uniform, float(self.floor), min_tokens)
 
 
 def adaptive_quotas(accum: Tensor, uniform: list[int], floor: float, min_tokens: int = 0) -> list[int]:

@@ -99,7 +99,7 @@ def char_spans(spec: str, text: str) -> list[tuple[int, int]]:
         try:
             pattern = re.compile(spec[3:])
         except re.error as exc:
-            raise UsageError(f"bad regex in --steer {spec!r}: {exc}") from None
+            raise UsageError(f"bad regex in span {spec!r}: {exc}", param="steer") from None
         return [m.span() for m in pattern.finditer(text) if m.end() > m.start()]
     if spec.startswith("markers:"):
         path = Path(spec[len("markers:"):])
@@ -120,7 +120,7 @@ def char_spans(spec: str, text: str) -> list[tuple[int, int]]:
         return ranges
     literal = spec[4:] if spec.startswith("lit:") else spec
     if not literal:
-        raise UsageError("empty --steer span")
+        raise UsageError("empty span", param="steer")
     out, i = [], text.find(literal)
     while i >= 0:
         out.append((i, i + len(literal)))
@@ -157,7 +157,7 @@ def find_highlight(tokenizer, fmt, text: str, stored_ids: list[int], specs: list
     ``stored_ids`` are the stored header + document tokens; ``fmt`` is the PromptFormat used at
     ingest (its header tokens must be the prefix of ``stored_ids``)."""
     if not specs:
-        raise UsageError("no --steer span given")
+        raise UsageError("no span given", param="steer")
     header = fmt.header_ids(tokenizer)
     n_header = len(header)
     if list(stored_ids[:n_header]) != header:
@@ -170,8 +170,8 @@ def find_highlight(tokenizer, fmt, text: str, stored_ids: list[int], specs: list
         spans = char_spans(spec, text)
         ranges = _token_ranges(offsets, spans, n_header)
         if not ranges:
-            raise UsageError(f"--steer {spec!r} matches nothing in the document",
-                             hint="spans are case-sensitive literal text; use re:PATTERN for a regex")
+            raise UsageError(f"span {spec!r} matches nothing in the document",
+                             hint="spans are case-sensitive literal text; use re:PATTERN for a regex", param="steer")
         for s, e in ranges:
             mask[s:e] = True
         matches.append(SpanMatch(spec, spans, ranges))

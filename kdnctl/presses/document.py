@@ -1,12 +1,12 @@
-"""Budgets for documents stored as several chunks (one bundle per chunk).
+"""Selection over documents stored as several chunks (one bundle per chunk).
 
 Each chunk bundle holds, per layer, one ``[H, T_i, D]`` tensor, so within a chunk every head
 of a layer must keep the same number of tokens, not just within the document. Selecting at
 document level and cutting per chunk does not give that (head 0 may keep 10 tokens of chunk
 0, head 1 only 7). So:
 
-1. select at document level with the document's per-layer quotas (the press's own rule,
-   sinks and recent tokens included);
+1. select at document level with the document's per-layer quotas (from an allocator, see
+   :mod:`kdnctl.allocate`; the press's own rule, sinks and recent tokens included);
 2. per layer, give chunk c the mean over heads of how many of each head's selected tokens
    fall in it, rounded with largest remainders (ties to the earlier chunk) so the chunk
    quotas sum to the layer quota exactly; exact integer arithmetic, so deterministic;
@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from kdnctl.errors import UsageError
-from kdnctl.presses.base import Press, ScoreContext, validate_budget
+from kdnctl.presses.base import Press, ScoreContext
 
 
 def check_chunk_bounds(chunk_bounds: list[tuple[int, int]], n_tokens: int) -> None:
@@ -69,14 +69,12 @@ def chunk_quotas(kept: list[Tensor], chunk_bounds: list[tuple[int, int]]) -> lis
 def select_document(
     press: Press,
     ctx: ScoreContext,
-    budget: float,
+    quotas: list[int],
     chunk_bounds: list[tuple[int, int]],
 ) -> list[list[Tensor]]:
     """result[c][l] = int64 ``[H, k_{c,l}]`` chunk-local kept indices (0-based in chunk c,
-    ascending); for every layer, sum over chunks of k_{c,l} == the document's layer quota."""
-    budget = validate_budget(budget)
+    ascending); for every layer, sum over chunks of k_{c,l} == ``quotas[l]``."""
     check_chunk_bounds(chunk_bounds, ctx.n_tokens)
-    quotas = press.quotas_for(ctx, budget)
     doc_kept = press.select(ctx, quotas)
     per_chunk = chunk_quotas(doc_kept, chunk_bounds)
     last = len(chunk_bounds) - 1

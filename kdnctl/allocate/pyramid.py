@@ -1,4 +1,4 @@
-"""PyramidKV-style layer budgets (Cai et al., 2024, arXiv 2406.02069) around any press.
+"""PyramidKV-style layer budgets (Cai et al., 2024, arXiv 2406.02069) for any press.
 
 The paper observes that attention is spread widely in lower layers and concentrates on a few
 tokens in higher ones ("pyramidal information funneling"), so lower layers get larger
@@ -8,7 +8,7 @@ by default), so the total over layers equals the uniform total L*a. Each layer i
 clipped to [sinks + 1, T] while keeping that total (a shift found by bisection), and
 rounded with largest remainders (ties to lower layers), which keeps quotas non-increasing.
 
-Scoring and selection are the wrapped press's; only the quotas change.
+Scoring and selection are the press's; only the quotas change.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kdnctl.allocate.base import Allocator
 from kdnctl.errors import UsageError
-from kdnctl.presses.wrapper import LayerBudgetWrapper
+from kdnctl.presses.base import ScoreContext
 
 
 @dataclass
-class PyramidPress(LayerBudgetWrapper):
+class PyramidAllocator(Allocator):
     name: ClassVar[str] = "pyramid"
 
     beta: float = 20.0
@@ -30,14 +31,19 @@ class PyramidPress(LayerBudgetWrapper):
     def __post_init__(self) -> None:
         if not float(self.beta) >= 1.0:
             raise UsageError(f"pyramid: beta must be >= 1 (1 = uniform), got {self.beta!r}")
-        super().__post_init__()
 
-    def quotas_for_budget(self, budget: float, n_tokens: int, n_layers: int) -> list[int]:
-        uniform = self.inner.quotas_for_budget(budget, n_tokens, n_layers)
-        if n_layers <= 1 or n_tokens <= 0:
-            return uniform
-        lo = min(self.inner.sink_tokens + 1, n_tokens)
-        return pyramid_quotas(sum(uniform), n_layers, lo, n_tokens, float(self.beta)) or uniform
+    def split(self, ctx: ScoreContext, uniform: list[int], min_tokens: int) -> list[int]:
+        return pyramid_split(uniform, ctx.n_tokens, min_tokens, float(self.beta))
+
+
+def pyramid_split(uniform: list[int], n_tokens: int, min_tokens: int, beta: float) -> list[int]:
+    """The pyramid over ``uniform``'s total, each layer in [min_tokens + 1, T]; ``uniform`` when
+    there is nothing to shape (one layer, no tokens) or the bounds make it infeasible."""
+    n_layers = len(uniform)
+    if n_layers <= 1 or n_tokens <= 0:
+        return list(uniform)
+    lo = min(min_tokens + 1, n_tokens)
+    return pyramid_quotas(sum(uniform), n_layers, lo, n_tokens, beta) or list(uniform)
 
 
 def pyramid_quotas(total: int, n_layers: int, lo: int, hi: int, beta: float) -> list[int] | None:

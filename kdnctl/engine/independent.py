@@ -206,7 +206,7 @@ def compose(
     ``info``, when given, receives what was done (tokens recomputed, timings)."""
     t0 = time.perf_counter()
     if not isinstance(recompute, (int, float)) or not 0.0 <= float(recompute) <= 1.0:
-        raise UsageError(f"--recompute must be in [0, 1], got {recompute}")
+        raise UsageError(f"recompute must be in [0, 1], got {recompute}", param="recompute")
     if not chunks:
         raise UsageError("no chunks to compose")
     inv_freq = rope_inv_freq(lm)
@@ -244,7 +244,7 @@ def compose(
             "header_tokens": h, "chunk_tokens": candidates, "recomputed_tokens": n_sel, "chunks": len(chunks)}
     if n_sel > 0:
         if not all(_kept_everywhere(b) for b in chunks):
-            raise UnsupportedError("selective recompute needs unpruned chunks", hint="use --recompute 0")
+            raise UnsupportedError("selective recompute needs unpruned chunks", hint="use recompute 0 (plain concatenation)", param="recompute")
         if n_sel >= candidates:
             selected = torch.arange(h, n)
         else:

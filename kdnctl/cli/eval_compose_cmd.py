@@ -1,5 +1,5 @@
 """`kdnctl eval-compose`: naive concatenation vs selective recompute vs full prefill on
-multi-chunk questions (see kdnctl/evaluation/compose.py and docs/compose.md)."""
+multi-chunk questions (see kdnctl/evaluation/multichunk.py and docs/compose.md)."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def eval_compose(
 ) -> None:
     """Accuracy and time to first token of composed chunks vs a full prefill."""
     from ..errors import UsageError
-    from ..evaluation.compose import build_cases, evaluate_compose, load_multichunk_qa
+    from ..evaluation.multichunk import build_cases, evaluate_compose, load_multichunk_qa
 
     try:
         levels = [float(x) for x in recompute.split(",") if x.strip()]

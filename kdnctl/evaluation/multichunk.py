@@ -19,7 +19,6 @@ token's logits; the full prefill starts its clock at its forward pass.
 
 from __future__ import annotations
 
-import json
 import random
 import re
 import statistics
@@ -30,9 +29,10 @@ from pathlib import Path
 import torch
 
 from ..engine.hf import full_prefill_generate, generate
-from ..errors import InputError, NotFoundError
+from ..errors import NotFoundError
+from .jsonl import read_jsonl
 from ..prompting import PromptFormat
-from ..engine.compose import context_token_ids
+from ..engine.independent import context_token_ids
 from ..retrieval import ChunkInfo, compose_chunks, list_chunks, load_chunk_bundles
 from .qa import QAItem, is_correct
 
@@ -55,21 +55,9 @@ class Case:
 
 
 def load_multichunk_qa(path: str | Path) -> list[MultiQA]:
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"QA file {path} does not exist")
-    items = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            o = json.loads(line)
-            items.append(MultiQA(o["question"], o["answer"], list(o.get("aliases", [])), list(o.get("docs", [])),
-                                 list(o.get("evidence", []))))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise InputError(f"{path}:{n}: bad QA line ({exc})",
-                             hint='each line: {"question", "answer", "aliases"?, "docs", "evidence"}') from None
-    return items
+    return read_jsonl(path, lambda o: MultiQA(o["question"], o["answer"], list(o.get("aliases", [])),
+                                              list(o.get("docs", [])), list(o.get("evidence", []))),
+                      what="QA", fields='{"question", "answer", "aliases"?, "docs", "evidence"}')
 
 
 def _norm(text: str) -> str:
@@ -89,7 +77,7 @@ def build_cases(store, items: list[MultiQA], *, n_chunks: int = 4, min_tokens: i
     pool = list(unique.values())
     if not pool:
         raise NotFoundError("the store has no independent chunks",
-                            hint="pass --corpus, or run `kdnctl ingest --mode independent` first")
+                            hint="give a corpus, or run `kdnctl ingest --mode independent` first", param="corpus")
     texts = {c.content_hash: _norm(c.text(store)) for c in pool}
     cases = []
     for qi, item in enumerate(items):
