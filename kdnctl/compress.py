@@ -121,6 +121,16 @@ def _cat_stats(bundles: list[KVBundle]) -> dict[str, torch.Tensor]:
     return {n: torch.cat([s[n].float() for s in per_chunk], dim=-1) for n in sorted(names)}
 
 
+def _attention_stats(lm, token_ids: list[int], ingest_recipe: dict) -> dict[str, torch.Tensor]:
+    """``window`` and ``accum`` of a document computed after the fact (one prefill)."""
+    from .prefill import prefill
+
+    steps = ingest_recipe.get("steps", [ingest_recipe])
+    window = int(steps[0].get("window", 32)) if steps else 32
+    res = prefill(lm.model, token_ids, stats=("accum", "window"), window=window)
+    return {name: t.float() for name, t in res.stats.items()}
+
+
 def _gather_bias(bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """bias [Hq, T] follows the kept tokens of its KV group: idx [Hkv, k] -> [Hq, k]."""
     group = bias.shape[0] // idx.shape[0]
@@ -181,13 +191,25 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
         stats = _cat_stats(bundles)
         press = recipe.build_press(int(bundles[0].meta.get("header_tokens", 0)))
         allocator = recipe.build_allocator()
+        if recipe.uses_scorer and recipe.scorer in ("accum", "window") and recipe.scorer not in stats \
+                and lm is not None and bounds[0][0] == 0 and src.mode == "prefix":
+            stats.update(_attention_stats(lm, token_ids, src.recipe))  # not recorded at ingest
         t_score = time.perf_counter()  # the scorer alone (model passes): reported apart from selection
         importance = compute_importance(recipe.scorer, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
                                         n_layers=n_layers, n_heads=n_heads) if recipe.uses_scorer \
             else torch.zeros(n_layers, n_heads, len(token_ids))
         score_s = time.perf_counter() - t_score
         ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
-        picks = select_document(press, ctx, allocate(allocator, press, ctx, recipe.budget), local_bounds)
+        try:
+            picks = select_document(press, ctx, allocate(allocator, press, ctx, recipe.budget), local_bounds)
+        except UnsupportedError as exc:
+            # A statistic ingest did not record (``accum`` is opt-in): compute it now from one
+            # prefill of the document, when the model is at hand and the version starts at 0.
+            if lm is None or "statistic" not in exc.message or bounds[0][0] != 0 or src.mode != "prefix":
+                raise UnsupportedError(exc.message, hint="ingest with `--stats all`, or pass --model so compress "
+                                       "can compute it") from None
+            ctx.stats = {**stats, **_attention_stats(lm, token_ids, src.recipe)}
+            picks = select_document(press, ctx, allocate(allocator, press, ctx, recipe.budget), local_bounds)
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
         picks = None

@@ -28,3 +28,9 @@ if ! python -c "import llama_cpp" >/dev/null 2>&1; then
   # LLAVA_BUILD=OFF skips the multimodal library (mtmd), a third of the build; kdnctl does not use it.
   CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" python -m pip install -q "llama-cpp-python==0.3.36"
 fi
+# nginx serves stored objects in the X-Accel-Redirect hand-off (kdnctl serve-files
+# --emit-nginx-config) and its test runs the real server: install it where we may (root + apt).
+if ! command -v nginx >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get install -y -q nginx-light >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q nginx-light >/dev/null 2>&1; } \
+    || apt-get install -y -q nginx >/dev/null 2>&1) || echo "warning: could not install nginx; its tests will skip" >&2
+fi

@@ -62,7 +62,10 @@ def compress(
 
         raise UsageError("--workers needs --ray ADDRESS|local")
     else:
-        lm = load_lm(model) if recipe.needs_model else None
+        # h2o / adaptive budgets read `accum`, which ingest records only with --stats all; with the
+        # model at hand compress computes it when a version lacks it.
+        accum_press = recipe.scorer == "accum" or (recipe.budget < 1 and (recipe.method == "h2o" or recipe.allocator == "adaptive"))
+        lm = load_lm(model) if recipe.needs_model or accum_press else None
         fingerprint = lm.fingerprint if lm is not None else None
         results = []
         with st.writer(), progress_bar(len(doc_ids), "compress", unit="doc") as bar:

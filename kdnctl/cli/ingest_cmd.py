@@ -21,6 +21,11 @@ def ingest(
                              "in any order (label independent, see docs/compose.md)."),
     window: int = typer.Option(32, "--window", help="Observation window (last W queries) for statistics."),
     no_stats: bool = typer.Option(False, "--no-stats", help="Skip attention statistics (faster, no scoring later)."),
+    stats: str = typer.Option("default", "--stats", help="default (surprisal + last-window attention: what the default "
+                              "recipe and snapkv need) | all (adds accumulated attention for h2o/adaptive; compress "
+                              "can also compute it later) | comma list of window,accum,surprisal."),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="Stored K/V dtype: float32 | float16 | bfloat16 "
+                                           "(default: the model's dtype; fp16/bf16 halve an fp32 store)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (CPU default), float16, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
     ray: Optional[str] = RayOpt,
@@ -33,7 +38,13 @@ def ingest(
     from ..errors import UsageError
     from ..ingest import IngestOptions
 
-    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats)  # checks the values
+    from ..ingest.prefix import DEFAULT_STATS
+    from ..prefill import ALL_STATS
+
+    names = DEFAULT_STATS if stats == "default" else ALL_STATS if stats == "all" else tuple(
+        n.strip() for n in stats.split(",") if n.strip())
+    opts = IngestOptions(chunk_tokens=chunk_tokens, window=window, stats=not no_stats, stat_names=names,
+                         kv_dtype=kv_dtype)  # checks the values
     if mode not in ("prefix", "independent"):
         raise UsageError(f"--mode must be prefix or independent, got {mode!r}")
     docs, skipped = read_corpus(paths)

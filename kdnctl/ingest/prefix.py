@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes
+import torch
+
+from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes, tensor_name
 from ..chunking import chain_hashes, chunk_bounds
 from ..corpus import Document, Skipped, read_corpus
 from ..errors import UsageError
@@ -22,6 +24,13 @@ from ..prompting import PromptFormat
 from ..store import DocumentRecord, Store, VersionRecord
 from ..versions import commit, write_chunks
 
+# What the default recipe needs (the hybrid scorer: surprisal; snapkv: the last window's
+# attention, which costs a few query rows). ``accum`` (every query's attention, for h2o and
+# adaptive budgets) is opt-in with ``--stats all``, or computed later by ``kdnctl compress``
+# when a press asks for it (one extra prefill, see kdnctl.compress).
+DEFAULT_STATS = ("surprisal", "window")
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 @dataclass
 class IngestOptions:
@@ -29,13 +38,38 @@ class IngestOptions:
     window: int = 32
     stats: bool = True
     block_tokens: int = 1024
+    stat_names: tuple[str, ...] = DEFAULT_STATS  # which statistics when ``stats``
+    kv_dtype: str | None = None  # stored K/V dtype; None = the model's dtype
 
     def __post_init__(self) -> None:
+        from ..prefill import stat_names
+
         if self.chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
+        self.stat_names = tuple(sorted(stat_names(self.stat_names)))
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+    @property
+    def stats_wanted(self) -> tuple[str, ...]:
+        return self.stat_names if self.stats else ()
 
     def recipe(self) -> dict:
-        return {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
+        r = {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
+        if self.stats:
+            r["stat_names"] = list(self.stat_names)
+        if self.kv_dtype is not None:
+            r["kv_dtype"] = self.kv_dtype
+        return r
+
+    def version_key(self) -> str:
+        """What, beyond text/model/header, the stored bytes depend on (for ``doc_version_for``)."""
+        key = f"{self.chunk_tokens}|{self.window}|{self.stats}"
+        if self.stats and tuple(self.stat_names) != tuple(sorted(("accum", "surprisal", "window"))):
+            key += "|" + ",".join(self.stat_names)
+        if self.kv_dtype is not None:
+            key += f"|kv={self.kv_dtype}"
+        return key
 
 
 @dataclass
@@ -48,6 +82,8 @@ class IngestReport:
     seconds: float = 0.0
     kv_bytes: int = 0
     stats_bytes: int = 0
+    prefill_seconds: float = 0.0  # the forward pass with its statistics
+    write_seconds: float = 0.0  # bundles: slice, encode, hash, write + fsync
 
     def count_bytes(self, bundles: list[KVBundle]) -> None:
         for b in bundles:
@@ -60,6 +96,8 @@ class IngestReport:
         self.tokens += seg.tokens
         self.kv_bytes += seg.kv_bytes
         self.stats_bytes += seg.stats_bytes
+        self.prefill_seconds += seg.prefill_seconds
+        self.write_seconds += seg.write_seconds
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,7 +119,7 @@ class IngestReport:
 
 def doc_version_for(doc: Document, fingerprint: str, opts: IngestOptions, header: str) -> str:
     """A document version is what its bundles depend on: text, model, chunking and prompt header."""
-    key = f"{doc.content_sha256}|{fingerprint}|{opts.chunk_tokens}|{opts.window}|{opts.stats}|{header}"
+    key = f"{doc.content_sha256}|{fingerprint}|{opts.version_key()}|{header}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -101,9 +139,15 @@ def build_chunk_bundles(
 ) -> list[KVBundle]:
     bounds = chunk_bounds(len(token_ids), opts.chunk_tokens)
     hashes = chain_hashes(token_ids, opts.chunk_tokens, lm.fingerprint)
+    kv_dtype = KV_DTYPES[opts.kv_dtype] if opts.kv_dtype else None
     bundles = []
     for index, ((s, e), h) in enumerate(zip(bounds, hashes)):
         tensors = chunk_tensors(result, s, e, token_ids[s:e], s)
+        if kv_dtype is not None:  # --kv-dtype: the stored K/V dtype
+            for layer in range(len(result.keys)):
+                for role in ("keys", "values"):
+                    name = tensor_name(layer, role)
+                    tensors[name] = tensors[name].to(kv_dtype)
         meta = make_meta(
             model_fingerprint=lm.fingerprint,
             model=lm.summary,
@@ -117,7 +161,7 @@ def build_chunk_bundles(
             label="full",
             parent=None,
             recipe=recipe,
-            dtype=lm.summary["dtype"],
+            dtype=opts.kv_dtype or lm.summary["dtype"],
             mode="prefix",
             header_tokens=header_tokens,
         )
@@ -146,6 +190,8 @@ class SegmentResult:
     tokens: int
     kv_bytes: int
     stats_bytes: int
+    prefill_seconds: float = 0.0
+    write_seconds: float = 0.0
 
 
 def document_segments(lm, fmt: PromptFormat, doc: Document, opts: IngestOptions) -> list[Segment]:
@@ -172,8 +218,10 @@ def write_segment(objects, lm, doc: Document, seg: Segment, opts: IngestOptions,
     """Prefill one segment and put its chunk bundles and text into ``objects`` (a Store or an
     ObjectDir); no catalog access, so a worker process can run it and a driver commit it."""
     recipe = opts.recipe()
-    result = prefill(lm.model, seg.token_ids, stats=opts.stats, window=opts.window,
+    t_pass = time.perf_counter()
+    result = prefill(lm.model, seg.token_ids, stats=opts.stats_wanted, window=opts.window,
                      block_tokens=opts.block_tokens, on_progress=on_progress)
+    t_write = time.perf_counter()
     bundles = build_chunk_bundles(lm, seg.seg_id, seg.doc_version, seg.token_ids, result, opts, recipe,
                                   seg.header_tokens)
     chunks = write_chunks(objects, bundles)
@@ -185,7 +233,8 @@ def write_segment(objects, lm, doc: Document, seg: Segment, opts: IngestOptions,
     record = DocumentRecord(seg.seg_id, seg.doc_version, doc.content_sha256, doc.source, n,
                             lm.fingerprint, text_sha, now)
     vrec = VersionRecord(seg.seg_id, seg.doc_version, "full", None, recipe, lm.fingerprint, chunks, now, n, "prefix")
-    return SegmentResult(record, vrec, n, sizes.kv_bytes, sizes.stats_bytes)
+    return SegmentResult(record, vrec, n, sizes.kv_bytes, sizes.stats_bytes,
+                         prefill_seconds=t_write - t_pass, write_seconds=time.perf_counter() - t_write)
 
 
 def ingest_documents(
