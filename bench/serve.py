@@ -11,7 +11,10 @@ engine path, RemoteStore.fetch_objects, which verifies every object.
 
 nginx (Debian package `nginx` or `nginx-light`), when installed, serves the same objects
 directory on another loopback port in the same run, with sendfile; access logs are off on
-both servers. Prints a markdown table.
+both servers. With nginx present a third server is measured: kdnctl's production path,
+`kdnctl serve-files --emit-nginx-config` behind the nginx it configures, where kdnctl checks
+auth, namespace and object ownership (a restricted token is used) and nginx sends the bytes
+(X-Accel-Redirect). Prints a markdown table and each server's MB/s as a share of nginx's.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def free_port() -> int:
 
 def build_store(root: Path, n: int, size: int) -> list[str]:
     fp = "bench" + "0" * 11
-    with Store(root) as st, st.writer():
+    with Store(root) as st, st.writer():  # doc id in namespace `bench` (the x-accel token's grant)
         chunks = []
         for i in range(n):
             data = os.urandom(size)
@@ -87,6 +90,30 @@ def start_kdnctl(root: Path) -> tuple[subprocess.Popen, int]:
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_up(f"http://127.0.0.1:{port}/v1/health", proc, "kdnctl serve-files")
     return proc, port
+
+
+def start_accel(root: Path, work: Path) -> tuple[subprocess.Popen, int, subprocess.Popen] | None:
+    """kdnctl serve-files with a restricted token file + the nginx config it emits."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if binary is None:
+        return None
+    kport, nport = free_port(), free_port()
+    (work / "tokens").write_text(f"{TOKEN} bench\n")
+    conf = work / "nginx.conf"
+    cmd = [sys.executable, "-m", "kdnctl.cli.app", "serve-files", "--port", str(kport), "--store", str(root),
+           "--no-access-log", "--token-file", str(work / "tokens"), "--emit-nginx-config", str(conf),
+           "--nginx-listen", f"127.0.0.1:{nport}"]
+    if os.geteuid() == 0:
+        cmd += ["--nginx-user", "root"]
+    kd = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_up(f"http://127.0.0.1:{kport}/v1/health", kd, "kdnctl serve-files (x-accel)")
+    ng = subprocess.Popen([binary, "-c", str(conf), "-g", "daemon off;"], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+    wait_up(f"http://127.0.0.1:{nport}/v1/health", ng, "nginx (x-accel)")
+    return ng, nport, kd
+
+
+TOKEN = "bench-token"
 
 
 def start_nginx(root: Path, work: Path) -> tuple[subprocess.Popen, int] | None:
@@ -128,8 +155,8 @@ http {{
     return proc, port
 
 
-def download(conn: http.client.HTTPConnection, sha: str, buf: bytearray) -> int:
-    conn.request("GET", f"/v1/objects/{sha}")
+def download(conn: http.client.HTTPConnection, sha: str, buf: bytearray, headers: dict | None = None) -> int:
+    conn.request("GET", f"/v1/objects/{sha}", headers=headers or {})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"HTTP {resp.status} for {sha[:12]}")
@@ -141,7 +168,7 @@ def download(conn: http.client.HTTPConnection, sha: str, buf: bytearray) -> int:
         total += n
 
 
-def run_level(port: int, objects: list[str], clients: int, seconds: float) -> dict:
+def run_level(port: int, objects: list[str], clients: int, seconds: float, headers: dict | None = None) -> dict:
     latencies: list[float] = []
     nbytes = [0]
     lock = threading.Lock()
@@ -155,7 +182,7 @@ def run_level(port: int, objects: list[str], clients: int, seconds: float) -> di
         k, mine, got = i, [], 0
         while time.perf_counter() < deadline or not mine:
             t = time.perf_counter()
-            got += download(conn, objects[k % len(objects)], buf)
+            got += download(conn, objects[k % len(objects)], buf, headers)
             mine.append(time.perf_counter() - t)
             k += 1
         conn.close()
@@ -178,6 +205,7 @@ def run_level(port: int, objects: list[str], clients: int, seconds: float) -> di
 
 def verified_fetch(url: str, objects: list[str], workers: int) -> float:
     remote = RemoteStore(url, max_workers=workers)
+    remote.list_versions()  # what an engine does first: the version names the objects (and their BLAKE3)
     t = time.perf_counter()
     total = sum(len(d) for d in remote.fetch_objects(objects).values())
     return total / (time.perf_counter() - t) / 1e6
@@ -189,7 +217,8 @@ def main() -> None:
     ap.add_argument("--objects", type=int, default=16, help="synthetic objects")
     ap.add_argument("--object-bytes", type=int, default=CHUNK_BYTES)
     ap.add_argument("--clients", default="1,8,32")
-    ap.add_argument("--seconds", type=float, default=5.0, help="per server and concurrency level")
+    ap.add_argument("--seconds", type=float, default=3.0, help="per server, concurrency level and round")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians)")
     args = ap.parse_args()
     levels = [int(c) for c in args.clients.split(",")]
     with tempfile.TemporaryDirectory(prefix="kdn-bench-") as tmp:
@@ -202,30 +231,50 @@ def main() -> None:
         size = sum((root / "objects" / s[:2] / s).stat().st_size for s in objects) / len(objects)
         servers = {"kdnctl serve-files": start_kdnctl(root)}
         (tmp / "nginx").mkdir()
+        (tmp / "accel").mkdir()
         ng = start_nginx(root, tmp / "nginx")
+        extra = []
+        auth = {"kdnctl + nginx (X-Accel-Redirect, token checked)": {"authorization": f"Bearer {TOKEN}"}}
         if ng:
             servers["nginx"] = ng
+            accel = start_accel(root, tmp / "accel")
+            servers["kdnctl + nginx (X-Accel-Redirect, token checked)"] = accel[:2]
+            extra.append(accel[2])
         else:
             print("nginx is absent (install the Debian package `nginx` to compare); kdnctl only\n", file=sys.stderr)
-        rows = []
+        rows, mbps = [], {}
         try:
-            for name, (proc, port) in servers.items():
-                run_level(port, objects, 1, 0.5)  # warm page cache and connections
-                for c in levels:
-                    r = run_level(port, objects, c, args.seconds)
-                    rows.append(f"| {name} | {c} | {r['mbps']:,.0f} | {r['p50']:.1f} | {r['p99']:.1f} | {r['n']} |")
+            for rnd in range(args.rounds):  # interleaved rounds: load changes hit every server alike
+                for name, (proc, port) in servers.items():
+                    run_level(port, objects, 1, 0.5, auth.get(name))  # warm page cache and connections
+                    for c in levels:
+                        r = run_level(port, objects, c, args.seconds, auth.get(name))
+                        mbps.setdefault((name, c), []).append(r["mbps"])
+                        if rnd == args.rounds - 1:
+                            r["mbps"] = statistics.median(mbps[(name, c)])
+                            rows.append((name, c, r))
             port = servers["kdnctl serve-files"][1]
-            vmbps = verified_fetch(f"http://127.0.0.1:{port}", objects, 8)
-            rows.append(f"| kdnctl RemoteStore.fetch_objects (sha256-verified) | 8 | {vmbps:,.0f} | | | {len(objects)} |")
+            vrows = []
+            for w in (8,):
+                vrows.append((w, verified_fetch(f"http://127.0.0.1:{port}", objects, w)))
         finally:
             for proc, _ in servers.values():
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(30)
+            for proc in extra:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(30)
     print(f"{len(objects)} objects of {size / 1e6:.1f} MB, loopback, {os.cpu_count()} CPU cores, "
           f"{args.seconds:g} s per row\n")
-    print("| server | concurrent clients | MB/s | p50 ms | p99 ms | downloads |")
-    print("|---|---:|---:|---:|---:|---:|")
-    print("\n".join(rows))
+    ref = {c: r["mbps"] for name, c, r in rows if name == "nginx"}
+    print(f"MB/s: median of {args.rounds} interleaved rounds; latency from the last round\n")
+    print("| server | concurrent clients | MB/s | share of nginx | p50 ms | p99 ms | downloads |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, c, r in rows:
+        share = f"{100 * r['mbps'] / ref[c]:.0f}%" if c in ref else ""
+        print(f"| {name} | {c} | {r['mbps']:,.0f} | {share} | {r['p50']:.1f} | {r['p99']:.1f} | {r['n']} |")
+    for w, v in vrows:
+        print(f"| kdnctl RemoteStore.fetch_objects (verified) | {w} workers | {v:,.0f} | | | | {len(objects)} |")
 
 
 if __name__ == "__main__":

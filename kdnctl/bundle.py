@@ -248,13 +248,13 @@ def _canonical_header(data: bytes) -> bytes:
 def _parse_header(data: bytes) -> dict[str, Any]:
     if len(data) < 8:
         raise BundleFormatError(f"bundle is truncated ({len(data)} bytes, not even a header length)")
-    (n,) = struct.unpack("<Q", data[:8])
+    (n,) = struct.unpack_from("<Q", data, 0)
     if n > _MAX_HEADER or 8 + n > len(data):
         raise BundleFormatError(
             f"bundle is truncated or not a safetensors file (header length {n}, {len(data)} bytes)"
         )
     try:
-        header = json.loads(data[8 : 8 + n].decode("utf-8"))
+        header = json.loads(bytes(data[8 : 8 + n]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise BundleFormatError("bundle header is not valid safetensors JSON (corrupted?)") from None
     if not isinstance(header, dict):
@@ -291,34 +291,97 @@ def _check_version(meta: dict[str, Any]) -> None:
         )
 
 
-def read_meta(data: bytes) -> dict[str, Any]:
-    """The bundle's meta from its header alone (no tensor is decoded): for listings."""
-    meta, _, _ = _load_meta(_parse_header(bytes(data)))
-    _check_version(meta)
-    return meta
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
+}
 
 
-def decode_bundle(data: bytes, *, expect_fingerprint: str | None = None) -> KVBundle:
+def _unreadable(msg: str) -> BundleFormatError:
+    return BundleFormatError(f"bundle tensors cannot be read (truncated or corrupted): {msg}")
+
+
+def _tensor_views(header: dict[str, Any], buf, n_header: int) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors buffer as zero-copy views into ``buf`` (a writable buffer).
+
+    As strict as the safetensors reader: known dtypes, non-negative integer shapes, each
+    tensor's byte range exactly its size, ranges contiguous from 0 and covering the whole
+    payload (no gaps, no overlaps, no trailing bytes). Views keep ``buf`` alive."""
+    base = 8 + n_header
+    payload = len(buf) - base
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict):
+            raise _unreadable(f"tensor index entry {name!r} is not an object (corrupted?)")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise _unreadable(f"tensor name {name!r} is not valid UTF-8") from None
+        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dt not in _DTYPES:
+            raise _unreadable(f"tensor {name!r} has unknown dtype {dt!r}")
+        if not isinstance(shape, list) or not all(_int(x) and x >= 0 for x in shape):
+            raise _unreadable(f"tensor {name!r} has an invalid shape {shape!r}")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(_int(x) for x in offs) and 0 <= offs[0] <= offs[1]):
+            raise _unreadable(f"tensor {name!r} has invalid data offsets {offs!r}")
+        dtype = _DTYPES[dt]
+        numel = 1
+        for x in shape:
+            numel *= x
+        if offs[1] - offs[0] != numel * dtype.itemsize:
+            raise _unreadable(f"tensor {name!r}: {offs[1] - offs[0]} bytes for shape {shape} {dt} (corrupted?)")
+        entries.append((offs[0], offs[1], name, dtype, shape, numel))
+    entries.sort(key=lambda e: (e[0], e[1]))
+    pos = 0
+    for begin, end, name, *_ in entries:
+        if begin != pos:
+            raise _unreadable(f"tensor {name!r} does not start where the previous one ends (corrupted?)")
+        pos = end
+    if pos != payload:
+        raise _unreadable(
+            f"bundle is truncated or has trailing bytes: the tensor index covers {pos} of {payload} payload bytes"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    for begin, _end, name, dtype, shape, numel in entries:
+        off = base + begin
+        if numel == 0:
+            t = torch.empty(shape, dtype=dtype)
+        elif off % dtype.itemsize:  # misaligned for its dtype: one small copy instead of a view
+            t = torch.frombuffer(bytearray(buf[off : off + numel * dtype.itemsize]), dtype=dtype).view(shape)
+        else:
+            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(shape)
+        tensors[name] = t
+    return tensors
+
+
+def decode_bundle(data, *, expect_fingerprint: str | None = None) -> KVBundle:
     """Parse and validate bundle bytes. Malformed -> BundleFormatError; other model ->
-    ModelMismatchError (only when expect_fingerprint is given)."""
-    if isinstance(data, (bytearray, memoryview)):
-        data = bytes(data)
-    if not isinstance(data, bytes):
+    ModelMismatchError (only when expect_fingerprint is given).
+
+    A writable buffer (``bytearray``, writable ``memoryview``: what ``Store.read_object_checked``
+    returns) is decoded without copying: the tensors are views into it. ``bytes`` are copied
+    once into a private buffer (tensors must not alias immutable memory)."""
+    if isinstance(data, memoryview) and data.readonly:
+        data = bytearray(data)
+    elif isinstance(data, bytes):
+        data = bytearray(data)
+    if not isinstance(data, (bytearray, memoryview)):
         raise BundleFormatError(f"bundle data must be bytes, got {type(data).__name__}")
     header = _parse_header(data)
     meta, meta_json, digest = _load_meta(header)
     # Version first: a future major version may change anything below, including the digest.
     _check_version(meta)
-    from safetensors.torch import load
-
+    (n,) = struct.unpack_from("<Q", data, 0)
+    tensors = _tensor_views(header, data, n)
     try:
-        tensors = load(data)
-    except (KeyboardInterrupt, SystemExit, MemoryError):
-        raise
-    except BaseException as e:  # noqa: BLE001 - pyo3 panics derive from BaseException
-        msg = " ".join(str(e).split())[:200]
-        raise BundleFormatError(f"bundle tensors cannot be read (truncated or corrupted): {msg}") from None
-    if digest is not None and digest != header_digest(meta_json, tensors):
+        computed = header_digest(meta_json, tensors) if digest is not None else None
+    except UnicodeEncodeError:
+        raise BundleFormatError("bundle metadata is not valid UTF-8 (corrupted?)") from None
+    if digest is not None and digest != computed:
         raise BundleFormatError("bundle header checksum mismatch (corrupted metadata or tensor index)")
     _validate(meta, tensors)
     fp = meta["model_fingerprint"]

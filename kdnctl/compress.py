@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from . import sizing
-from .bundle import KVBundle, decode_bundle, encode_bundle, stats_of, tensor_name
+from .bundle import KVBundle, decode_bundle, derived_meta, encode_bundle, stats_of, tensor_name
 from .errors import UnsupportedError, UsageError
 from .kernels.kvcrush import gather_layers
 from .allocate import ALLOCATORS, DEFAULT_ALLOCATOR, Allocator, allocate, get_allocator
@@ -37,7 +37,7 @@ from .quant import get_quantizer
 from .quant.ladder import LadderQuantizer
 from .scoring import DEFAULT_SCORER, NEEDS_MODEL, compute_importance
 from .store import Store
-from .versions import child_recipe, derive_version, derived_meta, existing_version
+from .versions import child_recipe, commit, existing_version, write_derived
 
 
 # The per-layer allocators used to be presses wrapping another press; their old spellings
@@ -166,6 +166,16 @@ def _cat_stats(bundles: list[KVBundle]) -> dict[str, torch.Tensor]:
     return {n: torch.cat([s[n].float() for s in per_chunk], dim=-1) for n in sorted(names)}
 
 
+def _attention_stats(lm, token_ids: list[int], ingest_recipe: dict) -> dict[str, torch.Tensor]:
+    """``window`` and ``accum`` of a document computed after the fact (one prefill)."""
+    from .prefill import prefill
+
+    steps = ingest_recipe.get("steps", [ingest_recipe])
+    window = int(steps[0].get("window", 32)) if steps else 32
+    res = prefill(lm.model, token_ids, stats=("accum", "window"), window=window)
+    return {name: t.float() for name, t in res.stats.items()}
+
+
 def _gather_bias(bias: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """bias [Hq, T] follows the kept tokens of its KV group: idx [Hkv, k] -> [Hq, k]."""
     group = bias.shape[0] // idx.shape[0]
@@ -184,12 +194,32 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
                       label: str | None = None, fingerprint: str | None = None) -> CompressResult:
     t0 = time.perf_counter()
     label = label or recipe.default_label()
-    src = store.get_version(doc_id, source)
-    step = {"source": source, **recipe.as_dict()}
-    done = existing_version(store, doc_id, label, step)
+    done = existing_result(store, doc_id, recipe, source, label)
     if done is not None:
-        return CompressResult(doc_id, label, "unchanged", src.nbytes, done.nbytes)
-    bundles = [decode_bundle(store.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
+        return done
+    src = store.get_version(doc_id, source)
+    record, score_s, extra = build_compressed_version(store, src, recipe, label, source, lm=lm, fingerprint=fingerprint,
+                                                      with_sizes=True)
+    commit(store, record)
+    return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0, score_s,
+                          *extra)
+
+
+def existing_result(store: Store, doc_id: str, recipe: CompressRecipe, source: str, label: str) -> CompressResult | None:
+    """The "unchanged" result when ``label`` already holds this recipe's output (None when it
+    must be made); a label made by another recipe is an error."""
+    src = store.get_version(doc_id, source)
+    done = existing_version(store, doc_id, label, {"source": source, **recipe.as_dict()})
+    return CompressResult(doc_id, label, "unchanged", src.nbytes, done.nbytes) if done is not None else None
+
+
+def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, source: str, *, lm=None,
+                             fingerprint: str | None = None, with_sizes: bool = False):
+    """Read ``src``'s chunks from ``objects`` (a Store or an ObjectDir), write the new version's
+    chunks there and return (its record, not committed; the scorer's seconds)."""
+    doc_id = src.doc_id
+    step = {"source": source, **recipe.as_dict()}
+    bundles = [decode_bundle(objects.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
     if any("quant" in b.meta for b in bundles):
         raise UnsupportedError(f"{doc_id} [{source}] is already quantized", hint="compress from an unquantized version (e.g. full)", param="source")
     if any("positions" not in b.tensors for b in bundles) and (recipe.keep < 1 or recipe.sized):
@@ -209,23 +239,34 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
         stats = _cat_stats(bundles)
         press = recipe.build_press(int(bundles[0].meta.get("header_tokens", 0)))
         allocator = recipe.build_allocator()
+        if recipe.uses_scorer and recipe.scorer in ("accum", "window") and recipe.scorer not in stats \
+                and lm is not None and bounds[0][0] == 0 and src.mode == "prefix":
+            stats.update(_attention_stats(lm, token_ids, src.recipe))  # not recorded at ingest
         t_score = time.perf_counter()  # the scorer alone (model passes): reported apart from selection
         importance = compute_importance(recipe.scorer, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
                                         n_layers=n_layers, n_heads=n_heads) if recipe.uses_scorer \
             else torch.zeros(n_layers, n_heads, len(token_ids))
         score_s = time.perf_counter() - t_score
         ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
-        if recipe.keep < 1 and not recipe.sized:
+        try:
+            if recipe.keep < 1 and not recipe.sized:
+                picks = select_document(press, ctx, allocate(allocator, press, ctx, recipe.keep), local_bounds)
+        except UnsupportedError as exc:
+            # A statistic ingest did not record (``accum`` is opt-in): compute it now from one
+            # prefill of the document, when the model is at hand and the version starts at 0.
+            if lm is None or "statistic" not in exc.message or bounds[0][0] != 0 or src.mode != "prefix":
+                raise UnsupportedError(exc.message, hint="ingest with `--stats all`, or pass --model so compress "
+                                       "can compute it") from None
+            ctx.stats = {**stats, **_attention_stats(lm, token_ids, src.recipe)}
             picks = select_document(press, ctx, allocate(allocator, press, ctx, recipe.keep), local_bounds)
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
     fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
     if recipe.sized:
-        new_tensors, metas, kept, mix = _sized(store, src, label, step, recipe, bundles, dense, keys, values,
+        new_tensors, metas, kept, mix = _sized(src, label, step, recipe, bundles, dense, keys, values,
                                                importance, press, allocator, ctx, local_bounds, fp16)
-        record = derive_version(store, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
-        return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0,
-                              score_s, fp16, kept, mix)
+        record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
+        return (record, score_s, (fp16, kept, mix)) if with_sizes else (record, score_s)
     quantizer = get_quantizer(recipe.quant, group_size=recipe.group_size) if recipe.quant != "none" else None
     new_tensors, metas = [], []
     for c, (b, (ls, le)) in enumerate(zip(bundles, local_bounds)):
@@ -233,9 +274,43 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
                                         if picks is not None else None, quantizer)
         new_tensors.append(tensors)
         metas.append({"quant": qmeta} if qmeta is not None else {})
-    record = derive_version(store, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
-    return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0, score_s,
-                          fp16, recipe.keep)
+    record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
+    return (record, score_s, (fp16, recipe.keep, None)) if with_sizes else (record, score_s)
+
+
+def _chunk_tensors(b: KVBundle, dense: list[tuple[torch.Tensor, torch.Tensor]], picks: list[torch.Tensor] | None,
+                   importance: torch.Tensor | None, quantizer) -> tuple[dict[str, torch.Tensor], dict | None]:
+    """One chunk of the new version: kept K/V (``picks[i]`` = chunk-local kept indices of layer
+    i, None = keep all), their positions and steering bias, quantized when ``quantizer``."""
+    tensors: dict[str, torch.Tensor] = {"token_ids": b.tensors["token_ids"]}
+    qmeta = None
+    start = b.meta["token_start"]
+    if picks is None:
+        if "positions" in b.tensors:
+            tensors["positions"] = b.tensors["positions"]
+    else:  # one gather launch for all layers' K and one for V (kernel dispatch: Triton on CUDA)
+        kept_k = gather_layers([kv[0] for kv in dense], picks)
+        kept_v = gather_layers([kv[1] for kv in dense], picks)
+    for i, (k, v) in enumerate(dense):
+        if picks is not None:
+            idx = picks[i]
+            k, v = kept_k[i], kept_v[i]
+            tensors[tensor_name(i, "positions")] = (idx + start).to(torch.int64)
+            mask = _importance_mask(importance[i], idx)
+        else:
+            if "positions" not in b.tensors:
+                tensors[tensor_name(i, "positions")] = b.layer_positions(i)
+            idx, mask = None, None
+        bias = b.layer(i, "bias")
+        if bias is not None:
+            tensors[tensor_name(i, "bias")] = _gather_bias(bias.float(), idx).half() if idx is not None else bias
+        if quantizer is not None:
+            qt, qmeta = quantizer.quantize_layer(k.float(), v.float(), importance=mask)
+            tensors.update({tensor_name(i, n): t for n, t in qt.items()})
+        else:
+            tensors[tensor_name(i, "keys")] = k.contiguous()
+            tensors[tensor_name(i, "values")] = v.contiguous()
+    return tensors, qmeta
 
 
 def _doc_rows(picks, local_bounds, n_layers: int, n_tokens: int, n_heads: int) -> list[torch.Tensor]:
@@ -245,7 +320,7 @@ def _doc_rows(picks, local_bounds, n_layers: int, n_tokens: int, n_heads: int) -
     return [torch.cat([picks[c][i] + ls for c, (ls, _) in enumerate(local_bounds)], dim=1) for i in range(n_layers)]
 
 
-def _sized(store, src, label, step, recipe, bundles, dense, keys, values, importance, press, allocator, ctx,
+def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, press, allocator, ctx,
            local_bounds, fp16):
     """Size-budgeted chunks: plan tiers (evicting only if forced), encode exactly as the version
     will be written, and tighten the plan until the bytes fit the cap.
@@ -336,38 +411,3 @@ def _ladder_chunk(b: KVBundle, dense, picks, q: LadderQuantizer, maps, offsets: 
     qmeta = q.meta(dense[0][0].shape[-1])
     qmeta["mix"] = sizing.mix(chunk_maps)  # the bundle records its tier mix: `show` prints it
     return tensors, {"quant": qmeta}
-
-
-def _chunk_tensors(b: KVBundle, dense: list[tuple[torch.Tensor, torch.Tensor]], picks: list[torch.Tensor] | None,
-                   importance: torch.Tensor | None, quantizer) -> tuple[dict[str, torch.Tensor], dict | None]:
-    """One chunk of the new version: kept K/V (``picks[i]`` = chunk-local kept indices of layer
-    i, None = keep all), their positions and steering bias, quantized when ``quantizer``."""
-    tensors: dict[str, torch.Tensor] = {"token_ids": b.tensors["token_ids"]}
-    qmeta = None
-    start = b.meta["token_start"]
-    if picks is None:
-        if "positions" in b.tensors:
-            tensors["positions"] = b.tensors["positions"]
-    else:  # one gather launch for all layers' K and one for V (kernel dispatch: Triton on CUDA)
-        kept_k = gather_layers([kv[0] for kv in dense], picks)
-        kept_v = gather_layers([kv[1] for kv in dense], picks)
-    for i, (k, v) in enumerate(dense):
-        if picks is not None:
-            idx = picks[i]
-            k, v = kept_k[i], kept_v[i]
-            tensors[tensor_name(i, "positions")] = (idx + start).to(torch.int64)
-            mask = _importance_mask(importance[i], idx)
-        else:
-            if "positions" not in b.tensors:
-                tensors[tensor_name(i, "positions")] = b.layer_positions(i)
-            idx, mask = None, None
-        bias = b.layer(i, "bias")
-        if bias is not None:
-            tensors[tensor_name(i, "bias")] = _gather_bias(bias.float(), idx).half() if idx is not None else bias
-        if quantizer is not None:
-            qt, qmeta = quantizer.quantize_layer(k.float(), v.float(), importance=mask)
-            tensors.update({tensor_name(i, n): t for n, t in qt.items()})
-        else:
-            tensors[tensor_name(i, "keys")] = k.contiguous()
-            tensors[tensor_name(i, "values")] = v.contiguous()
-    return tensors, qmeta

@@ -53,33 +53,83 @@ def grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: int
     return torch.softmax(logits, dim=-1)
 
 
+ALL_STATS = ("window", "accum", "surprisal")
+
+
+def stat_names(stats) -> frozenset[str]:
+    """``stats`` as given to :func:`prefill`: True = all, False/None = none, or an iterable of names."""
+    if stats is True:
+        return frozenset(ALL_STATS)
+    if not stats:
+        return frozenset()
+    names = frozenset(stats)
+    unknown = sorted(names - set(ALL_STATS))
+    if unknown:
+        from .errors import UsageError
+
+        raise UsageError(f"unknown statistic(s) {unknown}", hint=f"choose from {', '.join(ALL_STATS)}")
+    return names
+
+
 class StatsObserver:
-    """Accumulates ``accum`` and ``window`` statistics from each layer's queries and keys, in
-    query tiles of ``query_tile`` (``reference_stats`` is the spec it must match)."""
+    """Accumulates ``accum`` and/or ``window`` statistics from each layer's queries and keys.
+
+    ``window`` alone needs only the last ``window`` queries' attention: a few rows per layer,
+    computed beside the model's own attention. ``accum`` needs every query's attention; then
+    :meth:`attend` computes the layer's attention output from the SAME probabilities it sums
+    (tile by tile), so the pass runs attention once, not twice."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, n_tokens: int, window: int, device,
-                 query_tile: int = QUERY_TILE):
-        self.accum = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device)
+                 names=("accum", "window"), query_tile: int = QUERY_TILE):
+        self.names = frozenset(names)
+        self.query_tile = query_tile
+        self.accum = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device) if "accum" in self.names else None
         self.window = torch.zeros(n_layers, n_kv_heads, n_tokens, device=device)
         self.window_size = window
         self.n_tokens = n_tokens
-        self.query_tile = query_tile
+
+    @property
+    def computes_output(self) -> bool:
+        return self.accum is not None
+
+    def _tile(self, layer: int, probs: torch.Tensor, past: int, s: int, e: int, kv: int) -> None:
+        if self.accum is not None:
+            self.accum[layer, :, :kv] += probs.sum(dim=(1, 2))
+        lo = max(self.n_tokens - self.window_size - past - s, 0)
+        if lo < e - s:
+            self.window[layer, :, :kv] += probs[:, :, lo:].sum(dim=(1, 2))
+
+    def _finish(self, layer: int, past: int, b: int, groups: int) -> None:
+        if past + b == self.n_tokens:
+            self.window[layer] /= groups * min(self.window_size, self.n_tokens)
 
     def __call__(self, layer: int, query, key, scaling) -> None:
+        # Called when the attention function computes the output itself (e.g. with a bias).
         q, k = query[0], key[0]
         b, kv = q.shape[1], k.shape[1]
         past = kv - b
-        win_start = self.n_tokens - self.window_size
+        # window alone: only the last `window` queries' rows are needed
+        first = 0 if self.accum is not None else min(max(self.n_tokens - self.window_size - past, 0), b)
+        for s in range(first, b, self.query_tile):
+            e = min(b, s + self.query_tile)
+            self._tile(layer, grouped_probs(q[:, s:e], k, scaling, past + s), past, s, e, kv)
+        self._finish(layer, past, b, query.shape[1] // key.shape[1])
+
+    def attend(self, layer: int, query, key, value, scaling) -> torch.Tensor:
+        """Attention output [1, Hq, b, D] from tile-wise softmax probabilities, recording stats."""
+        q, k, v = query[0], key[0], value[0]
+        hq, b, d = q.shape
+        hkv, kv, _ = k.shape
+        g = hq // hkv
+        past = kv - b
+        out = torch.empty(hkv, g, b, v.shape[-1], dtype=torch.float32, device=q.device)
         for s in range(0, b, self.query_tile):
             e = min(b, s + self.query_tile)
-            probs = grouped_probs(q[:, s:e], k, scaling, past + s)
-            self.accum[layer, :, :kv] += probs.sum(dim=(1, 2))
-            lo = max(win_start - past - s, 0)
-            if lo < e - s:
-                self.window[layer, :, :kv] += probs[:, :, lo:].sum(dim=(1, 2))
-        if past + b == self.n_tokens:
-            groups = query.shape[1] // key.shape[1]
-            self.window[layer] /= groups * min(self.window_size, self.n_tokens)
+            probs = grouped_probs(q[:, s:e], k, scaling, past + s)  # [Hkv, g, e-s, kv]
+            self._tile(layer, probs, past, s, e, kv)
+            out[:, :, s:e] = torch.matmul(probs, v.float()[:, None])
+        self._finish(layer, past, b, g)
+        return out.reshape(1, hq, b, -1).to(query.dtype)
 
 
 def _block_bounds(n: int, block: int, min_last: int) -> list[tuple[int, int]]:
@@ -100,7 +150,7 @@ def prefill(
     model,
     token_ids: list[int],
     *,
-    stats: bool = True,
+    stats=True,
     window: int = 32,
     block_tokens: int = 1024,
     on_progress: Callable[[int], None] | None = None,
@@ -109,8 +159,10 @@ def prefill(
 ) -> PrefillResult:
     """Run ``token_ids`` through ``model`` and return KV (+ statistics when ``stats``).
 
-    ``bias``: optional ``{layer: [H_q, T]}`` additive attention bias over the keys (steering).
-    ``block_tokens`` / ``query_tile`` bound memory; results do not depend on them."""
+    ``stats``: True (all of ``window``, ``accum``, ``surprisal``), False, or the names wanted:
+    each costs only what it needs (surprisal: the vocabulary projection of every token, in
+    tiles; window: the last ``window`` queries' attention; accum: attention from the same pass).
+    ``bias``: optional ``{layer: [H_q, T]}`` additive attention bias over the keys (steering)."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
@@ -119,7 +171,10 @@ def prefill(
     n = len(token_ids)
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
     cache = DynamicCache(config=cfg)
-    observer = StatsObserver(n_layers, n_kv, n, window, device, query_tile) if stats else None
+    names = stat_names(stats)
+    attn_names = names & {"window", "accum"}
+    observer = StatsObserver(n_layers, n_kv, n, window, device, attn_names, query_tile) if attn_names else None
+    want_surprisal = "surprisal" in names
     surprisal = torch.zeros(n, dtype=torch.float32)
     last_logits = None
     lm_head = model.get_output_embeddings()
@@ -135,26 +190,30 @@ def prefill(
                 position_ids=torch.arange(s, e, device=device)[None],
             )
             hidden = out.last_hidden_state[0]
-            for hs in range(0, e - s, query_tile):
-                he = min(e - s, hs + query_tile)
-                logits = lm_head(hidden[hs:he]).float()
-                logp = torch.log_softmax(logits, dim=-1)
-                targets = ids[0, s + hs + 1 : s + he + 1]
-                got = logp[: len(targets)].gather(1, targets[:, None])[:, 0]
-                surprisal[s + hs + 1 : s + hs + 1 + len(targets)] = -got.cpu()
-                if s + he == n:
-                    last_logits = logits[-1].cpu()
+            if want_surprisal:
+                for hs in range(0, e - s, query_tile):
+                    he = min(e - s, hs + query_tile)
+                    logits = lm_head(hidden[hs:he]).float()
+                    targets = ids[0, s + hs + 1 : s + he + 1]
+                    # -log p(target) = logsumexp(logits) - logit[target]: no log-softmax tensor
+                    m = len(targets)
+                    got = logits[:m].gather(1, targets[:, None])[:, 0] - torch.logsumexp(logits[:m], dim=-1)
+                    surprisal[s + hs + 1 : s + hs + 1 + m] = -got.cpu()
+                    if s + he == n:
+                        last_logits = logits[-1].cpu()
+            elif e == n:
+                last_logits = lm_head(hidden[-1:]).float()[0].cpu()
             if on_progress:
                 on_progress(e - s)
     keys = [layer.keys[0].detach().clone() for layer in cache.layers]
     values = [layer.values[0].detach().clone() for layer in cache.layers]
     result = PrefillResult(keys, values, last_logits=last_logits)
-    if observer is not None:
-        result.stats = {
-            "window": observer.window.cpu(),
-            "accum": observer.accum.cpu(),
-            "surprisal": surprisal,
-        }
+    if "window" in names:
+        result.stats["window"] = observer.window.cpu()
+    if "accum" in names:
+        result.stats["accum"] = observer.accum.cpu()
+    if want_surprisal:
+        result.stats["surprisal"] = surprisal
     return result
 
 

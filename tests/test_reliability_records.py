@@ -112,7 +112,7 @@ def test_rebuild_catalog_from_bundles_restores_the_catalog(two_docs, lm):
     with Store(two_docs, create=False) as st:
         ingest_documents(st, lm, [_doc("b.md", " ".join(words[70:120]))], IngestOptions(chunk_tokens=16, stats=False))
         with st.writer():
-            compress_document(st, "a.md", CompressRecipe(budget=1.0, quant="int8"), label="q8")
+            compress_document(st, "a.md", CompressRecipe(budget=None, keep=1.0, quant="int8"), label="q8")
         want = st.catalog_dump()
         current = {d.doc_id: d.doc_version for d in st.list_documents()}
     (two_docs / "catalog" / "data.mdb").write_bytes(b"")  # the issue's `truncate -s 0`

@@ -19,6 +19,14 @@ def serve_files(
         None, "--token-file", help="Require bearer tokens: one `TOKEN namespace1,namespace2` per line, `*` = all."),
     max_body: int = typer.Option(4 << 20, "--max-body-bytes", help="Largest accepted request body (lookups)."),
     no_access_log: bool = typer.Option(False, "--no-access-log", help="Do not log every request to stderr."),
+    emit_nginx_config: Optional[Path] = typer.Option(
+        None, "--emit-nginx-config", help="Write an nginx config that fronts this server (nginx sends object bytes "
+        "via X-Accel-Redirect, kdnctl keeps auth and namespaces) and serve with the hand-off on."),
+    nginx_listen: str = typer.Option("8080", "--nginx-listen", help="Where the emitted nginx config listens."),
+    nginx_server_only: bool = typer.Option(False, "--nginx-server-only", help="Emit only the `server` block."),
+    nginx_user: Optional[str] = typer.Option(None, "--nginx-user", help="`user` directive of the emitted config "
+                                             "(the account nginx workers read the objects as)."),
+    x_accel: bool = typer.Option(False, "--x-accel", help="Answer object downloads with X-Accel-Redirect (behind nginx)."),
     header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection may take to send a "
                                          "complete request head (from connect, or after a response)."),
     body_timeout: float = typer.Option(30.0, "--body-timeout", help="Seconds to receive a request body (lookups)."),
@@ -42,8 +50,21 @@ def serve_files(
     root = store_root(store)
     open_store(store).close()  # fail fast, with the usual message, when there is no store
     auth = f"tokens from {token_file}" if token_file else "no authentication"
-    message(f"serving {root} read-only on http://{host}:{port} ({auth}); Ctrl-C stops")
-    serve(root, host, port, token_file, max_body_bytes=max_body, access_log=not no_access_log, limits=limits)
+    accel = None
+    if emit_nginx_config is not None:
+        from ..nginx import ACCEL_PREFIX, write_config
+
+        path = write_config(emit_nginx_config, root, upstream=f"{host}:{port}", listen=nginx_listen,
+                            server_only=nginx_server_only, user=nginx_user)
+        message(f"wrote {path}: run `nginx -c {path.resolve()}`; clients use the nginx address ({nginx_listen})")
+        accel = ACCEL_PREFIX
+    elif x_accel:
+        from ..nginx import ACCEL_PREFIX
+
+        accel = ACCEL_PREFIX
+    message(f"serving {root} read-only on http://{host}:{port} ({auth}{', X-Accel-Redirect' if accel else ''}); Ctrl-C stops")
+    serve(root, host, port, token_file, max_body_bytes=max_body, access_log=not no_access_log, limits=limits,
+          accel_prefix=accel)
 
 
 def pull(

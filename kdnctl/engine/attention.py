@@ -90,9 +90,14 @@ def build_position_mask(
 def kdn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     state = _STATE.get()
     layer = getattr(module, "layer_idx", 0)
-    if state is not None and state.observer is not None:
-        state.observer(layer, query, key, scaling)
     bias = state.bias.get(layer) if state is not None else None
+    if state is not None and state.observer is not None:
+        attend = getattr(state.observer, "attend", None)
+        if attend is not None and bias is None and state.query_positions is None \
+                and getattr(state.observer, "computes_output", False):
+            # statistics from the same attention pass: the observer returns the output too
+            return attend(layer, query, key, value, scaling).transpose(1, 2).contiguous(), None
+        state.observer(layer, query, key, scaling)
     q_len, kv_len = query.shape[2], key.shape[2]
     gqa = query.shape[1] != key.shape[1]
     if state is not None and state.query_positions is not None:

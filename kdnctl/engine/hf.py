@@ -16,15 +16,21 @@ its own key length. A steering edit's bias follows the kept tokens.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
-from ..bundle import KVBundle, decode_bundle
+from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..store import ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
+from .dequant import FAST_SCHEMES, dequantize_into
+
+CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
 
 @dataclass
@@ -38,6 +44,9 @@ class LoadedContext:
     doc_id: str | None = None
     load_s: float = 0.0
     nbytes: int = 0
+    # Per layer (kbuf, vbuf) [1, H_kv, T_l + room, D] of which keys[l]/values[l] are the first
+    # T_l tokens (set by the loader); the first cache built over them writes new tokens in place.
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -47,63 +56,194 @@ class LoadedContext:
     def kept_tokens(self) -> float:
         return sum(k.shape[2] for k in self.keys) / len(self.keys)
 
-    def make_cache(self, config):
-        from transformers import DynamicCache
+    def make_cache(self, config, room: int = CACHE_ROOM):
+        """A cache over this context. The first one built uses the loader's buffers directly
+        (no copy); later ones (another question over the same context) copy once into fresh
+        buffers, so two caches never write into the same memory."""
+        from .kvcache import cache_over, prealloc_buffers
 
-        return DynamicCache(ddp_cache_data=list(zip(self.keys, self.values)), config=config)
+        layers = []
+        claim = self.buffers is not None
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            own = self.buffers[i] if claim else None
+            if own is not None and _is_prefix_view(own, k, v):
+                layers.append((own[0], own[1], k.shape[2]))
+            else:
+                kb, vb = prealloc_buffers(k, v, room)
+                layers.append((kb, vb, k.shape[2]))
+        self.buffers = None  # handed out: the next cache copies
+        return cache_over(config, layers)
 
 
-def context_from_bundles(lm, bundles: list[KVBundle], *, label: str = "full", doc_id: str | None = None) -> LoadedContext:
-    """Concatenate chunk bundles (in order) into one context for ``lm``."""
+def _is_prefix_view(own, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """``k``/``v`` are exactly the first tokens of the buffers ``own`` (nobody replaced them)."""
+    kb, vb = own
+    return (k.data_ptr() == kb.data_ptr() and v.data_ptr() == vb.data_ptr() and k.shape[:2] == kb.shape[:2]
+            and k.shape[3] == kb.shape[3] and k.stride() == kb.stride() and v.stride() == vb.stride()
+            and k.shape == v.shape and k.shape[2] <= kb.shape[2])
+
+
+@dataclass
+class LoadProfile:
+    """Seconds spent in each step of a load, summed over chunks (with ``workers=1`` the sum is
+    the wall time; with more workers steps overlap and ``wall`` is what a user waits)."""
+
+    read: float = 0.0
+    hash: float = 0.0
+    decode: float = 0.0
+    dequantize: float = 0.0
+    place: float = 0.0  # copy (and dtype cast) of each chunk into the preallocated cache
+    wall: float = 0.0
+    nbytes: int = 0
+
+    def add(self, name: str, t0: float) -> float:
+        now = time.perf_counter()
+        setattr(self, name, getattr(self, name) + now - t0)
+        return now
+
+
+def _default_workers(n: int) -> int:
+    return max(1, min(n, os.cpu_count() or 1, 8))
+
+
+def context_from_bundles(lm, bundles: list[KVBundle], *, label: str = "full", doc_id: str | None = None,
+                         room: int = CACHE_ROOM, workers: int = 1, profile: LoadProfile | None = None) -> LoadedContext:
+    """Chunk bundles (in order) -> one context for ``lm``: each layer's K/V is allocated once
+    (context length plus ``room`` spare tokens) and every chunk is copied (cast, dequantized)
+    straight into its slice: no concatenation, no intermediate whole-context tensors."""
     if not bundles:
         raise NotFoundError("no chunks to load")
     device, dtype = lm.device, lm.dtype
     n_layers = bundles[0].n_layers
-    keys, values, bias = [], [], {}
+    lens = [[b.layer_len(i) for i in range(n_layers)] for b in bundles]
+    h_kv, d = int(bundles[0].meta["model"]["n_kv_heads"]), int(bundles[0].meta["model"]["head_dim"])
+    bufs, offsets = [], []
+    for i in range(n_layers):
+        total = sum(lb[i] for lb in lens)
+        bufs.append((torch.empty(1, h_kv, total + room, d, device=device, dtype=dtype),
+                     torch.empty(1, h_kv, total + room, d, device=device, dtype=dtype)))
+    starts = [[0] * n_layers]
+    for lb in lens[:-1]:
+        starts.append([s + t for s, t in zip(starts[-1], lb)])
+    offsets = starts
+
+    def place(c: int) -> None:
+        b, prof = bundles[c], LoadProfile()
+        quant = b.meta.get("quant") or {}
+        fast = quant.get("scheme") in FAST_SCHEMES
+        for i in range(n_layers):
+            t0 = time.perf_counter()
+            s, t = offsets[c][i], lens[c][i]
+            if fast and b.is_quantized(i):  # straight into the cache slice
+                dequantize_into(bufs[i][0][0, :, s : s + t], b.tensors, tensor_name(i, "keys"), quant)
+                dequantize_into(bufs[i][1][0, :, s : s + t], b.tensors, tensor_name(i, "values"), quant)
+                prof.add("dequantize", t0)
+                continue
+            k, v = b.layer_kv(i)
+            if b.is_quantized(i):
+                t0 = prof.add("dequantize", t0)
+            bufs[i][0][0, :, s : s + t].copy_(k)
+            bufs[i][1][0, :, s : s + t].copy_(v)
+            prof.add("place", t0)
+        if profile is not None:
+            with _PROFILE_LOCK:
+                profile.dequantize += prof.dequantize
+                profile.place += prof.place
+
+    _run(place, range(len(bundles)), workers)
+    totals = [sum(lb[i] for lb in lens) for i in range(n_layers)]
+    keys = [bufs[i][0][:, :, : totals[i]] for i in range(n_layers)]
+    values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
+    bias = {}
     for layer in range(n_layers):
-        ks, vs, bs = [], [], []
-        for b in bundles:
-            k, v = b.layer_kv(layer)
-            ks.append(k)
-            vs.append(v)
-            if b.layer(layer, "bias") is not None:
-                bs.append(b.layer(layer, "bias").float())
-            elif any(o.layer(layer, "bias") is not None for o in bundles):
-                bs.append(torch.zeros(lm.summary["n_q_heads"], k.shape[1]))
-        keys.append(torch.cat(ks, dim=1)[None].to(device=device, dtype=dtype))
-        values.append(torch.cat(vs, dim=1)[None].to(device=device, dtype=dtype))
-        if bs:
+        if any(b.layer(layer, "bias") is not None for b in bundles):
+            bs = [b.layer(layer, "bias").float() if b.layer(layer, "bias") is not None
+                  else torch.zeros(lm.summary["n_q_heads"], lens[c][layer]) for c, b in enumerate(bundles)]
             bias[layer] = torch.cat(bs, dim=1).to(device=device, dtype=dtype)
     token_ids: list[int] = []
     for b in bundles:
-        token_ids.extend(int(t) for t in b.token_ids.tolist())
+        token_ids.extend(b.token_ids.tolist())
     next_position = int(bundles[-1].meta["token_end"])
-    return LoadedContext(keys, values, next_position, token_ids, bias, label, doc_id)
+    ctx = LoadedContext(keys, values, next_position, token_ids, bias, label, doc_id)
+    ctx.buffers = bufs
+    return ctx
 
 
-def _read_bundles(lm, store: ReadStore, hits) -> tuple[list[KVBundle], int]:
-    """Decode the chunks of ``hits`` ((version, chunk) pairs); each bundle's own metadata must
-    match the record that points at it (a record aimed at another document's chunk is refused)."""
-    bundles, nbytes = [], 0
-    for version, ref in hits:
-        data = store.read_object(ref.object)
-        nbytes += len(data)
+_PROFILE_LOCK = threading.Lock()
+
+
+def _run(fn, items, workers: int) -> list:
+    items = list(items)
+    if workers <= 1 or len(items) <= 1:
+        return [fn(x) for x in items]
+    with ThreadPoolExecutor(max_workers=min(workers, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def _read_bundles(lm, store: ReadStore, hits, *, workers: int = 1,
+                  profile: LoadProfile | None = None) -> tuple[list[KVBundle], int]:
+    """Read, check (every byte, before decoding) and decode the chunks of ``hits`` ((version,
+    chunk) pairs) in parallel threads (file reads and hashing release the GIL); each bundle's own
+    metadata must match the record that points at it (a record aimed at another document's
+    chunk is refused)."""
+    checked = hasattr(store, "read_object_checked")
+
+    def one(hit):
+        version, ref = hit
+        prof = LoadProfile()
+        t0 = time.perf_counter()
+        if checked:
+            from ..fastread import check_bytes, read_into
+
+            data = read_into(store.object_path(ref.object))
+            t0 = prof.add("read", t0)
+            check_bytes(data, ref.object, getattr(ref, "blake3", None))
+            t0 = prof.add("hash", t0)
+        else:  # a remote store: its read_object verifies
+            data = store.read_object(ref.object)
+            t0 = prof.add("read", t0)
         b = decode_bundle(data, expect_fingerprint=lm.fingerprint)
         why = bundle_mismatch(version, ref, b.meta)
         if why:
             raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
                                     hint="run `kdnctl verify`; the version record is damaged or was tampered with")
-        bundles.append(b)
-    return bundles, nbytes
+        prof.add("decode", t0)
+        if profile is not None:
+            with _PROFILE_LOCK:
+                profile.read += prof.read
+                profile.hash += prof.hash
+                profile.decode += prof.decode
+        return b, len(data)
+
+    out = _run(one, hits, workers)
+    return [b for b, _ in out], sum(n for _, n in out)
 
 
-def load_document(lm, store: ReadStore, doc_id: str, label: str = "full", doc_version: str | None = None) -> LoadedContext:
+def load_chunks(lm, store: ReadStore, hits, *, label: str = "full", doc_id: str | None = None,
+                workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
+    """(version, chunk) hits -> a context (read + check + decode in parallel, then placement)."""
+    t = time.perf_counter()
+    workers = _default_workers(len(hits)) if workers is None else workers
+    bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
+    ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=workers, profile=profile)
+    ctx.load_s = time.perf_counter() - t
+    ctx.nbytes = nbytes
+    if profile is not None:
+        profile.wall += ctx.load_s
+        profile.nbytes += nbytes
+    return ctx
+
+
+def load_document(lm, store: ReadStore, doc_id: str, label: str = "full", doc_version: str | None = None, *,
+                  workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
     """Load every chunk of a stored document version into a context for ``lm``."""
     t = time.perf_counter()
-    return load_version(lm, store, store.get_version(doc_id, label, doc_version), t0=t)
+    return load_version(lm, store, store.get_version(doc_id, label, doc_version), t0=t, workers=workers,
+                        profile=profile)
 
 
-def load_version(lm, store: ReadStore, version, *, t0: float | None = None) -> LoadedContext:
+def load_version(lm, store: ReadStore, version, *, t0: float | None = None, workers: int | None = None,
+                 profile: LoadProfile | None = None) -> LoadedContext:
     """Load a version record a caller already holds (``load_document`` looks it up)."""
     t = time.perf_counter() if t0 is None else t0
     doc_id, label = version.doc_id, version.label
@@ -115,7 +255,8 @@ def load_version(lm, store: ReadStore, version, *, t0: float | None = None) -> L
             f"the loaded model is {lm.fingerprint[:12]}"
         )
     try:
-        bundles, nbytes = _read_bundles(lm, store, [(version, c) for c in version.chunks])
+        ctx = load_chunks(lm, store, [(version, c) for c in version.chunks], label=label, doc_id=doc_id,
+                          workers=workers, profile=profile)
     except StoreCorruptError as exc:
         # a missing object of a version that is no longer current was reclaimed by gc (after its
         # grace period): the store is healthy, the load was just slower than the grace period
@@ -123,9 +264,7 @@ def load_version(lm, store: ReadStore, version, *, t0: float | None = None) -> L
             raise NotFoundError(f"{doc_id} [{label}] changed while it was being loaded (a newer version replaced "
                                 "it and gc reclaimed the old one)", hint="retry the load") from None
         raise
-    ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id)
     ctx.load_s = time.perf_counter() - t
-    ctx.nbytes = nbytes
     return ctx
 
 
@@ -159,10 +298,8 @@ def load_prefix(lm, store: ReadStore, token_ids: list[int], label: str = "full",
     refs, matched = best
     if not refs:
         return None, 0
-    bundles, nbytes = _read_bundles(lm, store, refs)
-    ctx = context_from_bundles(lm, bundles, label=label)
+    ctx = load_chunks(lm, store, refs, label=label)
     ctx.load_s = time.perf_counter() - t
-    ctx.nbytes = nbytes
     return ctx, matched
 
 
@@ -185,8 +322,12 @@ def stop_ids(tokenizer) -> set[int]:
 
 
 @torch.inference_mode()
-def forward_suffix(lm, ctx: LoadedContext | None, suffix_ids: list[int]):
-    """Run ``suffix_ids`` after the cached context; returns (logits [q, V], cache)."""
+def forward_suffix(lm, ctx: LoadedContext | None, suffix_ids: list[int], *, last_only: bool = False):
+    """Run ``suffix_ids`` after the cached context; returns (logits [q, V], cache).
+
+    ``last_only``: compute the vocabulary projection for the last token only (``[1, V]``):
+    all a next-token prediction needs, and the full projection costs more than the layers
+    for a short suffix."""
     from transformers import DynamicCache
 
     model = lm.model
@@ -195,7 +336,8 @@ def forward_suffix(lm, ctx: LoadedContext | None, suffix_ids: list[int]):
     ids = torch.tensor([suffix_ids], device=lm.device)
     pos = torch.arange(start, start + len(suffix_ids), device=lm.device)[None]
     with kdn_attention(model, AttentionState(bias=dict(ctx.bias) if ctx else {})):
-        out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+        out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+                    logits_to_keep=1 if last_only else 0)
     return out.logits[0].float(), out.past_key_values
 
 
@@ -207,7 +349,7 @@ def generate(lm, ctx: LoadedContext | None, suffix_ids: list[int], *, max_new_to
     started its clock before loading the bundles gets load + suffix prefill."""
     t0 = time.perf_counter() if t0 is None else t0
     model = lm.model
-    logits, cache = forward_suffix(lm, ctx, suffix_ids)
+    logits, cache = forward_suffix(lm, ctx, suffix_ids, last_only=True)
     first_logits = logits[-1]
     ttft = time.perf_counter() - t0
     stops = stop_ids(lm.tokenizer)

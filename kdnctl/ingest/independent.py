@@ -177,7 +177,7 @@ class _Ctx:
         if found is not None:
             self.report.chunks_reused += 1
         else:
-            result = prefill(self.lm.model, self.header_ids + ids, stats=self.opts.stats,
+            result = prefill(self.lm.model, self.header_ids + ids, stats=self.opts.stats_wanted,
                              window=self.opts.window, block_tokens=self.opts.block_tokens)
             b = _bundle(self.lm, ids, result, h, chash=chash, role="chunk", header_hash=self.header_hash,
                         text=self.lm.tokenizer.decode(ids), recipe=self.recipe)

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes
+import torch
+
+from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes, tensor_name
 from ..chunking import chain_hashes, chunk_bounds
 from ..corpus import Document, Skipped, read_corpus
 from ..errors import UsageError
@@ -22,6 +24,13 @@ from ..prompting import PromptFormat
 from ..store import DocumentRecord, Store, VersionRecord
 from ..versions import commit, write_chunks
 
+# What the default recipe needs (the hybrid scorer: surprisal; snapkv: the last window's
+# attention, which costs a few query rows). ``accum`` (every query's attention, for h2o and
+# adaptive budgets) is opt-in with ``--stats all``, or computed later by ``kdnctl compress``
+# when a press asks for it (one extra prefill, see kdnctl.compress).
+DEFAULT_STATS = ("surprisal", "window")
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 @dataclass
 class IngestOptions:
@@ -29,13 +38,38 @@ class IngestOptions:
     window: int = 32
     stats: bool = True
     block_tokens: int = 1024
+    stat_names: tuple[str, ...] = DEFAULT_STATS  # which statistics when ``stats``
+    kv_dtype: str | None = None  # stored K/V dtype; None = the model's dtype
 
     def __post_init__(self) -> None:
+        from ..prefill import stat_names
+
         if self.chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
+        self.stat_names = tuple(sorted(stat_names(self.stat_names)))
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+    @property
+    def stats_wanted(self) -> tuple[str, ...]:
+        return self.stat_names if self.stats else ()
 
     def recipe(self) -> dict:
-        return {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
+        r = {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
+        if self.stats:
+            r["stat_names"] = list(self.stat_names)
+        if self.kv_dtype is not None:
+            r["kv_dtype"] = self.kv_dtype
+        return r
+
+    def version_key(self) -> str:
+        """What, beyond text/model/header, the stored bytes depend on (for ``doc_version_for``)."""
+        key = f"{self.chunk_tokens}|{self.window}|{self.stats}"
+        if self.stats and tuple(self.stat_names) != tuple(sorted(("accum", "surprisal", "window"))):
+            key += "|" + ",".join(self.stat_names)
+        if self.kv_dtype is not None:
+            key += f"|kv={self.kv_dtype}"
+        return key
 
 
 @dataclass
@@ -48,11 +82,22 @@ class IngestReport:
     seconds: float = 0.0
     kv_bytes: int = 0
     stats_bytes: int = 0
+    prefill_seconds: float = 0.0  # the forward pass with its statistics
+    write_seconds: float = 0.0  # bundles: slice, encode, hash, write + fsync
 
     def count_bytes(self, bundles: list[KVBundle]) -> None:
         for b in bundles:
             self.kv_bytes += tensor_bytes(b.tensors, "layers.")
             self.stats_bytes += tensor_bytes(b.tensors, STATS_PREFIX)
+
+    def add(self, seg: "SegmentResult") -> None:
+        """Count a committed segment."""
+        self.ingested.append(seg.record.doc_id)
+        self.tokens += seg.tokens
+        self.kv_bytes += seg.kv_bytes
+        self.stats_bytes += seg.stats_bytes
+        self.prefill_seconds += seg.prefill_seconds
+        self.write_seconds += seg.write_seconds
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,7 +119,7 @@ class IngestReport:
 
 def doc_version_for(doc: Document, fingerprint: str, opts: IngestOptions, header: str) -> str:
     """A document version is what its bundles depend on: text, model, chunking and prompt header."""
-    key = f"{doc.content_sha256}|{fingerprint}|{opts.chunk_tokens}|{opts.window}|{opts.stats}|{header}"
+    key = f"{doc.content_sha256}|{fingerprint}|{opts.version_key()}|{header}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -94,9 +139,15 @@ def build_chunk_bundles(
 ) -> list[KVBundle]:
     bounds = chunk_bounds(len(token_ids), opts.chunk_tokens)
     hashes = chain_hashes(token_ids, opts.chunk_tokens, lm.fingerprint)
+    kv_dtype = KV_DTYPES[opts.kv_dtype] if opts.kv_dtype else None
     bundles = []
     for index, ((s, e), h) in enumerate(zip(bounds, hashes)):
         tensors = chunk_tensors(result, s, e, token_ids[s:e], s)
+        if kv_dtype is not None:  # --kv-dtype: the stored K/V dtype
+            for layer in range(len(result.keys)):
+                for role in ("keys", "values"):
+                    name = tensor_name(layer, role)
+                    tensors[name] = tensors[name].to(kv_dtype)
         meta = make_meta(
             model_fingerprint=lm.fingerprint,
             model=lm.summary,
@@ -110,12 +161,80 @@ def build_chunk_bundles(
             label="full",
             parent=None,
             recipe=recipe,
-            dtype=lm.summary["dtype"],
+            dtype=opts.kv_dtype or lm.summary["dtype"],
             mode="prefix",
             header_tokens=header_tokens,
         )
         bundles.append(KVBundle(meta=meta, tensors=tensors))
     return bundles
+
+
+@dataclass
+class Segment:
+    """What one catalog document is made of: a whole document, or one segment of a document
+    longer than the model's context (``doc#1``, ``doc#2`` ...)."""
+
+    seg_id: str
+    doc_version: str
+    token_ids: list[int]
+    header_tokens: int
+    text: str
+
+
+@dataclass
+class SegmentResult:
+    """A segment whose objects are written; ``record`` and ``version`` await one catalog commit."""
+
+    record: DocumentRecord
+    version: VersionRecord
+    tokens: int
+    kv_bytes: int
+    stats_bytes: int
+    prefill_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+def document_segments(lm, fmt: PromptFormat, doc: Document, opts: IngestOptions) -> list[Segment]:
+    ids, n_header = fmt.document_ids(lm.tokenizer, doc.text)
+    segments = _segments(ids, n_header, lm.summary.get("max_positions"))
+    version = doc_version_for(doc, lm.fingerprint, opts, fmt.header)
+    out = []
+    for seg_index, seg_ids in enumerate(segments):
+        seg_id = doc.doc_id if len(segments) == 1 else f"{doc.doc_id}#{seg_index + 1}"
+        text = doc.text if len(segments) == 1 else lm.tokenizer.decode(seg_ids[n_header:])
+        out.append(Segment(seg_id, version, seg_ids, n_header, text))
+    return out
+
+
+def is_current(store, seg_id: str, doc_version: str) -> bool:
+    """This segment is already committed at this version (re-running skips it)."""
+    if any(d.doc_version == doc_version for d in store.document_history(seg_id)):
+        return store.get_document(seg_id).doc_version == doc_version
+    return False
+
+
+def write_segment(objects, lm, doc: Document, seg: Segment, opts: IngestOptions, *,
+                  on_progress: Callable[[int], None] | None = None) -> SegmentResult:
+    """Prefill one segment and put its chunk bundles and text into ``objects`` (a Store or an
+    ObjectDir); no catalog access, so a worker process can run it and a driver commit it."""
+    recipe = opts.recipe()
+    t_pass = time.perf_counter()
+    result = prefill(lm.model, seg.token_ids, stats=opts.stats_wanted, window=opts.window,
+                     block_tokens=opts.block_tokens, on_progress=on_progress)
+    t_write = time.perf_counter()
+    bundles = build_chunk_bundles(lm, seg.seg_id, seg.doc_version, seg.token_ids, result, opts, recipe,
+                                  seg.header_tokens)
+    chunks = write_chunks(objects, bundles)
+    sizes = IngestReport()
+    sizes.count_bytes(bundles)
+    text_sha = objects.put_object(seg.text.encode("utf-8"))
+    now = time.time()
+    n = len(seg.token_ids)
+    record = DocumentRecord(seg.seg_id, seg.doc_version, doc.content_sha256, doc.source, n,
+                            lm.fingerprint, text_sha, now)
+    vrec = VersionRecord(seg.seg_id, seg.doc_version, "full", None, recipe, lm.fingerprint, chunks, now, n, "prefix")
+    return SegmentResult(record, vrec, n, sizes.kv_bytes, sizes.stats_bytes,
+                         prefill_seconds=t_write - t_pass, write_seconds=time.perf_counter() - t_write)
 
 
 def ingest_documents(
@@ -129,39 +248,20 @@ def ingest_documents(
 ) -> IngestReport:
     report = IngestReport()
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
-    recipe = opts.recipe()
     t0 = time.perf_counter()
     with store.writer():
         for doc in docs:
-            ids, n_header = fmt.document_ids(lm.tokenizer, doc.text)
-            segments = _segments(ids, n_header, lm.summary.get("max_positions"))
-            for seg_index, seg_ids in enumerate(segments):
-                seg_id = doc.doc_id if len(segments) == 1 else f"{doc.doc_id}#{seg_index + 1}"
-                version = doc_version_for(doc, lm.fingerprint, opts, fmt.header)
-                if any(d.doc_version == version for d in store.document_history(seg_id)):
-                    current = store.get_document(seg_id)
-                    if current.doc_version == version:
-                        report.unchanged.append(seg_id)
-                        if on_progress:
-                            on_progress(len(seg_ids))
-                        continue
-                result = prefill(lm.model, seg_ids, stats=opts.stats, window=opts.window,
-                                 block_tokens=opts.block_tokens, on_progress=on_progress)
-                bundles = build_chunk_bundles(lm, seg_id, version, seg_ids, result, opts, recipe, n_header)
-                chunks = write_chunks(store, bundles)
-                report.count_bytes(bundles)
-                text = doc.text if len(segments) == 1 else lm.tokenizer.decode(seg_ids[n_header:])
-                text_sha = store.put_object(text.encode("utf-8"))
-                now = time.time()
-                record = DocumentRecord(seg_id, version, doc.content_sha256, doc.source, len(seg_ids),
-                                        lm.fingerprint, text_sha, now)
-                vrec = VersionRecord(seg_id, version, "full", None, recipe, lm.fingerprint, chunks, now,
-                                     len(seg_ids), "prefix")
-                commit(store, vrec, record)
-                report.ingested.append(seg_id)
-                report.tokens += len(seg_ids)
+            for seg in document_segments(lm, fmt, doc, opts):
+                if is_current(store, seg.seg_id, seg.doc_version):
+                    report.unchanged.append(seg.seg_id)
+                    if on_progress:
+                        on_progress(len(seg.token_ids))
+                    continue
+                res = write_segment(store, lm, doc, seg, opts, on_progress=on_progress)
+                commit(store, res.version, res.record)
+                report.add(res)
                 if on_doc:
-                    on_doc(seg_id, "ingested")
+                    on_doc(seg.seg_id, "ingested")
     report.seconds = time.perf_counter() - t0
     return report
 

@@ -97,7 +97,8 @@ def find_chunk(store: Store, access: Access, fingerprint: str, label: str, chain
 
 
 def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | None = None,
-               *, max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None) -> Starlette:
+               *, max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
+               accel_prefix: str | None = None) -> Starlette:
     """The ASGI app serving ``store_root`` read-only. ``tokens``: token -> namespace grants
     (``["*"]`` = all); None = no authentication. Raises NotFoundError if there is no store."""
     if tokens is not None and not tokens:
@@ -250,6 +251,11 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         inm = request.headers.get("if-none-match")
         if inm is not None and etag_matches(inm, etag):
             return Response(status_code=304, headers=headers)
+        if accel_prefix is not None:  # nginx sends the bytes (ranges too): kdnctl/nginx.py
+            from ..nginx import accel_path
+
+            headers.pop("content-type")
+            return Response(status_code=200, headers={**headers, "x-accel-redirect": accel_path(sha, accel_prefix)})
         start, end, status = 0, st.st_size, 200
         rng = request.headers.get("range")
         if_range = request.headers.get("if-range")

@@ -51,6 +51,7 @@ class Store(CatalogReader, Maintenance):
         self.lock_path = self.root / "write.lock"
         self._lock_fd: int | None = None
         self._lock_depth = 0
+        self._blake3_of: dict[str, str] = {}  # sha256 -> BLAKE3 of objects written by this process
         self._closed = True
         if not (self.catalog_dir / "data.mdb").exists():
             self._create_or_refuse(create)
@@ -153,6 +154,7 @@ class Store(CatalogReader, Maintenance):
     def put_object(self, data: bytes) -> str:
         data = bytes(data)
         sha = hashlib.sha256(data).hexdigest()
+        self._remember_blake3(sha, data)
         final = self.object_path(sha)
         # Idempotent; but a damaged copy of the same content is replaced, not trusted.
         if final.is_file() and hash_file(final) == sha:
@@ -173,6 +175,21 @@ class Store(CatalogReader, Maintenance):
         finally:
             tmp.unlink(missing_ok=True)
         return sha
+
+    def _remember_blake3(self, sha: str, data: bytes) -> None:
+        from ..fastread import blake3_hex
+
+        digest = blake3_hex(data)
+        if digest is not None:
+            self._blake3_of[sha] = digest
+
+    def read_object_checked(self, sha: str, blake3: str | None = None) -> bytearray:
+        """The object's bytes in one writable buffer (zero-copy tensor views can point into
+        it), every byte checked before return: against ``blake3`` when the catalog recorded it
+        (several GB/s), else against the sha256 name (kdnctl/fastread.py)."""
+        from ..fastread import read_verified
+
+        return read_verified(self.object_path(sha), sha, blake3)
 
     def read_object(self, sha: str, *, verify: bool = True) -> bytes:
         path = self.object_path(sha)
@@ -213,6 +230,9 @@ class Store(CatalogReader, Maintenance):
             # objects the new record no longer uses stay for gc's grace period (readers may hold them)
             for sha in {c.object for c in o.chunks} - {c.object for c in v.chunks}:
                 txn.put(cat.key("released", sha), dumps_json({"created": now}), db=self._db["meta"])
+        for c in v.chunks:  # fast-read digests of objects this process wrote (kdnctl/fastread.py)
+            if c.blake3 is None:
+                c.blake3 = self._blake3_of.get(c.object)
         txn.put(vkey, seal_record(v), db=self._db["versions"])
         for c in v.chunks:
             pkey = cat.key(v.fingerprint, v.label, c.chain_hash, v.doc_id, v.doc_version)
@@ -232,37 +252,51 @@ class Store(CatalogReader, Maintenance):
 
     def commit_document(self, doc: DocumentRecord, version: VersionRecord) -> None:
         """Record a document version (made current) and its first label, in one txn."""
+        self.commit_documents([(doc, version)])
+
+    def commit_documents(self, items: list[tuple[DocumentRecord, VersionRecord]]) -> None:
+        """Several ``commit_document`` records in ONE txn (all or none), e.g. a driver
+        committing a batch of documents whose objects its workers wrote (kdnctl/distributed)."""
         import time
 
         self._require_writer("commit_document")
-        check_id("doc_id", doc.doc_id)
-        check_id("doc_version", doc.doc_version)
-        self._check_new(DocumentRecord, doc)
-        self._check_version_record(version)
-        if (version.doc_id, version.doc_version) != (doc.doc_id, doc.doc_version):
-            raise UsageError("commit_document: the version belongs to a different document version")
-        self._check_objects([doc.text_object] + [c.object for c in version.chunks], f"document {doc.doc_id}")
+        for doc, version in items:
+            check_id("doc_id", doc.doc_id)
+            check_id("doc_version", doc.doc_version)
+            self._check_new(DocumentRecord, doc)
+            self._check_version_record(version)
+            if (version.doc_id, version.doc_version) != (doc.doc_id, doc.doc_version):
+                raise UsageError("commit_document: the version belongs to a different document version")
+            self._check_objects([doc.text_object] + [c.object for c in version.chunks], f"document {doc.doc_id}")
         now = time.time()
         with self._env.begin(write=True) as txn:
-            prev = self._current(txn, doc.doc_id)
-            if prev is not None and prev != doc.doc_version:  # superseded now: gc's grace starts
-                txn.put(cat.key("retired", doc.doc_id, prev), dumps_json({"created": now}), db=self._db["meta"])
-            txn.delete(cat.key("retired", doc.doc_id, doc.doc_version), db=self._db["meta"])
-            txn.put(cat.key(doc.doc_id, doc.doc_version), seal_record(doc), db=self._db["docs"])
-            txn.put(cat.key(doc.doc_id), dumps_json(doc.doc_version), db=self._db["current"])
-            self._put_version(txn, version, now)
+            for doc, version in items:
+                prev = self._current(txn, doc.doc_id)
+                if prev is not None and prev != doc.doc_version:  # superseded now: gc's grace starts
+                    txn.put(cat.key("retired", doc.doc_id, prev), dumps_json({"created": now}), db=self._db["meta"])
+                txn.delete(cat.key("retired", doc.doc_id, doc.doc_version), db=self._db["meta"])
+                txn.put(cat.key(doc.doc_id, doc.doc_version), seal_record(doc), db=self._db["docs"])
+                txn.put(cat.key(doc.doc_id), dumps_json(doc.doc_version), db=self._db["current"])
+                self._put_version(txn, version, now)
 
     def commit_version(self, version: VersionRecord) -> None:
         """Add (or replace) a label of an existing document version, in one txn."""
+        self.commit_versions([version])
+
+    def commit_versions(self, versions: list[VersionRecord]) -> None:
+        """Several ``commit_version`` records in ONE txn (all or none)."""
         import time
 
         self._require_writer("commit_version")
-        self._check_version_record(version)
-        self._check_objects([c.object for c in version.chunks], f"version {version.doc_id}/{version.label}")
+        for version in versions:
+            self._check_version_record(version)
+            self._check_objects([c.object for c in version.chunks], f"version {version.doc_id}/{version.label}")
+        now = time.time()
         with self._env.begin(write=True) as txn:
-            if txn.get(cat.key(version.doc_id, version.doc_version), db=self._db["docs"]) is None:
-                raise NotFoundError(f"document {version.doc_id} version {version.doc_version} is not in the store")
-            self._put_version(txn, version, time.time())
+            for version in versions:
+                if txn.get(cat.key(version.doc_id, version.doc_version), db=self._db["docs"]) is None:
+                    raise NotFoundError(f"document {version.doc_id} version {version.doc_version} is not in the store")
+                self._put_version(txn, version, now)
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document: it stops being current; `gc` then reclaims its data after the grace period."""
@@ -277,3 +311,22 @@ class Store(CatalogReader, Maintenance):
             txn.delete(k, db=self._db["current"])
             txn.put(cat.key("retired", doc_id, prev), dumps_json({"created": time.time()}), db=self._db["meta"])
 
+
+class ObjectDir:
+    """The objects/ half of a store without its LMDB catalog: what a worker process on another
+    host writes into (a filesystem every worker mounts; kdnctl/distributed). No lock is needed:
+    objects are content-addressed and written temp + fsync + rename, so concurrent writers and
+    retries are harmless. The same object methods as ``Store``; only the catalog's one writer
+    commits references to them."""
+
+    object_path = Store.object_path
+    has_object = Store.has_object
+    put_object = Store.put_object
+    read_object = Store.read_object
+    read_object_head = Store.read_object_head
+
+    def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike):
+        self.objects_dir, self.tmp_dir = Path(objects_dir), Path(tmp_dir)
+        if not self.objects_dir.is_dir():
+            raise NotFoundError(f"object directory {self.objects_dir} does not exist on this host",
+                                hint="every worker must mount the store's objects/ at the same path")

@@ -65,6 +65,9 @@ class ChunkRef:
     token_end: int
     chain_hash: str
     nbytes: int
+    # BLAKE3 of the object's bytes, recorded at write time beside its sha256 name (issue 15): a
+    # reader that has it checks every byte at BLAKE3 speed; older catalogs simply lack it.
+    blake3: str | None = None
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "chunk") -> "ChunkRef":
@@ -72,7 +75,10 @@ class ChunkRef:
         index = f.int("index", minimum=HEADER_INDEX)
         start = f.int("token_start")
         end = f.int("token_end", minimum=start)
-        return cls(index, f.sha("object"), start, end, f.sha("chain_hash"), f.int("nbytes"))
+        b3 = d.get("blake3")
+        if b3 is not None and not is_sha(b3):  # 32-byte digest: 64 lowercase hex, like a sha256
+            f.bad("blake3", b3, "null or 64 lowercase hex characters")
+        return cls(index, f.sha("object"), start, end, f.sha("chain_hash"), f.int("nbytes"), b3)
 
 
 @dataclass

@@ -1,0 +1,76 @@
+"""Dequantize stored KV straight into a preallocated cache slice (issue 15).
+
+The general decoder (``kdnctl.kernels.quant.reference.dequantize``) builds a per-element group
+index and gathers scale/zero through it, then transposes and casts: several full-size
+temporaries per tensor. For the single-format groupwise schemes (int8, int4, fp8) the same
+numbers come from a broadcast: view the grouped axis as ``[groups, group_size]`` and compute
+``code * scale + zero`` in place in the destination, the cache buffer itself. Every shape and
+dtype is checked exactly as the general decoder checks it; other schemes (``mixed``) take the
+general path. The result equals the reference decoder's (tests/test_load_path.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kdnctl.errors import BundleFormatError
+from kdnctl.kernels.quant import out_shapes, unpack_int4
+
+FAST_SCHEMES = ("int8", "int4", "fp8")
+
+
+def _checked(tensors, name: str, fmt: str, group_size: int, layout: str):
+    from kdnctl.quant.base import need, stored_shape
+
+    q, s, z = (need(tensors, f"{name}.{part}") for part in ("q", "scale", "zero"))
+    shape = stored_shape(tensors, name) if f"{name}.shape" in tensors or fmt == "int4" else tuple(q.shape)
+    if q.dtype != torch.uint8 or s.dtype not in (torch.float16, torch.float32) or z.dtype != s.dtype:
+        raise BundleFormatError(f"{name}: unexpected dtypes q={q.dtype} scale={s.dtype} zero={z.dtype}")
+    q_shape, s_shape = out_shapes(shape, fmt, group_size, layout)
+    if tuple(q.shape) != q_shape or tuple(s.shape) != s_shape or tuple(z.shape) != s_shape:
+        raise BundleFormatError(
+            f"{name}: q{tuple(q.shape)}/scale{tuple(s.shape)} do not fit shape {list(shape)} "
+            f"({fmt}, {layout}, group {group_size})"
+        )
+    return q, s, z, shape
+
+
+def dequantize_into(out: torch.Tensor, tensors, name: str, quant_meta: dict) -> None:
+    """Write the dense ``[H, T, D]`` tensor ``name`` (e.g. ``layers.3.keys``) into ``out``
+    (a view of the same shape, any float dtype); BundleFormatError on malformed input."""
+    from kdnctl.quant.base import group_size_of, layout_for
+
+    fmt = quant_meta.get("format") or quant_meta.get("scheme")
+    g, layout = group_size_of(quant_meta), layout_for(name, quant_meta)
+    q, s, z, shape = _checked(tensors, name, fmt, g, layout)
+    if tuple(out.shape) != tuple(shape):
+        raise BundleFormatError(f"{name}: shape {list(shape)} does not fit its cache slot {list(out.shape)}")
+    if out.numel() == 0:
+        return
+    axis = 1 if layout == "channel" else 2  # the grouped axis of [H, T, D]
+    n = shape[axis]
+    if fmt == "int4":
+        q = unpack_int4(q, n, dim=axis)
+    elif fmt == "fp8":
+        q = q.view(torch.float8_e4m3fn)
+    full = (n // g) * g
+    for lo, hi, glen in ((0, full, g), (full, n, n - full)):
+        if hi <= lo:
+            continue
+        ng = (hi - lo) // glen
+        gs = slice(lo // g, lo // g + ng)
+        if axis == 1:
+            dst = out[:, lo:hi].unflatten(1, (ng, glen))
+            codes = q[:, lo:hi].unflatten(1, (ng, glen))
+            sc, ze = s[:, gs, None, :], z[:, gs, None, :]
+        else:
+            dst = out[:, :, lo:hi].unflatten(2, (ng, glen))
+            codes = q[:, :, lo:hi].unflatten(2, (ng, glen))
+            sc, ze = s[:, :, gs, None], z[:, :, gs, None]
+        # same arithmetic as the reference: float32 code * float32 scale + float32 zero
+        if out.dtype == torch.float32:  # in place in the cache: no temporaries
+            dst.copy_(codes)
+            dst.mul_(sc)
+            dst.add_(ze)
+        else:
+            dst.copy_(codes.to(torch.float32).mul_(sc.float()).add_(ze.float()))

@@ -1,0 +1,68 @@
+"""A transformers cache layer over preallocated K/V buffers (issue 15).
+
+``DynamicCache`` copies a loaded context once when it is built (``torch.cat`` onto an empty
+tensor) and again at every forward (``torch.cat`` of the whole cache with the new tokens): at
+4k tokens of SmolLM2 in fp32 that is ~190 MB moved twice before the first token. The loader
+already holds each layer's K/V in one buffer with spare room behind the context, so this layer
+writes new tokens into that room in place and hands attention views; when the room runs out it
+grows the buffer once (doubling), like a vector. Behaviour otherwise equals ``DynamicLayer``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+
+class PreallocLayer(DynamicLayer):
+    """``DynamicLayer`` whose keys/values are views ``[:, :, :n]`` of larger buffers."""
+
+    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor, n: int):
+        super().__init__()
+        self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
+        self.dtype, self.device = kbuf.dtype, kbuf.device
+        self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
+        self.is_initialized = True
+
+    def _grow(self, need: int) -> None:
+        cap = max(need, 2 * self._kbuf.shape[2])
+        for name in ("_kbuf", "_vbuf"):
+            old = getattr(self, name)
+            new = old.new_empty(old.shape[0], old.shape[1], cap, old.shape[3])
+            new[:, :, : self._n].copy_(old[:, :, : self._n])
+            setattr(self, name, new)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        q = key_states.shape[2]
+        end = self._n + q
+        if end > self._kbuf.shape[2]:
+            self._grow(end)
+        self._kbuf[:, :, self._n : end].copy_(key_states)
+        self._vbuf[:, :, self._n : end].copy_(value_states)
+        self._n = end
+        self.keys, self.values = self._kbuf[:, :, :end], self._vbuf[:, :, :end]
+        return self.keys, self.values
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        self._n = self.keys.shape[2]
+
+
+def prealloc_buffers(keys: torch.Tensor, values: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh buffers ``[B, H, T + room, D]`` holding a copy of ``keys``/``values`` in ``[:T]``."""
+    b, h, t, d = keys.shape
+    kbuf = keys.new_empty(b, h, t + room, d)
+    vbuf = values.new_empty(b, h, t + room, d)
+    kbuf[:, :, :t].copy_(keys)
+    vbuf[:, :, :t].copy_(values)
+    return kbuf, vbuf
+
+
+def cache_over(config, layers: list[tuple[torch.Tensor, torch.Tensor, int]]):
+    """A ``DynamicCache`` for ``config`` whose layers are :class:`PreallocLayer` s over
+    ``(kbuf, vbuf, n_tokens)``."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    cache.layers = [PreallocLayer(k, v, n) for k, v, n in layers]
+    return cache
