@@ -42,6 +42,8 @@ class IngestOptions:
     kv_dtype: str | None = None  # stored K/V dtype; None = the model's dtype
 
     def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
         from ..prefill import stat_names
 
         self.stat_names = tuple(sorted(stat_names(self.stat_names)))
@@ -51,10 +53,6 @@ class IngestOptions:
     @property
     def stats_wanted(self) -> tuple[str, ...]:
         return self.stat_names if self.stats else ()
-
-    def __post_init__(self) -> None:
-        if self.chunk_tokens < 1:
-            raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
 
     def recipe(self) -> dict:
         r = {"step": "ingest", "chunk_tokens": self.chunk_tokens, "window": self.window, "stats": self.stats}
