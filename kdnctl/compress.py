@@ -28,7 +28,7 @@ from .registry import method_fields
 from .quant import get_quantizer
 from .scoring import DEFAULT_SCORER, NEEDS_MODEL, compute_importance
 from .store import Store
-from .versions import derive_version, existing_version
+from .versions import commit, existing_version, write_derived
 
 
 # The per-layer allocators used to be presses wrapping another press; their old spellings
@@ -149,12 +149,30 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
                       label: str | None = None, fingerprint: str | None = None) -> CompressResult:
     t0 = time.perf_counter()
     label = label or recipe.default_label()
-    src = store.get_version(doc_id, source)
-    step = {"source": source, **recipe.as_dict()}
-    done = existing_version(store, doc_id, label, step)
+    done = existing_result(store, doc_id, recipe, source, label)
     if done is not None:
-        return CompressResult(doc_id, label, "unchanged", src.nbytes, done.nbytes)
-    bundles = [decode_bundle(store.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
+        return done
+    src = store.get_version(doc_id, source)
+    record, score_s = build_compressed_version(store, src, recipe, label, source, lm=lm, fingerprint=fingerprint)
+    commit(store, record)
+    return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0, score_s)
+
+
+def existing_result(store: Store, doc_id: str, recipe: CompressRecipe, source: str, label: str) -> CompressResult | None:
+    """The "unchanged" result when ``label`` already holds this recipe's output (None when it
+    must be made); a label made by another recipe is an error."""
+    src = store.get_version(doc_id, source)
+    done = existing_version(store, doc_id, label, {"source": source, **recipe.as_dict()})
+    return CompressResult(doc_id, label, "unchanged", src.nbytes, done.nbytes) if done is not None else None
+
+
+def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, source: str, *, lm=None,
+                             fingerprint: str | None = None):
+    """Read ``src``'s chunks from ``objects`` (a Store or an ObjectDir), write the new version's
+    chunks there and return (its record, not committed; the scorer's seconds)."""
+    doc_id = src.doc_id
+    step = {"source": source, **recipe.as_dict()}
+    bundles = [decode_bundle(objects.read_object(c.object), expect_fingerprint=fingerprint) for c in src.chunks]
     if any("quant" in b.meta for b in bundles):
         raise UnsupportedError(f"{doc_id} [{source}] is already quantized", hint="compress from an unquantized version (e.g. full)", param="source")
     if any("positions" not in b.tensors for b in bundles) and recipe.budget < 1:
@@ -202,8 +220,8 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
                                         if picks is not None else None, quantizer)
         new_tensors.append(tensors)
         metas.append({"quant": qmeta} if qmeta is not None else {})
-    record = derive_version(store, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
-    return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0, score_s)
+    record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
+    return record, score_s
 
 
 def _chunk_tensors(b: KVBundle, dense: list[tuple[torch.Tensor, torch.Tensor]], picks: list[torch.Tensor] | None,

@@ -24,6 +24,11 @@ class KdnError(Exception):
         self.hint = hint if hint is not None else self.default_hint
         self.param = param if param is not None else self.default_param  # the parameter it is about
 
+    def __reduce__(self):
+        # Pickle with every attribute (the hint too): errors cross process boundaries when a
+        # distributed worker raises them (kdnctl/distributed).
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+
     def one_line(self, flag: str | None = None) -> str:
         """``error: MESSAGE (hint: HINT)``; with ``flag`` (the CLI's spelling of ``param``) the
         parameter's name at the start of the message becomes the flag, or the flag is appended."""
@@ -37,6 +42,13 @@ class KdnError(Exception):
         if self.hint:
             text += f" (hint: {self.hint})"
         return " ".join(text.split())
+
+
+def _rebuild(cls: type, message: str, state: dict) -> "KdnError":
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    err.__dict__.update(state)
+    return err
 
 
 class UsageError(KdnError):
@@ -110,6 +122,34 @@ class UnsupportedError(KdnError):
     exit_code = 10
 
 
+class MissingExtraError(KdnError):
+    """An optional feature whose extra is not installed (e.g. ``--ray`` without ray)."""
+
+    exit_code = 11
+
+
+class WorkerError(KdnError):
+    """A distributed job failed: a worker crashed more often than its retries allow, or the
+    cluster could not be reached."""
+
+    exit_code = 12
+    default_hint = "documents committed before the failure are kept; re-run the same command to resume"
+
+
+class EngineMissingError(MissingExtraError):
+    """An optional engine package (LMCache, llama-cpp-python) an export or a check needs."""
+
+    default_hint = "install the extra: pip install 'kdnctl[lmcache]' or 'kdnctl[llamacpp]'"
+
+
+class ExportError(KdnError):
+    """A version that the target engine's format cannot hold (pruned for LMCache, per-head
+    selections for llama.cpp, a chunk size the engine does not use, another model's GGUF)."""
+
+    exit_code = 13
+    default_hint = "see docs/engines.md for what each export accepts"
+
+
 EXIT_CODES: dict[type[KdnError], int] = {
     cls: cls.exit_code
     for cls in (
@@ -124,5 +164,8 @@ EXIT_CODES: dict[type[KdnError], int] = {
         ModelLoadError,
         RemoteError,
         UnsupportedError,
+        MissingExtraError,
+        WorkerError,
+        ExportError,
     )
 }

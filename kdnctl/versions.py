@@ -99,9 +99,18 @@ def derive_version(store, source: VersionRecord, label: str, step: dict, source_
     """Write and commit version ``label`` of ``source``'s document, made by ``step``: chunk c
     holds ``new_tensors[c]`` and ``source_bundles[c]``'s meta with fresh stamps, the new
     label, parent and recipe, plus ``meta`` (one dict for every chunk, or one per chunk)."""
+    return commit(store, write_derived(store, source, label, step, source_bundles, new_tensors, meta=meta,
+                                       indices=indices))
+
+
+def write_derived(objects: ObjectWriter, source: VersionRecord, label: str, step: dict, source_bundles: list[KVBundle],
+                  new_tensors: list[dict[str, Any]], *, meta: list[dict[str, Any]] | dict[str, Any] | None = None,
+                  indices: Iterable[int] | None = None) -> VersionRecord:
+    """``derive_version`` without the commit: write the chunks into ``objects`` and return the
+    record for another process (a distributed driver) to ``commit``."""
     recipe = child_recipe(source, step)
     extra = meta if isinstance(meta, list) else [meta or {}] * len(source_bundles)
     bundles = [KVBundle(meta=derived_meta(b.meta, label=label, parent=source.label, recipe=recipe, **x), tensors=t)
                for b, t, x in zip(source_bundles, new_tensors, extra)]
-    chunks = write_chunks(store, bundles, indices)
-    return commit(store, version_record(source, label, recipe, chunks))
+    chunks = write_chunks(objects, bundles, indices)
+    return version_record(source, label, recipe, chunks)

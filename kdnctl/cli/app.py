@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import typer
 
-from . import (ask_cmd, compress_cmd, edit_cmd, eval_cmd, eval_compose_cmd, ingest_cmd, run_cmd, serve_cmd,
-               store_cmds)
+from . import (ask_cmd, compress_cmd, edit_cmd, eval_cmd, eval_compose_cmd, export_cmd, ingest_cmd, run_cmd,
+               serve_cmd, store_cmds)
 from .common import run_cli
 
 app = typer.Typer(
@@ -18,7 +18,7 @@ app = typer.Typer(
 
 # Every command module is imported explicitly: one that fails to import fails the CLI loudly.
 COMMAND_MODULES = (ingest_cmd, ask_cmd, store_cmds, compress_cmd, eval_cmd, edit_cmd, serve_cmd, run_cmd,
-                   eval_compose_cmd)
+                   eval_compose_cmd, export_cmd)
 for module in COMMAND_MODULES:
     module.register(app)
 

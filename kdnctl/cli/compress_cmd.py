@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import JsonOpt, check_name, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
+from .common import (BatchOpt, JsonOpt, ModelOpt, RayOpt, StoreOpt, WorkersOpt, check_name, emit_json, load_lm, message,
+                     open_store, progress_bar)
 
 
 def compress(
@@ -27,6 +28,9 @@ def compress(
     recipe_file: Optional[Path] = typer.Option(None, "--recipe", help="TOML recipe with a \\[compress] step."),
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = ModelOpt,
+    ray: Optional[str] = RayOpt,
+    workers: Optional[int] = WorkersOpt,
+    batch: int = BatchOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Prune (KVCrush and baselines) and quantize stored KV into a new version."""
@@ -46,17 +50,29 @@ def compress(
     check_name("label", source, "--from")
     st = open_store(store)
     doc_ids = list(docs) if docs else [d.doc_id for d in st.list_documents()]
-    # h2o / adaptive budgets read `accum`, which ingest records only with --stats all; with the
-    # model at hand compress computes it when a version lacks it.
-    accum_press = recipe.budget < 1 and any(m in ("h2o", "adaptive") for m in (recipe.method, recipe.method_options.get("press"))) \
-        or recipe.scorer == "accum"
-    lm = load_lm(model) if recipe.needs_model or accum_press else None
-    fingerprint = lm.fingerprint if lm is not None else None
-    results = []
-    with st.writer(), progress_bar(len(doc_ids), "compress", unit="doc") as bar:
-        for doc_id in doc_ids:
-            results.append(compress_document(st, doc_id, recipe, lm=lm, source=source, label=label, fingerprint=fingerprint))
-            bar.update(1)
+    if ray is not None:
+        from ..distributed.compress import compress_on_ray
+
+        with progress_bar(len(doc_ids), "compress", unit="doc") as bar:
+            results = compress_on_ray(st, doc_ids, recipe, source=source, label=label, address=ray, workers=workers,
+                                      model=model, batch_size=batch,
+                                      on_result=lambda r: bar.update(1))
+    elif workers is not None:
+        from ..errors import UsageError
+
+        raise UsageError("--workers needs --ray ADDRESS|local")
+    else:
+        # h2o / adaptive budgets read `accum`, which ingest records only with --stats all; with the
+        # model at hand compress computes it when a version lacks it.
+        accum_press = recipe.scorer == "accum" or (recipe.budget < 1 and (recipe.method == "h2o" or recipe.allocator == "adaptive"))
+        lm = load_lm(model) if recipe.needs_model or accum_press else None
+        fingerprint = lm.fingerprint if lm is not None else None
+        results = []
+        with st.writer(), progress_bar(len(doc_ids), "compress", unit="doc") as bar:
+            for doc_id in doc_ids:
+                results.append(compress_document(st, doc_id, recipe, lm=lm, source=source, label=label,
+                                                 fingerprint=fingerprint))
+                bar.update(1)
     rows = [{"doc": r.doc_id, "label": r.label, "status": r.status, "source_bytes": r.source_bytes,
              "bytes": r.bytes, "ratio": round(r.ratio, 2), "seconds": round(r.seconds, 3),
              "score_seconds": round(r.score_seconds, 3)} for r in results]

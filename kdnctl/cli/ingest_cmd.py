@@ -7,7 +7,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
+from .common import (JsonOpt, ModelOpt, BatchOpt, RayOpt, StoreOpt, WorkersOpt, emit_json, load_lm, message, open_store,
+                     progress_bar)
 
 
 def ingest(
@@ -27,12 +28,15 @@ def ingest(
                                            "(default: the model's dtype; fp16/bf16 halve an fp32 store)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32 (CPU default), float16, bfloat16."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    ray: Optional[str] = RayOpt,
+    workers: Optional[int] = WorkersOpt,
+    batch: int = BatchOpt,
     as_json: bool = JsonOpt,
 ) -> None:
     """Prefill documents and store their KV per chunk."""
     from ..corpus import read_corpus
     from ..errors import UsageError
-    from ..ingest import IngestOptions, ingest_documents
+    from ..ingest import IngestOptions
 
     from ..ingest.prefix import DEFAULT_STATS
     from ..prefill import ALL_STATS
@@ -54,8 +58,27 @@ def ingest(
     if bad:  # before the model loads and before any prefill
         raise UsageError(f"{len(bad)} document id(s) cannot be stored, e.g. {bad[0][0]}: {bad[0][1]}",
                          hint="document ids must be non-empty, without NUL, at most 200 bytes")
+    if ray is not None and (mode != "prefix" or device is not None):
+        raise UsageError("--ray runs --mode prefix, on the GPUs Ray gives each worker (no --device)")
+    if ray is None and workers is not None:
+        raise UsageError("--workers needs --ray ADDRESS|local")
     st = open_store(store, create=True)  # a damaged or wrong --store fails before the model loads
-    lm = load_lm(model, dtype, device)
+    if ray is not None:
+        from ..distributed.ingest import ingest_on_ray
+
+        with progress_bar(len(docs), "ingest", unit="doc") as bar:
+            report = ingest_on_ray(st, docs, opts, address=ray, workers=workers, model=model, dtype=dtype,
+                                   batch_size=batch,
+                                   on_progress=lambda n, tps: (bar.update(n), bar.set_postfix_str(f"{tps:.0f} tok/s")))
+    else:
+        report = _ingest_here(st, load_lm(model, dtype, device), docs, opts, mode)
+    report.skipped = skipped
+    _print_report(report, skipped, mode, as_json)
+
+
+def _ingest_here(st, lm, docs, opts, mode):
+    from ..ingest import ingest_documents
+
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
         if mode == "independent":
@@ -64,7 +87,10 @@ def ingest(
             report = ingest_independent(st, lm, docs, opts, on_progress=bar.update)
         else:
             report = ingest_documents(st, lm, docs, opts, on_progress=bar.update)
-    report.skipped = skipped
+    return report
+
+
+def _print_report(report, skipped, mode, as_json) -> None:
     data = report.as_dict()
     if as_json:
         emit_json(data)

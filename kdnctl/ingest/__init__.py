@@ -4,6 +4,8 @@
 ``independent`` stores composable chunks prefilled on their own (keyed by content hash).
 """
 
-from .prefix import IngestOptions, IngestReport, doc_version_for, ingest_documents
+from .prefix import (IngestOptions, IngestReport, Segment, SegmentResult, doc_version_for, document_segments,
+                     ingest_documents, is_current, write_segment)
 
-__all__ = ["IngestOptions", "IngestReport", "doc_version_for", "ingest_documents"]
+__all__ = ["IngestOptions", "IngestReport", "Segment", "SegmentResult", "doc_version_for", "document_segments",
+           "ingest_documents", "is_current", "write_segment"]

@@ -46,6 +46,8 @@ class IngestOptions:
             raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
         from ..prefill import stat_names
 
+        if self.chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
         self.stat_names = tuple(sorted(stat_names(self.stat_names)))
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
@@ -89,6 +91,15 @@ class IngestReport:
         for b in bundles:
             self.kv_bytes += tensor_bytes(b.tensors, "layers.")
             self.stats_bytes += tensor_bytes(b.tensors, STATS_PREFIX)
+
+    def add(self, seg: "SegmentResult") -> None:
+        """Count a committed segment."""
+        self.ingested.append(seg.record.doc_id)
+        self.tokens += seg.tokens
+        self.kv_bytes += seg.kv_bytes
+        self.stats_bytes += seg.stats_bytes
+        self.prefill_seconds += seg.prefill_seconds
+        self.write_seconds += seg.write_seconds
 
     @property
     def tokens_per_s(self) -> float:
@@ -160,6 +171,74 @@ def build_chunk_bundles(
     return bundles
 
 
+@dataclass
+class Segment:
+    """What one catalog document is made of: a whole document, or one segment of a document
+    longer than the model's context (``doc#1``, ``doc#2`` ...)."""
+
+    seg_id: str
+    doc_version: str
+    token_ids: list[int]
+    header_tokens: int
+    text: str
+
+
+@dataclass
+class SegmentResult:
+    """A segment whose objects are written; ``record`` and ``version`` await one catalog commit."""
+
+    record: DocumentRecord
+    version: VersionRecord
+    tokens: int
+    kv_bytes: int
+    stats_bytes: int
+    prefill_seconds: float = 0.0
+    write_seconds: float = 0.0
+
+
+def document_segments(lm, fmt: PromptFormat, doc: Document, opts: IngestOptions) -> list[Segment]:
+    ids, n_header = fmt.document_ids(lm.tokenizer, doc.text)
+    segments = _segments(ids, n_header, lm.summary.get("max_positions"))
+    version = doc_version_for(doc, lm.fingerprint, opts, fmt.header)
+    out = []
+    for seg_index, seg_ids in enumerate(segments):
+        seg_id = doc.doc_id if len(segments) == 1 else f"{doc.doc_id}#{seg_index + 1}"
+        text = doc.text if len(segments) == 1 else lm.tokenizer.decode(seg_ids[n_header:])
+        out.append(Segment(seg_id, version, seg_ids, n_header, text))
+    return out
+
+
+def is_current(store, seg_id: str, doc_version: str) -> bool:
+    """This segment is already committed at this version (re-running skips it)."""
+    if any(d.doc_version == doc_version for d in store.document_history(seg_id)):
+        return store.get_document(seg_id).doc_version == doc_version
+    return False
+
+
+def write_segment(objects, lm, doc: Document, seg: Segment, opts: IngestOptions, *,
+                  on_progress: Callable[[int], None] | None = None) -> SegmentResult:
+    """Prefill one segment and put its chunk bundles and text into ``objects`` (a Store or an
+    ObjectDir); no catalog access, so a worker process can run it and a driver commit it."""
+    recipe = opts.recipe()
+    t_pass = time.perf_counter()
+    result = prefill(lm.model, seg.token_ids, stats=opts.stats_wanted, window=opts.window,
+                     block_tokens=opts.block_tokens, on_progress=on_progress)
+    t_write = time.perf_counter()
+    bundles = build_chunk_bundles(lm, seg.seg_id, seg.doc_version, seg.token_ids, result, opts, recipe,
+                                  seg.header_tokens)
+    chunks = write_chunks(objects, bundles)
+    sizes = IngestReport()
+    sizes.count_bytes(bundles)
+    text_sha = objects.put_object(seg.text.encode("utf-8"))
+    now = time.time()
+    n = len(seg.token_ids)
+    record = DocumentRecord(seg.seg_id, seg.doc_version, doc.content_sha256, doc.source, n,
+                            lm.fingerprint, text_sha, now)
+    vrec = VersionRecord(seg.seg_id, seg.doc_version, "full", None, recipe, lm.fingerprint, chunks, now, n, "prefix")
+    return SegmentResult(record, vrec, n, sizes.kv_bytes, sizes.stats_bytes,
+                         prefill_seconds=t_write - t_pass, write_seconds=time.perf_counter() - t_write)
+
+
 def ingest_documents(
     store: Store,
     lm,
@@ -171,43 +250,20 @@ def ingest_documents(
 ) -> IngestReport:
     report = IngestReport()
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
-    recipe = opts.recipe()
     t0 = time.perf_counter()
     with store.writer():
         for doc in docs:
-            ids, n_header = fmt.document_ids(lm.tokenizer, doc.text)
-            segments = _segments(ids, n_header, lm.summary.get("max_positions"))
-            for seg_index, seg_ids in enumerate(segments):
-                seg_id = doc.doc_id if len(segments) == 1 else f"{doc.doc_id}#{seg_index + 1}"
-                version = doc_version_for(doc, lm.fingerprint, opts, fmt.header)
-                if any(d.doc_version == version for d in store.document_history(seg_id)):
-                    current = store.get_document(seg_id)
-                    if current.doc_version == version:
-                        report.unchanged.append(seg_id)
-                        if on_progress:
-                            on_progress(len(seg_ids))
-                        continue
-                t_pass = time.perf_counter()
-                result = prefill(lm.model, seg_ids, stats=opts.stats_wanted, window=opts.window,
-                                 block_tokens=opts.block_tokens, on_progress=on_progress)
-                report.prefill_seconds += time.perf_counter() - t_pass
-                t_write = time.perf_counter()
-                bundles = build_chunk_bundles(lm, seg_id, version, seg_ids, result, opts, recipe, n_header)
-                chunks = write_chunks(store, bundles)
-                report.count_bytes(bundles)
-                report.write_seconds += time.perf_counter() - t_write
-                text = doc.text if len(segments) == 1 else lm.tokenizer.decode(seg_ids[n_header:])
-                text_sha = store.put_object(text.encode("utf-8"))
-                now = time.time()
-                record = DocumentRecord(seg_id, version, doc.content_sha256, doc.source, len(seg_ids),
-                                        lm.fingerprint, text_sha, now)
-                vrec = VersionRecord(seg_id, version, "full", None, recipe, lm.fingerprint, chunks, now,
-                                     len(seg_ids), "prefix")
-                commit(store, vrec, record)
-                report.ingested.append(seg_id)
-                report.tokens += len(seg_ids)
+            for seg in document_segments(lm, fmt, doc, opts):
+                if is_current(store, seg.seg_id, seg.doc_version):
+                    report.unchanged.append(seg.seg_id)
+                    if on_progress:
+                        on_progress(len(seg.token_ids))
+                    continue
+                res = write_segment(store, lm, doc, seg, opts, on_progress=on_progress)
+                commit(store, res.version, res.record)
+                report.add(res)
                 if on_doc:
-                    on_doc(seg_id, "ingested")
+                    on_doc(seg.seg_id, "ingested")
     report.seconds = time.perf_counter() - t0
     return report
 

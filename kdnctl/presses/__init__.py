@@ -14,6 +14,7 @@ from kdnctl.presses.h2o import H2OPress
 from kdnctl.presses.knorm import KNormPress
 from kdnctl.presses.kvcrush import KVCrushPress
 from kdnctl.presses.random import RandomPress
+from kdnctl.presses.shared import SharedPress
 from kdnctl.presses.snapkv import SnapKVPress
 from kdnctl.presses.spans import SpansPress
 from kdnctl.presses.streaming import StreamingPress
@@ -29,6 +30,7 @@ PRESSES: dict[str, type[Press]] = {
         RandomPress,
         KVCrushPress,
         SpansPress,
+        SharedPress,
     )
 }
 
@@ -54,6 +56,7 @@ __all__ = [
     "Press",
     "RandomPress",
     "ScoreContext",
+    "SharedPress",
     "SnapKVPress",
     "SpansPress",
     "StreamingPress",

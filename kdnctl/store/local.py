@@ -252,37 +252,51 @@ class Store(CatalogReader, Maintenance):
 
     def commit_document(self, doc: DocumentRecord, version: VersionRecord) -> None:
         """Record a document version (made current) and its first label, in one txn."""
+        self.commit_documents([(doc, version)])
+
+    def commit_documents(self, items: list[tuple[DocumentRecord, VersionRecord]]) -> None:
+        """Several ``commit_document`` records in ONE txn (all or none), e.g. a driver
+        committing a batch of documents whose objects its workers wrote (kdnctl/distributed)."""
         import time
 
         self._require_writer("commit_document")
-        check_id("doc_id", doc.doc_id)
-        check_id("doc_version", doc.doc_version)
-        self._check_new(DocumentRecord, doc)
-        self._check_version_record(version)
-        if (version.doc_id, version.doc_version) != (doc.doc_id, doc.doc_version):
-            raise UsageError("commit_document: the version belongs to a different document version")
-        self._check_objects([doc.text_object] + [c.object for c in version.chunks], f"document {doc.doc_id}")
+        for doc, version in items:
+            check_id("doc_id", doc.doc_id)
+            check_id("doc_version", doc.doc_version)
+            self._check_new(DocumentRecord, doc)
+            self._check_version_record(version)
+            if (version.doc_id, version.doc_version) != (doc.doc_id, doc.doc_version):
+                raise UsageError("commit_document: the version belongs to a different document version")
+            self._check_objects([doc.text_object] + [c.object for c in version.chunks], f"document {doc.doc_id}")
         now = time.time()
         with self._env.begin(write=True) as txn:
-            prev = self._current(txn, doc.doc_id)
-            if prev is not None and prev != doc.doc_version:  # superseded now: gc's grace starts
-                txn.put(cat.key("retired", doc.doc_id, prev), dumps_json({"created": now}), db=self._db["meta"])
-            txn.delete(cat.key("retired", doc.doc_id, doc.doc_version), db=self._db["meta"])
-            txn.put(cat.key(doc.doc_id, doc.doc_version), seal_record(doc), db=self._db["docs"])
-            txn.put(cat.key(doc.doc_id), dumps_json(doc.doc_version), db=self._db["current"])
-            self._put_version(txn, version, now)
+            for doc, version in items:
+                prev = self._current(txn, doc.doc_id)
+                if prev is not None and prev != doc.doc_version:  # superseded now: gc's grace starts
+                    txn.put(cat.key("retired", doc.doc_id, prev), dumps_json({"created": now}), db=self._db["meta"])
+                txn.delete(cat.key("retired", doc.doc_id, doc.doc_version), db=self._db["meta"])
+                txn.put(cat.key(doc.doc_id, doc.doc_version), seal_record(doc), db=self._db["docs"])
+                txn.put(cat.key(doc.doc_id), dumps_json(doc.doc_version), db=self._db["current"])
+                self._put_version(txn, version, now)
 
     def commit_version(self, version: VersionRecord) -> None:
         """Add (or replace) a label of an existing document version, in one txn."""
+        self.commit_versions([version])
+
+    def commit_versions(self, versions: list[VersionRecord]) -> None:
+        """Several ``commit_version`` records in ONE txn (all or none)."""
         import time
 
         self._require_writer("commit_version")
-        self._check_version_record(version)
-        self._check_objects([c.object for c in version.chunks], f"version {version.doc_id}/{version.label}")
+        for version in versions:
+            self._check_version_record(version)
+            self._check_objects([c.object for c in version.chunks], f"version {version.doc_id}/{version.label}")
+        now = time.time()
         with self._env.begin(write=True) as txn:
-            if txn.get(cat.key(version.doc_id, version.doc_version), db=self._db["docs"]) is None:
-                raise NotFoundError(f"document {version.doc_id} version {version.doc_version} is not in the store")
-            self._put_version(txn, version, time.time())
+            for version in versions:
+                if txn.get(cat.key(version.doc_id, version.doc_version), db=self._db["docs"]) is None:
+                    raise NotFoundError(f"document {version.doc_id} version {version.doc_version} is not in the store")
+                self._put_version(txn, version, now)
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document: it stops being current; `gc` then reclaims its data after the grace period."""
@@ -297,3 +311,22 @@ class Store(CatalogReader, Maintenance):
             txn.delete(k, db=self._db["current"])
             txn.put(cat.key("retired", doc_id, prev), dumps_json({"created": time.time()}), db=self._db["meta"])
 
+
+class ObjectDir:
+    """The objects/ half of a store without its LMDB catalog: what a worker process on another
+    host writes into (a filesystem every worker mounts; kdnctl/distributed). No lock is needed:
+    objects are content-addressed and written temp + fsync + rename, so concurrent writers and
+    retries are harmless. The same object methods as ``Store``; only the catalog's one writer
+    commits references to them."""
+
+    object_path = Store.object_path
+    has_object = Store.has_object
+    put_object = Store.put_object
+    read_object = Store.read_object
+    read_object_head = Store.read_object_head
+
+    def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike):
+        self.objects_dir, self.tmp_dir = Path(objects_dir), Path(tmp_dir)
+        if not self.objects_dir.is_dir():
+            raise NotFoundError(f"object directory {self.objects_dir} does not exist on this host",
+                                hint="every worker must mount the store's objects/ at the same path")

@@ -1,0 +1,67 @@
+"""``kdnctl compress --ray``: source versions are read and compressed by workers from the shared
+object directory; the driver decides what to do (same recipe = no-op) and commits."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from ..compress import CompressRecipe, CompressResult, existing_result
+from ..store import Store
+from .cluster import connect, placement, shared_env
+from .ingest import RETRIES
+from .pool import drive, start
+from .workers import CompressOutcome, CompressWorker
+
+
+def compress_on_ray(
+    store: Store,
+    doc_ids: list[str],
+    recipe: CompressRecipe,
+    *,
+    source: str = "full",
+    label: str | None = None,
+    address: str = "local",
+    workers: int | None = None,
+    model: str | None = None,
+    batch_size: int = 16,
+    batch_seconds: float = 5.0,
+    retries: int = RETRIES,
+    on_result: Callable[[CompressResult], None] | None = None,
+) -> list[CompressResult]:
+    """Compress ``doc_ids`` on Ray workers; results in the order of ``doc_ids``."""
+    label = label or recipe.default_label()
+    results: dict[str, CompressResult] = {}
+    with connect(address, workers) as ray, store.writer():
+        place, n = placement(ray, workers)
+        actor_cls = ray.remote(max_restarts=retries, max_task_retries=retries, **place.options)(CompressWorker)
+        args = (model, recipe.needs_model, place.device, str(store.objects_dir.resolve()),
+                str(store.tmp_dir.resolve()), shared_env())
+        actors = [actor_cls.remote(*args) for _ in range(n)]
+        try:
+            start(ray, actors)
+
+            def tasks() -> Iterator[tuple[str, tuple]]:
+                for doc_id in doc_ids:
+                    done = existing_result(store, doc_id, recipe, source, label)
+                    if done is not None:
+                        results[doc_id] = done
+                        if on_result:
+                            on_result(done)
+                        continue
+                    yield doc_id, (store.get_version(doc_id, source), recipe, label, source)
+
+            def commit(batch: list[CompressOutcome]) -> None:
+                store.commit_versions([o.version for o in batch])
+                for o in batch:
+                    r = CompressResult(o.doc_id, label, "compressed", o.source_bytes, o.bytes, o.seconds,
+                                       o.score_seconds)
+                    results[o.doc_id] = r
+                    if on_result:
+                        on_result(r)
+
+            drive(ray, actors, tasks(), lambda a, task: a.compress.remote(*task), commit,
+                  batch_size=batch_size, batch_seconds=batch_seconds)
+        finally:
+            for a in actors:
+                ray.kill(a)
+    return [results[d] for d in doc_ids if d in results]

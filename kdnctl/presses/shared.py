@@ -1,0 +1,62 @@
+"""One token set for every KV head and every layer, around any press.
+
+Engines whose cache is a list of cells, each holding one token's K/V for every head of every
+layer (llama.cpp), cannot hold a selection that differs per head or per layer. ``shared``
+takes the wrapped press's scores ``[L, H, T]``, puts every (layer, head) row on the same
+scale by ranks (0 = worst, 1 = best), averages them over layers and heads, and keeps the top
+of that one ranking plus the wrapped press's forced tokens (sinks, recent), identically in
+every layer and head. Quotas are the wrapped press's uniform ones.
+
+The cost: every head must keep tokens that only some heads need. It is measured, not assumed:
+``python bench/engines.py --quality`` (docs/engines.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from torch import Tensor
+
+from kdnctl.errors import UsageError
+from kdnctl.presses.base import Press, ScoreContext, sanitize, select_top
+from kdnctl.presses.spans import rank01
+
+
+@dataclass
+class SharedPress(Press):
+    name: ClassVar[str] = "shared"
+    # the default wrapped press (kvcrush) ranks by the scorer; a class-level answer, as the
+    # recipe asks the class
+    uses_importance: ClassVar[bool] = True
+
+    press: str = "kvcrush"  # the wrapped press (registry name) whose scores are shared
+    press_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        from kdnctl.presses import get_press  # late: the registry imports this module
+
+        if str(self.press).strip().lower() == self.name:
+            raise UsageError("shared cannot wrap itself")
+        opts = {"sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens, **self.press_options}
+        self.inner = get_press(str(self.press), **opts)
+
+    def score(self, ctx: ScoreContext) -> Tensor:
+        return self.inner.score(ctx)
+
+    def token_scores(self, ctx: ScoreContext) -> Tensor:
+        """``[T]``: the mean over layers and heads of each row's rank of the wrapped scores."""
+        return rank01(sanitize(self.inner.score(ctx))).mean(dim=(0, 1))
+
+    def select(self, ctx: ScoreContext, quotas: list[int], *, keep_sinks: bool = True,
+               keep_recent: bool = True) -> list[Tensor]:
+        ks = self.check_quotas(ctx, quotas)
+        if len(set(ks)) > 1:
+            raise ValueError(f"shared needs one quota for every layer, got {sorted(set(ks))}")
+        if not ks:
+            return []
+        k, t, h = ks[0], ctx.n_tokens, ctx.n_heads
+        forced = self.inner.forced_indices(t, k, keep_sinks=keep_sinks, keep_recent=keep_recent)
+        idx = select_top(self.token_scores(ctx).unsqueeze(0), k, forced)  # [1, k]
+        return [idx.expand(h, k).contiguous() for _ in ks]
