@@ -42,6 +42,8 @@ class IngestOptions:
     kv_dtype: str | None = None  # stored K/V dtype; None = the model's dtype
 
     def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
         from ..prefill import stat_names
 
         if self.chunk_tokens < 1:
