@@ -76,7 +76,9 @@ class IngestWorker(_Worker):
             if seg.seg_id in skip:
                 out.unchanged.append(seg.seg_id)
             else:
-                out.segments.append(write_segment(self.objects, self.lm, doc, seg, self.opts))
+                res = write_segment(self.objects, self.lm, doc, seg, self.opts)
+                self.objects.stamp_blake3(res.version.chunks)
+                out.segments.append(res)
         out.seconds = time.perf_counter() - t0
         return out
 
@@ -119,5 +121,6 @@ class CompressWorker(_Worker):
         fingerprint = self.lm.fingerprint if self.lm is not None else None
         record, score_s = build_compressed_version(self.objects, src, recipe, label, source,
                                                    lm=self.lm, fingerprint=fingerprint)
+        self.objects.stamp_blake3(record.chunks)
         return CompressOutcome(src.doc_id, record, src.nbytes, record.nbytes, time.perf_counter() - t0, score_s,
                                f"{socket.gethostname()}:{os.getpid()}")

@@ -324,9 +324,18 @@ class ObjectDir:
     put_object = Store.put_object
     read_object = Store.read_object
     read_object_head = Store.read_object_head
+    _remember_blake3 = Store._remember_blake3
 
     def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike):
         self.objects_dir, self.tmp_dir = Path(objects_dir), Path(tmp_dir)
+        self._blake3_of: dict[str, str] = {}
         if not self.objects_dir.is_dir():
             raise NotFoundError(f"object directory {self.objects_dir} does not exist on this host",
                                 hint="every worker must mount the store's objects/ at the same path")
+
+    def stamp_blake3(self, chunks) -> None:
+        """Fill the fast-read digests of chunks whose objects this worker wrote (a Store does
+        it at commit; the driver that commits a worker's records did not write them)."""
+        for c in chunks:
+            if getattr(c, "blake3", None) is None:
+                c.blake3 = self._blake3_of.get(c.object)
