@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kdnctl.errors import BundleFormatError, ModelMismatchError
+from .tensor_views import tensor_views
 
 FORMAT_VERSION = "1.1"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions
 SUPPORTED_MAJOR = 1
@@ -291,73 +292,6 @@ def _check_version(meta: dict[str, Any]) -> None:
         )
 
 
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
-}
-
-
-def _unreadable(msg: str) -> BundleFormatError:
-    return BundleFormatError(f"bundle tensors cannot be read (truncated or corrupted): {msg}")
-
-
-def _tensor_views(header: dict[str, Any], buf, n_header: int) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors buffer as zero-copy views into ``buf`` (a writable buffer).
-
-    As strict as the safetensors reader: known dtypes, non-negative integer shapes, each
-    tensor's byte range exactly its size, ranges contiguous from 0 and covering the whole
-    payload (no gaps, no overlaps, no trailing bytes). Views keep ``buf`` alive."""
-    base = 8 + n_header
-    payload = len(buf) - base
-    entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(info, dict):
-            raise _unreadable(f"tensor index entry {name!r} is not an object (corrupted?)")
-        try:
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            raise _unreadable(f"tensor name {name!r} is not valid UTF-8") from None
-        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dt not in _DTYPES:
-            raise _unreadable(f"tensor {name!r} has unknown dtype {dt!r}")
-        if not isinstance(shape, list) or not all(_int(x) and x >= 0 for x in shape):
-            raise _unreadable(f"tensor {name!r} has an invalid shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_int(x) for x in offs) and 0 <= offs[0] <= offs[1]):
-            raise _unreadable(f"tensor {name!r} has invalid data offsets {offs!r}")
-        dtype = _DTYPES[dt]
-        numel = 1
-        for x in shape:
-            numel *= x
-        if offs[1] - offs[0] != numel * dtype.itemsize:
-            raise _unreadable(f"tensor {name!r}: {offs[1] - offs[0]} bytes for shape {shape} {dt} (corrupted?)")
-        entries.append((offs[0], offs[1], name, dtype, shape, numel))
-    entries.sort(key=lambda e: (e[0], e[1]))
-    pos = 0
-    for begin, end, name, *_ in entries:
-        if begin != pos:
-            raise _unreadable(f"tensor {name!r} does not start where the previous one ends (corrupted?)")
-        pos = end
-    if pos != payload:
-        raise _unreadable(
-            f"bundle is truncated or has trailing bytes: the tensor index covers {pos} of {payload} payload bytes"
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    for begin, _end, name, dtype, shape, numel in entries:
-        off = base + begin
-        if numel == 0:
-            t = torch.empty(shape, dtype=dtype)
-        elif off % dtype.itemsize:  # misaligned for its dtype: one small copy instead of a view
-            t = torch.frombuffer(bytearray(buf[off : off + numel * dtype.itemsize]), dtype=dtype).view(shape)
-        else:
-            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(shape)
-        tensors[name] = t
-    return tensors
-
-
 def decode_bundle(data, *, expect_fingerprint: str | None = None) -> KVBundle:
     """Parse and validate bundle bytes. Malformed -> BundleFormatError; other model ->
     ModelMismatchError (only when expect_fingerprint is given).
@@ -376,7 +310,7 @@ def decode_bundle(data, *, expect_fingerprint: str | None = None) -> KVBundle:
     # Version first: a future major version may change anything below, including the digest.
     _check_version(meta)
     (n,) = struct.unpack_from("<Q", data, 0)
-    tensors = _tensor_views(header, data, n)
+    tensors = tensor_views(header, data, n)
     try:
         computed = header_digest(meta_json, tensors) if digest is not None else None
     except UnicodeEncodeError:

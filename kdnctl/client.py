@@ -28,6 +28,7 @@ import httpx
 
 from . import __version__
 from .errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
+from .fastread import blake3_hasher
 from .store import ChunkRef, DocumentRecord, VersionRecord, check_sha
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 TOKEN_HINT = ("pass --token-file with a token from the server's token file, and check that it grants "
@@ -36,13 +37,6 @@ TOKEN_HINT = ("pass --token-file with a token from the server's token file, and 
 
 class _Retry(Exception):
     """A failure worth retrying (connection trouble, 5xx)."""
-
-
-def _blake3_hasher():
-    from .fastread import _blake3
-
-    mod = _blake3()
-    return None if mod is None else mod.blake3()
 
 
 def _doc(d) -> DocumentRecord:
@@ -251,7 +245,7 @@ class RemoteStore:
         parallel fetches hash while other threads wait on sockets) instead of a second pass."""
         buf = bytearray()
         b3 = self._blake3.get(sha)
-        new_hasher = _blake3_hasher if b3 and _blake3_hasher() is not None else hashlib.sha256
+        new_hasher = blake3_hasher if b3 and blake3_hasher() is not None else hashlib.sha256
         hasher = new_hasher()
         stitched = False
         path = f"/v1/objects/{sha}"

@@ -34,6 +34,12 @@ def _blake3():
     return _blake3_mod
 
 
+def blake3_hasher():
+    """A fresh incremental BLAKE3 hasher (None when the blake3 package is not installed)."""
+    mod = _blake3()
+    return None if mod is None else mod.blake3()
+
+
 def blake3_hex(data) -> str | None:
     """BLAKE3 hex digest of ``data`` (None when the blake3 package is not installed)."""
     mod = _blake3()
