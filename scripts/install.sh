@@ -23,10 +23,16 @@ if ! python -c "import lmcache" >/dev/null 2>&1; then
 fi
 # llama-cpp-python ships as an sdist: the first install compiles llama.cpp (about 15-40 minutes on
 # 2 cores); pip keeps the built wheel in ~/.cache/pip, so later installs take seconds.
+# The built wheel is also kept in a cache of ours (KDNCTL_WHEEL_CACHE), which a fresh venv reuses.
 if ! python -c "import llama_cpp" >/dev/null 2>&1; then
-  echo "install.sh: building llama-cpp-python 0.3.36 (llama.cpp, CPU) - the first time this takes 15+ minutes" >&2
-  # LLAVA_BUILD=OFF skips the multimodal library (mtmd), a third of the build; kdnctl does not use it.
-  CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" python -m pip install -q "llama-cpp-python==0.3.36"
+  wheels="${KDNCTL_WHEEL_CACHE:-$HOME/.cache/kdnctl/wheels}"
+  mkdir -p "$wheels"
+  if ! ls "$wheels"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
+    echo "install.sh: building llama-cpp-python 0.3.36 (llama.cpp, CPU) - the first time this takes 15+ minutes" >&2
+    # LLAVA_BUILD=OFF skips the multimodal library (mtmd), a third of the build; kdnctl does not use it.
+    CMAKE_ARGS="-DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF" python -m pip wheel -q --no-deps -w "$wheels" "llama-cpp-python==0.3.36"
+  fi
+  python -m pip install -q "$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl | head -n 1)"
 fi
 # nginx serves stored objects in the X-Accel-Redirect hand-off (kdnctl serve-files
 # --emit-nginx-config) and its test runs the real server: install it where we may (root + apt).
