@@ -93,8 +93,8 @@ def test_adaptive_quotas_follow_attention_concentration():
 
 def test_recipe_field_and_legacy_spellings():
     """``allocator`` is a recipe field; the old ``pyramid[:METHOD]`` press spellings map onto it."""
-    r = CompressRecipe(method="kvcrush", allocator="pyramid", allocator_options={"beta": 5})
-    assert r.as_dict()["allocator"] == "pyramid" and r.default_label() == "pyramid-kvcrush-b0.25"
+    r = CompressRecipe(budget=None, keep=0.25, method="kvcrush", allocator="pyramid", allocator_options={"beta": 5})
+    assert r.as_dict()["allocator"] == "pyramid" and r.default_label() == "pyramid-kvcrush-k0.25"
     assert "allocator" not in CompressRecipe().as_dict()  # uniform: the step of older versions
     for spelling, opts, method, press_opts, alloc_opts in [
         ("pyramid", {}, "snapkv", {}, {}),

@@ -30,8 +30,8 @@ from kdnctl.prompting import PromptFormat  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.model
-PRUNED = "shared-b0.5"
-PER_HEAD = "knorm-b0.5"
+PRUNED = "shared-k0.5"
+PER_HEAD = "knorm-k0.5"
 N_CTX = 4096
 
 

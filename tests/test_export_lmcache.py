@@ -96,7 +96,7 @@ def expected_chunk(doc, start, end, dtype):
 
 @pytest.mark.parametrize("algorithm,dtype,label", [
     ("builtin", "fp16", "full"), ("sha256_cbor", "fp16", "full"),
-    ("sha256_cbor", "bf16", "full"), ("sha256_cbor", "fp16", "b1-int8"),
+    ("sha256_cbor", "bf16", "full"), ("sha256_cbor", "fp16", "k1-int8"),
 ])
 def test_lmcache_finds_and_reads_every_chunk_bit_exact(store, lm, tmp_path, monkeypatch, algorithm, dtype, label):
     from lmcache.v1.storage_backend.connector.fs_connector import FSConnector
@@ -150,7 +150,7 @@ def test_cbor_and_sha256_cbor_match_cbor2():
 
 def test_refuses_pruned_version_and_other_chunk_sizes(store, tmp_path):
     with pytest.raises(ExportError, match="pruned"):
-        export_lmcache(store, [DOC], tmp_path / "a", label="streaming-b0.5-window", model_name=MODEL_NAME)
+        export_lmcache(store, [DOC], tmp_path / "a", label="streaming-k0.5-window", model_name=MODEL_NAME)
     with pytest.raises(ExportError, match="chunk size 128"):
         export_lmcache(store, [DOC], tmp_path / "b", model_name=MODEL_NAME, chunk_size=128)
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -165,7 +165,7 @@ def test_cli_export_check_and_errors(store, tmp_path):
     n = len(man["documents"][0]["chunks"])
     assert f"LMCache found and read back {n} chunks" in proc.stderr
     assert man["hash_algorithm"] == "sha256_cbor" and man["python_hash_seed"] == "0"
-    bad = run_cli("export", "lmcache", "--to", tmp_path / "x", "--version", "streaming-b0.5-window", DOC,
+    bad = run_cli("export", "lmcache", "--to", tmp_path / "x", "--version", "streaming-k0.5-window", DOC,
                   store=store.root)
     assert bad.returncode == 13 and "pruned" in bad.stderr and "hint:" in bad.stderr
     bad = run_cli("export", "lmcache", "--to", tmp_path / "y", "--chunk-size", "512", DOC, store=store.root)

@@ -98,7 +98,7 @@ def test_quotas_for_budget_rounding_and_bounds():
 
 
 def test_registry_and_options():
-    assert set(PRESSES) == {"snapkv", "h2o", "streaming", "knorm", "random", "kvcrush", "spans"}
+    assert set(PRESSES) == {"snapkv", "h2o", "streaming", "knorm", "random", "kvcrush", "spans", "shared"}
     with pytest.raises(UsageError) as e:
         get_press("nope")
     assert "snapkv" in e.value.hint and "kvcrush" in e.value.hint

