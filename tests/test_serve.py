@@ -12,7 +12,6 @@ import json
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,9 +19,9 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from conftest import EXAMPLES, REPO, run_cli
+from httpkit import ThreadServer, free_port
 
 from kdnctl.chunking import chain_hashes
 from kdnctl.client import RemoteStore
@@ -30,19 +29,13 @@ from kdnctl.corpus import read_corpus
 from kdnctl.errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
 from kdnctl.ingest import IngestOptions, ingest_documents
 from kdnctl.prompting import PromptFormat
-from kdnctl.server import create_app, load_tokens
+from kdnctl.server import load_tokens
 from kdnctl.store import Store
 
 pytestmark = pytest.mark.model
 CHUNK = 64
 TOKENS = {"tok-all": "*", "tok-acme": "acme", "tok-globex": "globex"}
 ACME, GLOBEX = ["acme/faq.md", "acme/manual.md"], ["globex/manual-copy.md", "globex/notes.txt"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cut(lm, name: str, n: int) -> str:
@@ -69,27 +62,6 @@ def served(tmp_path_factory, lm):
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     ids = {d.doc_id: fmt.document_ids(lm.tokenizer, d.text)[0] for d in docs}
     return root, ids
-
-
-class ThreadServer:
-    """uvicorn running create_app in a background thread of the test process."""
-
-    def __init__(self, root, tokens=None, **kw):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(create_app(root, tokens, **kw), host="127.0.0.1", port=self.port,
-                                log_level="warning", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline and self.thread.is_alive(), "server did not start"
-            time.sleep(0.02)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 def start_cli_server(root, port, token_file=None) -> subprocess.Popen:
@@ -129,7 +101,7 @@ def token_files(tmp_path_factory):
 @pytest.fixture(scope="module")
 def auth_server(served, token_files):
     """(url, proc) of `kdnctl serve-files --token-file` in a subprocess; stopped with SIGTERM."""
-    port = _free_port()
+    port = free_port()
     proc = start_cli_server(served[0], port, token_files / "server.tokens")
     yield f"http://127.0.0.1:{port}", proc
     if proc.poll() is None:
@@ -414,7 +386,7 @@ def test_server_restarted_mid_download(tmp_path):
     data = random.Random(7).randbytes(64 << 20)
     with Store(root) as st, st.writer():
         sha = st.put_object(data)
-    port = _free_port()
+    port = free_port()
     procs = [start_cli_server(root, port)]
     remote = RemoteStore(f"http://127.0.0.1:{port}", retries=4)
 
@@ -500,5 +472,5 @@ def test_serve_files_graceful_shutdown_and_access_log(auth_server):
 
 
 def test_serve_files_needs_a_store(tmp_path):
-    proc = run_cli("serve-files", "--port", str(_free_port()), store=tmp_path / "none", own_process=True)
+    proc = run_cli("serve-files", "--port", str(free_port()), store=tmp_path / "none", own_process=True)
     assert proc.returncode == 4 and "no kdnctl store" in proc.stderr
