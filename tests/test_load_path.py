@@ -177,7 +177,8 @@ def test_statistics_only_as_asked_and_equal_to_reference(lm):
     ids, _ = fmt.document_ids(lm.tokenizer, (EXAMPLES / DOC).read_text()[:700])
     ref_accum, ref_win = _reference_stats(lm.model, ids, 16)
     full = prefill(lm.model, ids, stats=True, window=16, block_tokens=64)  # accum: same-pass attention
-    only = prefill(lm.model, ids, stats=("surprisal", "window"), window=16, block_tokens=64)
+    only = prefill(lm.model, ids, stats=("surprisal", "window"), window=16, block_tokens=64,
+                   surprisal_dtype=torch.float32)
     assert set(only.stats) == {"surprisal", "window"} and set(full.stats) == {"surprisal", "window", "accum"}
     assert torch.allclose(full.stats["accum"], ref_accum, atol=1e-4)
     assert torch.allclose(full.stats["window"], ref_win, atol=1e-5)

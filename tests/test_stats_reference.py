@@ -4,6 +4,8 @@ odd sizes, fixed seeds, one tolerance table (same pattern as the kernel tests)."
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,7 +13,9 @@ from kdnctl.prefill import prefill, reference_stats
 from kdnctl.scoring import reconstruct_scores, reference_reconstruct_scores
 
 # fp32 on CPU; blockwise/tiled sums reorder additions, hence not bit-exact
-TOL = {"window": 2e-5, "accum": 2e-4, "surprisal": 2e-4, "reconstruct": 2e-5, "keys": 1e-4}
+TOL = {"window": 2e-5, "accum": 2e-4, "surprisal": 2e-4, "reconstruct": 2e-5, "keys": 1e-4,
+       # ingest's default surprisal: logsumexp over a bf16 vocabulary projection (exact target logit)
+       "surprisal_bf16": 0.25}
 
 
 def _ids(n: int, seed: int, vocab: int) -> list[int]:
@@ -27,7 +31,8 @@ def _ids(n: int, seed: int, vocab: int) -> list[int]:
 ])
 def test_prefill_stats_match_reference(tiny_lm, n, window, block, tile, seed):
     ids = _ids(n, seed, tiny_lm.model.config.vocab_size)
-    got = prefill(tiny_lm.model, ids, stats=True, window=window, block_tokens=block, query_tile=tile)
+    got = prefill(tiny_lm.model, ids, stats=True, window=window, block_tokens=block, query_tile=tile,
+                  surprisal_dtype=torch.float32)
     want = reference_stats(tiny_lm.model, ids, window=window)
     assert set(got.stats) == set(want) == {"window", "accum", "surprisal"}
     for name, ref in want.items():
@@ -58,3 +63,18 @@ def test_reconstruct_scores_match_reference(tiny_lm, n, chunk, seed):
     assert got.shape == want.shape == (2, 2, n)
     torch.testing.assert_close(got, want, atol=TOL["reconstruct"], rtol=0)
     assert (want > 0).all() and (want <= 1).all()
+
+
+def test_bf16_surprisal_ranks_like_the_reference(lm):
+    """The default (bf16 logsumexp) surprisal on the real model and real text: within
+    TOL["surprisal_bf16"] nats of the fp32 eager reference and ranking tokens the same way."""
+    text = (Path(__file__).resolve().parents[1] / "examples" / "corpus").glob("*")
+    ids = lm.tokenizer("\n".join(p.read_text() for p in sorted(text)), add_special_tokens=False).input_ids[:300]
+    want = reference_stats(lm.model, ids, window=8)["surprisal"]
+    got = prefill(lm.model, ids, stats=("surprisal",), surprisal_dtype=torch.bfloat16).stats["surprisal"]
+    exact = prefill(lm.model, ids, stats=("surprisal",), surprisal_dtype=torch.float32).stats["surprisal"]
+    torch.testing.assert_close(exact, want, atol=TOL["surprisal"] * 10, rtol=0)
+    assert (got - want).abs().max() <= TOL["surprisal_bf16"]
+    assert (got - want).abs().max() > 0  # the bf16 path really ran (else this test proves nothing)
+    ranks = torch.stack([want.argsort().argsort(), got.argsort().argsort()]).float()
+    assert torch.corrcoef(ranks)[0, 1] >= 0.99

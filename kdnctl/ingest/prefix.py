@@ -24,7 +24,7 @@ from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_by
 from ..chunking import chain_hashes, chunk_bounds
 from ..corpus import Document, Skipped, read_corpus
 from ..errors import UsageError
-from ..prefill import prefill
+from ..prefill import BLOCK_TOKENS, prefill
 from ..prompting import PromptFormat
 from ..store import DocumentRecord, Store, VersionRecord
 from ..versions import commit, write_chunks
@@ -42,7 +42,7 @@ class IngestOptions:
     chunk_tokens: int = 256
     window: int = 32
     stats: bool = True
-    block_tokens: int = 1024
+    block_tokens: int = BLOCK_TOKENS
     stat_names: tuple[str, ...] = DEFAULT_STATS  # which statistics when ``stats``
     kv_dtype: str | None = None  # stored K/V dtype; None = the model's dtype
 

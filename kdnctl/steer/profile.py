@@ -54,8 +54,8 @@ def _batch_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     mask = build_bias_mask(None, hq, q_len, kv_len, query.dtype, query.device)
     if bias is not None:
         full = torch.zeros(b, hq, q_len, kv_len, dtype=query.dtype, device=query.device)
-        if mask is not None:
-            full += mask
+        if mask is not None:  # boolean: True = visible
+            full.masked_fill_(~mask, float("-inf"))
         full[..., : bias.shape[-1]] += bias.to(query.dtype)[:, :, None, :]
         mask = full
     gqa = hq != key.shape[1]
