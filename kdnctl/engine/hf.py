@@ -31,7 +31,7 @@ import torch
 
 from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
-from ..store import ReadStore, bundle_mismatch
+from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
 from .dequant import FAST_SCHEMES, dequantize_into
 
@@ -191,7 +191,7 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
     chunk) pairs) in parallel threads (file reads and hashing release the GIL); each bundle's own
     metadata must match the record that points at it (a record aimed at another document's
     chunk is refused)."""
-    checked = hasattr(store, "read_object_checked")
+    checked = isinstance(store, LocalObjects)  # files we can read and check ourselves
 
     def one(hit):
         version, ref = hit
