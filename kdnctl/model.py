@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from .durable import write_atomic
 from .errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -261,8 +262,5 @@ def load_model(spec: str | os.PathLike | None = None, *, dtype: str | None = Non
         fingerprint = json.loads(fp_file.read_text())["fingerprint"]
     else:
         fingerprint = compute_fingerprint(model, tokenizer)
-        fp_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = fp_file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"fingerprint": fingerprint, "path": str(hf_dir)}))
-        os.replace(tmp, fp_file)
+        write_atomic(fp_file, [json.dumps({"fingerprint": fingerprint, "path": str(hf_dir)}).encode("utf-8")])
     return LoadedModel(model, tokenizer, fingerprint, model_summary(model), str(path), hf_dir)

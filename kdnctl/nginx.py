@@ -23,6 +23,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .durable import write_atomic
+
 ACCEL_PREFIX = "/_kdn_objects/"
 
 
@@ -112,7 +114,5 @@ def write_config(path: str | os.PathLike, store_root: str | os.PathLike, *, upst
         run = path.parent / "nginx-run"
         run.mkdir(parents=True, exist_ok=True)
         text = full_config(objects, upstream, listen, run_dir=run, user=user)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_atomic(path, [text.encode("utf-8")])
     return path

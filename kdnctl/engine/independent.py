@@ -193,7 +193,7 @@ def context_token_ids(header: KVBundle, chunks: list[KVBundle]) -> list[int]:
 
 @torch.inference_mode()
 def compose(
-    lm,
+    lm: LoadedModel,
     chunks: list[KVBundle],
     header_bundle: KVBundle,
     suffix_ids: list[int] | None = None,

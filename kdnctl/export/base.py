@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..bundle import KVBundle, decode_bundle
+from ..durable import fsync_dir, write_atomic  # noqa: F401  (exports write through it)
 from ..errors import EngineMissingError, ExportError
 
 
@@ -113,44 +113,6 @@ def require_engine(module: str, extra: str, what: str) -> None:
             f"{what} needs the Python package '{module}', which is not installed",
             hint=f"pip install 'kdnctl[{extra}]' (see docs/engines.md)",
         )
-
-
-def write_atomic(path: Path, chunks) -> int:
-    """Write ``chunks`` (bytes-like pieces) to ``path``: temp file in the same directory,
-    fsync, rename, fsync the directory. Returns the number of bytes written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    n = 0
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for piece in chunks:
-                f.write(piece)
-                n += len(memoryview(piece).cast("B"))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
-    return n
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

@@ -207,7 +207,7 @@ def _current(store: Store, doc_id: str) -> DocumentRecord | None:
 
 def ingest_independent(
     store: Store,
-    lm,
+    lm: LoadedModel,
     docs: list[Document],
     opts: IngestOptions,
     *,

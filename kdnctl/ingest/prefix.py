@@ -246,7 +246,7 @@ def write_segment(objects, lm: LoadedModel, doc: Document, seg: Segment, opts: I
 
 def ingest_documents(
     store: Store,
-    lm,
+    lm: LoadedModel,
     docs: list[Document],
     opts: IngestOptions,
     *,

@@ -21,6 +21,7 @@ import lmdb
 
 from kdnctl.errors import StoreCorruptError, UnsupportedError
 
+from ..durable import fsync_dir
 from .records import CATALOG_HINT, SEP
 
 SCHEMA_VERSION = 1
@@ -139,13 +140,6 @@ def open_dbs(root: Path, env: lmdb.Environment) -> dict:
     return dbs
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
 
 def create_catalog(catalog_dir: Path) -> None:
     """Make a new catalog beside ``catalog_dir`` (databases + schema key, one txn), then rename
@@ -162,13 +156,13 @@ def create_catalog(catalog_dir: Path) -> None:
         finally:
             env.close()
         (staging / "lock.mdb").unlink(missing_ok=True)
-        _fsync_dir(staging)
+        fsync_dir(staging)
         try:
             os.rename(staging, catalog_dir)  # replaces an empty leftover dir; fails if one is complete
         except OSError:
             if not (catalog_dir / "data.mdb").exists():
                 raise
-        _fsync_dir(catalog_dir.parent)
+        fsync_dir(catalog_dir.parent)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)

@@ -22,6 +22,7 @@ from typing import Iterator
 
 from kdnctl.errors import NotFoundError, StoreCorruptError, StoreLockedError, UsageError
 
+from ..durable import fsync_dir
 from . import catalog as cat
 from .maintenance import Maintenance, hash_file
 from .reads import CatalogReader, dumps_json, lookup_key, seal_record
@@ -33,13 +34,6 @@ LAYOUT = {"objects", "tmp", "catalog", "write.lock"}
 def default_store_root() -> Path:
     return Path(os.environ.get("KDN_STORE", ".kdn"))
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Store(CatalogReader, Maintenance):
@@ -169,9 +163,9 @@ class Store(CatalogReader, Maintenance):
                 os.fsync(f.fileno())
             if not final.parent.is_dir():
                 final.parent.mkdir(parents=True, exist_ok=True)
-                _fsync_dir(self.objects_dir)  # make the new fan-out dir entry durable
+                fsync_dir(self.objects_dir)  # make the new fan-out dir entry durable
             os.rename(tmp, final)  # atomic: readers see nothing or the whole object
-            _fsync_dir(final.parent)  # make the rename durable before any commit refers to it
+            fsync_dir(final.parent)  # make the rename durable before any commit refers to it
         finally:
             tmp.unlink(missing_ok=True)
         return sha
