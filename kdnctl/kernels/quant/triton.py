@@ -85,6 +85,31 @@ def _decode(c, scale, zero, FMT: tl.constexpr):
 
 
 @triton.jit
+def _group_params(mn, mx, bm, s_ptr, z_ptr, s_off, FMT: tl.constexpr, QMAX: tl.constexpr, S_F16: tl.constexpr):
+    """A group's (scale, zero) from its min and max, stored at ``s_off`` and returned; affine
+    min/max for the integer formats, symmetric around the midpoint for fp8 (FMT 2)."""
+    mn = tl.where(bm, mn, 0.0)  # dead lanes: keep the arithmetic finite
+    mx = tl.where(bm, mx, 0.0)
+    if FMT == 2:
+        zero = (mn + mx) * 0.5
+        if S_F16:
+            zero = zero.to(tl.float16).to(tl.float32)
+        scale = tl.maximum(mx - zero, zero - mn) / 448.0
+    else:
+        if S_F16:
+            zero = _f16_round_down(mn)
+        else:
+            zero = mn
+        scale = (mx - zero) / QMAX
+    if S_F16:
+        scale = _f16_round_up(scale)
+    scale = tl.where(scale == 0, 1.0, scale)
+    tl.store(s_ptr + s_off, scale, mask=bm)
+    tl.store(z_ptr + s_off, zero, mask=bm)
+    return scale, zero
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr, q_ptr, s_ptr, z_ptr,
     N, B, G,
@@ -108,25 +133,7 @@ def _quantize_kernel(
     inf = float("inf")
     mn = tl.minimum(tl.min(tl.where(me, xe, inf), 0), tl.min(tl.where(mo, xo, inf), 0))
     mx = tl.maximum(tl.max(tl.where(me, xe, -inf), 0), tl.max(tl.where(mo, xo, -inf), 0))
-    mn = tl.where(bm, mn, 0.0)  # dead lanes: keep the arithmetic finite
-    mx = tl.where(bm, mx, 0.0)
-    if FMT == 2:
-        zero = (mn + mx) * 0.5
-        if S_F16:
-            zero = zero.to(tl.float16).to(tl.float32)
-        scale = tl.maximum(mx - zero, zero - mn) / 448.0
-    else:
-        if S_F16:
-            zero = _f16_round_down(mn)
-        else:
-            zero = mn
-        scale = (mx - zero) / QMAX
-    if S_F16:
-        scale = _f16_round_up(scale)
-    scale = tl.where(scale == 0, 1.0, scale)
-    s_off = a * ssa + g * ssn + b * ssb
-    tl.store(s_ptr + s_off, scale, mask=bm)
-    tl.store(z_ptr + s_off, zero, mask=bm)
+    scale, zero = _group_params(mn, mx, bm, s_ptr, z_ptr, a * ssa + g * ssn + b * ssb, FMT, QMAX, S_F16)
 
     ce = _encode(xe, scale[None, :], zero[None, :], FMT, QMAX)
     co = _encode(xo, scale[None, :], zero[None, :], FMT, QMAX)
@@ -231,19 +238,7 @@ def _quantize_lowbit_kernel(
                     tl.minimum(tl.minimum(_mn(x4, m4), _mn(x5, m5)), tl.minimum(_mn(x6, m6), _mn(x7, m7))))
     mx = tl.maximum(tl.maximum(tl.maximum(_mx(x0, m0), _mx(x1, m1)), tl.maximum(_mx(x2, m2), _mx(x3, m3))),
                     tl.maximum(tl.maximum(_mx(x4, m4), _mx(x5, m5)), tl.maximum(_mx(x6, m6), _mx(x7, m7))))
-    mn = tl.where(bm, mn, 0.0)
-    mx = tl.where(bm, mx, 0.0)
-    if S_F16:
-        zero = _f16_round_down(mn)
-    else:
-        zero = mn
-    scale = (mx - zero) / QMAX
-    if S_F16:
-        scale = _f16_round_up(scale)
-    scale = tl.where(scale == 0, 1.0, scale)
-    s_off = a * ssa + g * ssn + b * ssb
-    tl.store(s_ptr + s_off, scale, mask=bm)
-    tl.store(z_ptr + s_off, zero, mask=bm)
+    scale, zero = _group_params(mn, mx, bm, s_ptr, z_ptr, a * ssa + g * ssn + b * ssb, FMT, QMAX, S_F16)
     c0 = _code(x0, scale, zero, g, G, N, i, 0, QMAX)
     c1 = _code(x1, scale, zero, g, G, N, i, 1, QMAX)
     c2 = _code(x2, scale, zero, g, G, N, i, 2, QMAX)
