@@ -20,11 +20,14 @@ ingest version stores its single step as the recipe itself (the format bundles a
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Protocol
 
 from .bundle import KVBundle, derived_meta, encode_bundle
 from .errors import UsageError
 from .store import ChunkRef, DocumentRecord, VersionRecord
+
+WRITE_THREADS = 4
 
 
 class ObjectWriter(Protocol):
@@ -72,7 +75,12 @@ def write_chunks(store: ObjectWriter, bundles: Iterable[KVBundle], indices: Iter
     only the object directory, never the catalog."""
     bundles = list(bundles)
     idx = list(indices) if indices is not None else [None] * len(bundles)
-    return [write_chunk(store, b, i) for b, i in zip(bundles, idx)]
+    if len(bundles) <= 1:
+        return [write_chunk(store, b, i) for b, i in zip(bundles, idx)]
+    # Hashing, writing and fsync release the GIL: a few threads overlap one chunk's fsync wait
+    # with the next one's hashing (objects are independent files; the catalog is not touched).
+    with ThreadPoolExecutor(max_workers=min(WRITE_THREADS, len(bundles))) as pool:
+        return list(pool.map(lambda pair: write_chunk(store, *pair), zip(bundles, idx)))
 
 
 def version_record(source: VersionRecord, label: str, recipe: dict, chunks: list[ChunkRef], *,
