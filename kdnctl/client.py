@@ -13,6 +13,8 @@ already received (the object is immutable, so ``If-Range`` on its hash makes the
 from __future__ import annotations
 
 import hashlib
+import http.client
+import json
 import os
 import random
 import re
@@ -28,15 +30,11 @@ import httpx
 
 from . import __version__
 from .errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
-from .fastread import blake3_hasher
+from .fastread import blake3_hasher, check_bytes, read_into
+from .fetch import ConnectionPool, Partial, Refused, Retry, fetch_once
 from .store import ChunkRef, DocumentRecord, VersionRecord, check_sha
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 TOKEN_HINT = ("pass --token-file with a token from the server's token file, and check that it grants "
               "the document's namespace")
-
-
-class _Retry(Exception):
-    """A failure worth retrying (connection trouble, 5xx)."""
 
 
 def _doc(d) -> DocumentRecord:
@@ -74,6 +72,8 @@ class RemoteStore:
             headers["authorization"] = f"Bearer {token.strip()}"
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                     limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        self._headers = headers  # object downloads: raw keep-alive connections (kdnctl/fetch.py)
+        self._pool = ConnectionPool(self.url, timeout)
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "retries": 0, "resumed": 0, "bytes": 0, "cache_hits": 0}
         # sha256 -> BLAKE3 recorded by the server's catalog (ChunkRef.blake3), learnt from the
@@ -87,6 +87,7 @@ class RemoteStore:
     # -- plumbing --------------------------------------------------------------------------
     def close(self) -> None:
         self._client.close()
+        self._pool.close()
 
     def __enter__(self) -> "RemoteStore":
         return self
@@ -103,16 +104,19 @@ class RemoteStore:
         time.sleep(min(0.25 * 2 ** attempt, 5.0) * (0.5 + random.random() / 2))
 
     def _fail(self, resp: httpx.Response, what: str):
+        self._refused(resp.status_code, resp.reason_phrase, resp.content, what)
+
+    def _refused(self, status: int, reason: str, content: bytes, what: str):
         try:
-            body = resp.json()
-            msg, hint = body.get("error") or resp.reason_phrase, body.get("hint")
-        except ValueError:
-            msg, hint = (resp.text or resp.reason_phrase)[:200], None
-        if resp.status_code == 401:
+            body = json.loads(content)
+            msg, hint = body.get("error") or reason, body.get("hint")
+        except (ValueError, AttributeError):
+            msg, hint = (content.decode("utf-8", "replace") or reason)[:200], None
+        if status == 401:
             raise RemoteError(f"{self.url} refused {what}: {msg}", hint=TOKEN_HINT)
-        if resp.status_code == 404:
+        if status == 404:
             raise NotFoundError(f"{msg} (on {self.url})", hint=hint)
-        raise RemoteError(f"{self.url}: {what} failed with HTTP {resp.status_code}: {msg}", hint=hint)
+        raise RemoteError(f"{self.url}: {what} failed with HTTP {status}: {msg}", hint=hint)
 
     def _send(self, method: str, path: str, **kw) -> httpx.Response:
         """One request with retries on connection errors and 5xx; other statuses returned."""
@@ -215,14 +219,16 @@ class RemoteStore:
     def _cache_path(self, sha: str) -> Path | None:
         return self.cache_dir / sha[:2] / sha if self.cache_dir else None
 
-    def _from_cache(self, sha: str) -> bytes | None:
+    def _from_cache(self, sha: str) -> bytearray | None:
         path = self._cache_path(sha)
-        try:
-            data = path.read_bytes() if path else None
-        except OSError:
+        if path is None:
             return None
-        if data is not None and hashlib.sha256(data).hexdigest() != sha:
-            path.unlink(missing_ok=True)  # a damaged cache entry is dropped and fetched again
+        try:
+            data = read_into(path)
+            check_bytes(data, sha, self._blake3.get(sha))
+        except (OSError, StoreCorruptError):  # missing, or damaged: dropped and fetched again
+            if path.exists():
+                path.unlink(missing_ok=True)
             return None
         return data
 
@@ -238,54 +244,38 @@ class RemoteStore:
         except OSError:
             pass  # the cache is an optimisation; a full disk must not fail the load
 
-    def _download(self, sha: str) -> tuple[bytes, str, bool]:
+    def _download(self, sha: str) -> tuple[bytearray, str, bool]:
         """Fetch an object, resuming after breaks; returns (bytes, their sha256, stitched?).
 
-        The hash is updated block by block as bytes arrive (hashlib releases the GIL, so
-        parallel fetches hash while other threads wait on sockets) instead of a second pass."""
-        buf = bytearray()
+        The body lands in one preallocated buffer and each slice is hashed as it arrives
+        (kdnctl/fetch.py): BLAKE3 when the version listing recorded one, else sha256."""
         b3 = self._blake3.get(sha)
         new_hasher = blake3_hasher if b3 and blake3_hasher() is not None else hashlib.sha256
-        hasher = new_hasher()
-        stitched = False
+        part = Partial(new_hasher)
         path = f"/v1/objects/{sha}"
+
+        def on_bytes(n: int) -> None:
+            self._count("bytes", n)
+            if self.on_block is not None:
+                self.on_block(sha, part.got)
+
         for attempt in range(self.retries + 1):
-            headers = {}
-            if buf:  # resume: only valid while the server still has the very same object
-                headers = {"range": f"bytes={len(buf)}-", "if-range": f'"{sha}"'}
             self._count("requests")
+            resumed = part.got > 0
             try:
-                with self._client.stream("GET", path, headers=headers) as resp:
-                    if resp.status_code == 206 and buf:
-                        m = _CONTENT_RANGE.match(resp.headers.get("content-range", ""))
-                        if not m or int(m.group(1)) != len(buf):
-                            raise _Retry(f"bad Content-Range {resp.headers.get('content-range')!r}")
-                        stitched = True
-                        self._count("resumed")
-                    elif resp.status_code in (200, 416):  # full body (or our range went stale)
-                        buf.clear()
-                        hasher = new_hasher()
-                        if resp.status_code == 416:
-                            raise _Retry("range not satisfiable")
-                    elif resp.status_code >= 500:
-                        raise _Retry(f"HTTP {resp.status_code}")
-                    elif resp.status_code == 404:
-                        raise NotFoundError(f"object {sha[:12]} is not on {self.url} (missing there, "
-                                            "or not visible to this token)")
-                    else:
-                        resp.read()
-                        self._fail(resp, f"object {sha[:12]}")
-                    for block in resp.iter_bytes():
-                        buf += block
-                        hasher.update(block)
-                        self._count("bytes", len(block))
-                        if self.on_block is not None:
-                            self.on_block(sha, len(buf))
-                got = hasher.hexdigest()
+                fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
+                if resumed and part.stitched:
+                    self._count("resumed")
+                got = part.hasher.hexdigest()
                 if new_hasher is not hashlib.sha256:  # BLAKE3 checked: report it as the name
                     got = sha if got == b3 else f"blake3:{got}"
-                return bytes(buf), got, stitched
-            except (httpx.TransportError, _Retry) as exc:
+                return part.buf, got, part.stitched
+            except Refused as exc:
+                if exc.status == 404:
+                    raise NotFoundError(f"object {sha[:12]} is not on {self.url} (missing there, "
+                                        "or not visible to this token)") from None
+                self._refused(exc.status, exc.reason, exc.body, f"object {sha[:12]}")
+            except (OSError, http.client.HTTPException, Retry) as exc:
                 err = f"{type(exc).__name__}: {exc}"
             if attempt == self.retries:
                 raise RemoteError(f"download of object {sha[:12]} from {self.url} failed after "
@@ -294,8 +284,9 @@ class RemoteStore:
             self._backoff(attempt)
         raise AssertionError("unreachable")
 
-    def read_object(self, sha: str, *, verify: bool = True) -> bytes:
-        """The verified bytes of object ``sha``. ``verify`` is accepted for Store compatibility;
+    def read_object(self, sha: str, *, verify: bool = True) -> bytearray:
+        """The verified bytes of object ``sha``, in a writable ``bytearray`` (the decoder makes
+        zero-copy tensor views into it). ``verify`` is accepted for Store compatibility;
         remote bytes are always verified (the network and the server's disk are not trusted)."""
         self._check_sha(sha)
         data = self._from_cache(sha)
@@ -318,7 +309,7 @@ class RemoteStore:
         range request could not be checked against the object's hash."""
         return self.read_object(sha)[:n]
 
-    def fetch_objects(self, shas: Iterable[str], max_workers: int | None = None) -> dict[str, bytes]:
+    def fetch_objects(self, shas: Iterable[str], max_workers: int | None = None) -> dict[str, bytearray]:
         """Download (and verify) several objects in parallel; the first failure is raised."""
         todo = list(dict.fromkeys(shas))
         for sha in todo:
