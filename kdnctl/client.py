@@ -31,7 +31,7 @@ import httpx
 from . import __version__
 from .errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
 from .fastread import blake3_hasher, check_bytes, read_into
-from .fetch import ConnectionPool, Partial, Refused, Retry, fetch_once
+from .fetch import ConnectionPool, Partial, Refused, Retry, WrongSize, fetch_once
 from .store import ChunkRef, DocumentRecord, VersionRecord, check_sha
 TOKEN_HINT = ("pass --token-file with a token from the server's token file, and check that it grants "
               "the document's namespace")
@@ -80,6 +80,9 @@ class RemoteStore:
         # version listings that name the objects (same trust as the names): objects with one
         # are verified at BLAKE3 speed (issue 15); others by their sha256 name.
         self._blake3: dict[str, str] = {}
+        # sha256 -> size from the same listings: a server announcing another length is refused
+        # before anything is allocated for it
+        self._nbytes: dict[str, int] = {}
         # Progress hook, called as hook(sha, bytes_received) after each block of a download
         # (progress bars; tests use it to break a download half-way).
         self.on_block: Callable[[str, int], None] | None = None
@@ -179,6 +182,8 @@ class RemoteStore:
         for c in v.chunks:
             if c.blake3:
                 self._blake3[c.object] = c.blake3
+            if c.nbytes:
+                self._nbytes[c.object] = c.nbytes
         return v
 
     def lookup_chunk(self, fingerprint: str, label: str, chain_hash: str) -> tuple[VersionRecord, ChunkRef] | None:
@@ -251,7 +256,7 @@ class RemoteStore:
         (kdnctl/fetch.py): BLAKE3 when the version listing recorded one, else sha256."""
         b3 = self._blake3.get(sha)
         new_hasher = blake3_hasher if b3 and blake3_hasher() is not None else hashlib.sha256
-        part = Partial(new_hasher)
+        part = Partial(new_hasher, expect=self._nbytes.get(sha))
         path = f"/v1/objects/{sha}"
 
         def on_bytes(n: int) -> None:
@@ -270,6 +275,9 @@ class RemoteStore:
                 if new_hasher is not hashlib.sha256:  # BLAKE3 checked: report it as the name
                     got = sha if got == b3 else f"blake3:{got}"
                 return part.buf, got, part.stitched
+            except WrongSize as exc:
+                raise StoreCorruptError(f"object {sha[:12]} from {self.url}: {exc}; refused",
+                                        hint="check the served store with `kdnctl verify`") from None
             except Refused as exc:
                 if exc.status == 404:
                     raise NotFoundError(f"object {sha[:12]} is not on {self.url} (missing there, "

@@ -33,6 +33,11 @@ class Retry(Exception):
     """A failure worth retrying (connection trouble, a short body, 5xx, a bad range answer)."""
 
 
+class WrongSize(Exception):
+    """The server announces a length other than the catalog's size for the object: refused
+    before a buffer is allocated for it (a hostile length must not cost memory)."""
+
+
 class Refused(Exception):
     """A final HTTP answer that is not the object: ``status``, ``reason``, ``body``."""
 
@@ -80,6 +85,7 @@ class Partial:
     hashed so far, the running hash. Survives retries so a resumed download continues it."""
 
     new_hasher: Callable
+    expect: int | None = None  # the object's size from the catalog, when known
     buf: bytearray | None = None
     got: int = 0
     stitched: bool = False
@@ -118,7 +124,14 @@ def fetch_once(pool: ConnectionPool, path: str, headers: dict, etag: str, part: 
                 raise Retry(f"bad Content-Range {resp.getheader('content-range')!r}")
             part.stitched = True
         elif status == 200:
-            part.restart(_content_length(resp))
+            size = _content_length(resp)
+            if part.expect is not None and size != part.expect:
+                raise WrongSize(f"the server announces {size} bytes for an object the version lists at "
+                                f"{part.expect}")
+            try:
+                part.restart(size)
+            except MemoryError:
+                raise Retry(f"no memory for an object of {size} bytes") from None
         elif status == 416:  # our range went stale: start over
             part.buf, part.got = None, 0
             resp.read()

@@ -107,6 +107,7 @@ def test_nginx_sends_the_bytes_kdnctl_allows(fronted):
     assert r.status_code == 200 and r.content == _bytes(fronted["root"], sha)
     assert hashlib.sha256(r.content).hexdigest() == sha
     assert r.headers["etag"] == f'"{sha}"' and "immutable" in r.headers["cache-control"]
+    assert r.headers.get_list("accept-ranges") == ["bytes"]  # nginx's own, not kdnctl's as well
     # ranges are served by nginx from the file
     r = _get(fronted["nginx"], f"/v1/objects/{sha}", "tok-acme", range="bytes=1000-1999")
     assert r.status_code == 206 and r.content == _bytes(fronted["root"], sha)[1000:2000]
@@ -135,9 +136,26 @@ def test_namespaces_and_auth_hold_through_nginx(fronted):
     assert r.content == _bytes(fronted["root"], fronted["acme"][0])
 
 
+def test_other_namespaces_objects_stay_closed_however_asked(fronted):
+    """HEAD, Range, If-None-Match with the right ETag, a resume-style If-Range: every way of
+    asking for another namespace's object through nginx gets kdnctl's 404 and no byte of it."""
+    other = fronted["globex"][0]
+    secret = _bytes(fronted["root"], other)
+    url = f"{fronted['nginx']}/v1/objects/{other}"
+    hdr = {"authorization": "Bearer tok-acme"}
+    asks = [httpx.head(url, headers=hdr), httpx.get(url, headers={**hdr, "range": "bytes=0-99"}),
+            httpx.get(url, headers={**hdr, "if-none-match": f'"{other}"'}),
+            httpx.get(url, headers={**hdr, "range": "bytes=10-", "if-range": f'"{other}"'}),
+            httpx.get(f"{url}?x=1", headers=hdr), httpx.get(url.replace("/v1/", "/v1//"), headers=hdr)]
+    for r in asks:
+        assert r.status_code == 404 and secret[:64] not in r.content and "x-accel-redirect" not in r.headers, r
+
+
 def test_verifying_client_through_nginx(fronted):
     with RemoteStore(fronted["nginx"], token="tok-acme") as remote:
+        remote.list_versions()  # learns the BLAKE3 digests and sizes, as the loader does
         got = remote.fetch_objects(fronted["acme"])
         assert all(hashlib.sha256(got[s]).hexdigest() == s for s in fronted["acme"])
+        assert remote._pool._idle  # keep-alive connections through nginx, reused
         with pytest.raises(NotFoundError):
             remote.read_object(fronted["globex"][0])

@@ -254,7 +254,8 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         if accel_prefix is not None:  # nginx sends the bytes (ranges too): kdnctl/nginx.py
             from ..nginx import accel_path
 
-            headers.pop("content-type")
+            for name in ("content-type", "accept-ranges"):  # nginx sets both for the file it sends
+                headers.pop(name)
             return Response(status_code=200, headers={**headers, "x-accel-redirect": accel_path(sha, accel_prefix)})
         start, end, status = 0, st.st_size, 200
         rng = request.headers.get("range")
