@@ -10,7 +10,8 @@ arrived, from the same buffer (BLAKE3 when the catalog recorded it, else sha256)
 gets that buffer: no copy between the socket and the decoder.
 
 Connections are pooled (thread-safe) and reused across objects; one that saw an error or a
-response that closes is dropped. ``https://`` uses the default SSL context.
+response that closes is dropped. ``https://`` uses the default SSL context; the proxy
+environment (``HTTP_PROXY``, ``HTTPS_PROXY``, ``NO_PROXY``) is honoured like httpx does.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
 
 from .fastread import new_buffer
 
@@ -57,13 +59,28 @@ class ConnectionPool:
         self.timeout, self.max_idle = timeout, max_idle
         self._idle: list[http.client.HTTPConnection] = []
         self._lock = threading.Lock()
+        # the proxy environment (HTTP(S)_PROXY, NO_PROXY) applies as it does to the JSON
+        # requests (httpx): http:// through the proxy with absolute URIs, https:// tunnelled
+        self.proxy = None
+        proxy = getproxies().get(parts.scheme)
+        if proxy and not proxy_bypass(parts.netloc):
+            p = urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+            self.proxy = (p.hostname, p.port or 80)
+            if not self.https:
+                self.base = f"http://{parts.netloc}{self.base}"
 
     def get(self) -> http.client.HTTPConnection:
         with self._lock:
             if self._idle:
                 return self._idle.pop()
-        cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
-        return cls(self.host, self.port, timeout=self.timeout)
+        if self.proxy is None:
+            cls = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+            return cls(self.host, self.port, timeout=self.timeout)
+        if not self.https:
+            return http.client.HTTPConnection(*self.proxy, timeout=self.timeout)
+        conn = http.client.HTTPSConnection(*self.proxy, timeout=self.timeout)
+        conn.set_tunnel(self.host, self.port)
+        return conn
 
     def put(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:

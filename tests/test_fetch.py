@@ -11,6 +11,7 @@ import json
 import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
 
 import pytest
 
@@ -29,6 +30,7 @@ class Origin:
         self.objects, self.mode, self.cut = objects, "ok", False
         self.connections = self.requests = 0
         self.ranges: list[str] = []
+        self.paths: list[str] = []
         origin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -57,9 +59,11 @@ class Origin:
         return dataclasses.asdict(v)
 
     def handle(self, h: BaseHTTPRequestHandler) -> None:
-        if h.path == "/v1/docs/d/versions/full":
+        self.paths.append(h.path)
+        path = urlsplit(h.path).path  # a proxy gets absolute URIs
+        if path == "/v1/docs/d/versions/full":
             return self.send(h, 200, json.dumps(self.listing()).encode(), {"content-type": "application/json"})
-        sha = h.path.rsplit("/", 1)[-1]
+        sha = path.rsplit("/", 1)[-1]
         if sha not in self.objects:
             return self.send(h, 404, b'{"error": "no such object"}', {})
         data, rng = self.objects[sha], h.headers.get("range")
@@ -172,3 +176,21 @@ def test_missing_objects_and_buffers(origin):
         remote.read_object("ab" * 32)
     buf = new_buffer(10)
     assert isinstance(buf, bytearray) and len(buf) == 10 and new_buffer(0) == bytearray()
+
+
+def test_the_proxy_environment_applies_to_downloads_too(origin, monkeypatch):
+    """HTTP_PROXY sends the object downloads (like httpx's JSON requests) to the proxy, with
+    absolute URIs; NO_PROXY exempts a host. The origin here plays the forward proxy."""
+    for name in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(name, origin.url)
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.setenv(name, "")
+    sha, data = next(iter(origin.objects.items()))
+    with RemoteStore("http://kdn.invalid:8700") as remote:
+        remote.get_version("d")
+        assert remote.read_object(sha) == data
+    assert origin.paths[-1] == f"http://kdn.invalid:8700/v1/objects/{sha}"
+    for name in ("no_proxy", "NO_PROXY"):
+        monkeypatch.setenv(name, "kdn.invalid")
+    with RemoteStore("http://kdn.invalid:8700", retries=0) as remote, pytest.raises(RemoteError):
+        remote.read_object(sha)  # not proxied: the name does not resolve
