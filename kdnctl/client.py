@@ -33,6 +33,7 @@ from .errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
 from .fastread import blake3_hasher, check_bytes, read_into
 from .fetch import ConnectionPool, Partial, Refused, Retry, WrongSize, fetch_once
 from .store import ChunkRef, DocumentRecord, VersionRecord, check_sha
+_LINK = re.compile(r"^e=(\d{1,12})&s=[A-Za-z0-9_-]{1,64}$")
 TOKEN_HINT = ("pass --token-file with a token from the server's token file, and check that it grants "
               "the document's namespace")
 
@@ -83,6 +84,8 @@ class RemoteStore:
         # sha256 -> size from the same listings: a server announcing another length is refused
         # before anything is allocated for it
         self._nbytes: dict[str, int] = {}
+        # sha256 -> (signed query, expiry): nginx sends these without a kdnctl round trip
+        self._links: dict[str, tuple[str, int]] = {}
         # Progress hook, called as hook(sha, bytes_received) after each block of a download
         # (progress bars; tests use it to break a download half-way).
         self.on_block: Callable[[str, int], None] | None = None
@@ -169,16 +172,26 @@ class RemoteStore:
     def get_version(self, doc_id: str, label: str = "full", doc_version: str | None = None) -> VersionRecord:
         params = {"doc_version": doc_version} if doc_version else None
         path = f"/v1/docs/{_q(doc_id)}/versions/{_q(label)}"
-        return self._learn(_version(self._json(path, f"{doc_id!r} [{label}]", params)))
+        return self._learn(self._json(path, f"{doc_id!r} [{label}]", params))
 
     def list_versions(self, doc_id: str | None = None) -> list[VersionRecord]:
         if doc_id is not None:
             body = self._json(f"/v1/docs/{_q(doc_id)}/versions", f"versions of {doc_id!r}", missing=None)
-            return [self._learn(_version(v)) for v in body["versions"]] if body else []
+            return [self._learn(v) for v in body["versions"]] if body else []
         body = self._json("/v1/docs", "listing", {"chunks": "1"})
-        return [self._learn(_version(v)) for e in body["documents"] for v in e["versions"]]
+        return [self._learn(v) for e in body["documents"] for v in e["versions"]]
 
-    def _learn(self, v: VersionRecord) -> VersionRecord:
+    def _learn(self, raw) -> VersionRecord:
+        """Decode a version record from the server, keeping what it says about its objects:
+        BLAKE3 digests, sizes and (behind nginx with --signed-links) signed download links."""
+        v = _version(raw)
+        links = raw.get("links") if isinstance(raw, dict) else None
+        if isinstance(links, dict):
+            for c in v.chunks:
+                q = links.get(c.object)
+                m = _LINK.match(q) if isinstance(q, str) else None
+                if m:
+                    self._links[c.object] = (q, int(m.group(1)))
         for c in v.chunks:
             if c.blake3:
                 self._blake3[c.object] = c.blake3
@@ -193,7 +206,7 @@ class RemoteStore:
             return None
         if not isinstance(body, dict):
             raise RemoteError(f"{self.url}{path} answered {type(body).__name__}, not a chunk")
-        return self._learn(_version(body.get("version"))), ChunkRef.from_dict(body.get("chunk"), "chunk from the server")
+        return self._learn(body.get("version")), ChunkRef.from_dict(body.get("chunk"), "chunk from the server")
 
     def lookup_prefix(self, fingerprint: str, label: str, token_ids: list[int], chunk_tokens: int | None = None) -> dict:
         """The longest stored chain matching ``token_ids``, in one request (POST /v1/lookup)."""
@@ -257,7 +270,10 @@ class RemoteStore:
         b3 = self._blake3.get(sha)
         new_hasher = blake3_hasher if b3 and blake3_hasher() is not None else hashlib.sha256
         part = Partial(new_hasher, expect=self._nbytes.get(sha))
-        path = f"/v1/objects/{sha}"
+        plain = path = f"/v1/objects/{sha}"
+        link = self._links.get(sha)
+        if link and link[1] > time.time() + 5:  # a signed link: nginx checks it, kdnctl is not asked
+            path = f"{plain}?{link[0]}"
 
         def on_bytes(n: int) -> None:
             self._count("bytes", n)
@@ -268,7 +284,14 @@ class RemoteStore:
             self._count("requests")
             resumed = part.got > 0
             try:
-                fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
+                try:
+                    fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
+                except Refused as exc:
+                    if path == plain or exc.status not in (403, 410):
+                        raise
+                    self._links.pop(sha, None)  # expired, or the server restarted with a new secret
+                    path = plain
+                    fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
                 if resumed and part.stitched:
                     self._count("resumed")
                 got = part.hasher.hexdigest()
