@@ -13,6 +13,8 @@ already received (the object is immutable, so ``If-Range`` on its hash makes the
 from __future__ import annotations
 
 import hashlib
+import http.client
+import json
 import os
 import random
 import re
@@ -28,15 +30,12 @@ import httpx
 
 from . import __version__
 from .errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
-from .fastread import blake3_hasher
+from .fastread import blake3_hasher, check_bytes, read_into
+from .fetch import ConnectionPool, Partial, Refused, Retry, WrongSize, fetch_once
 from .store import ChunkRef, DocumentRecord, VersionRecord, check_sha
-_CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
+_LINK = re.compile(r"^e=(\d{1,12})&s=[A-Za-z0-9_-]{1,64}$")
 TOKEN_HINT = ("pass --token-file with a token from the server's token file, and check that it grants "
               "the document's namespace")
-
-
-class _Retry(Exception):
-    """A failure worth retrying (connection trouble, 5xx)."""
 
 
 def _doc(d) -> DocumentRecord:
@@ -74,12 +73,19 @@ class RemoteStore:
             headers["authorization"] = f"Bearer {token.strip()}"
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                     limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+        self._headers = headers  # object downloads: raw keep-alive connections (kdnctl/fetch.py)
+        self._pool = ConnectionPool(self.url, timeout)
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "retries": 0, "resumed": 0, "bytes": 0, "cache_hits": 0}
         # sha256 -> BLAKE3 recorded by the server's catalog (ChunkRef.blake3), learnt from the
         # version listings that name the objects (same trust as the names): objects with one
         # are verified at BLAKE3 speed (issue 15); others by their sha256 name.
         self._blake3: dict[str, str] = {}
+        # sha256 -> size from the same listings: a server announcing another length is refused
+        # before anything is allocated for it
+        self._nbytes: dict[str, int] = {}
+        # sha256 -> (signed query, expiry): nginx sends these without a kdnctl round trip
+        self._links: dict[str, tuple[str, int]] = {}
         # Progress hook, called as hook(sha, bytes_received) after each block of a download
         # (progress bars; tests use it to break a download half-way).
         self.on_block: Callable[[str, int], None] | None = None
@@ -87,6 +93,7 @@ class RemoteStore:
     # -- plumbing --------------------------------------------------------------------------
     def close(self) -> None:
         self._client.close()
+        self._pool.close()
 
     def __enter__(self) -> "RemoteStore":
         return self
@@ -103,16 +110,19 @@ class RemoteStore:
         time.sleep(min(0.25 * 2 ** attempt, 5.0) * (0.5 + random.random() / 2))
 
     def _fail(self, resp: httpx.Response, what: str):
+        self._refused(resp.status_code, resp.reason_phrase, resp.content, what)
+
+    def _refused(self, status: int, reason: str, content: bytes, what: str):
         try:
-            body = resp.json()
-            msg, hint = body.get("error") or resp.reason_phrase, body.get("hint")
-        except ValueError:
-            msg, hint = (resp.text or resp.reason_phrase)[:200], None
-        if resp.status_code == 401:
+            body = json.loads(content)
+            msg, hint = body.get("error") or reason, body.get("hint")
+        except (ValueError, AttributeError):
+            msg, hint = (content.decode("utf-8", "replace") or reason)[:200], None
+        if status == 401:
             raise RemoteError(f"{self.url} refused {what}: {msg}", hint=TOKEN_HINT)
-        if resp.status_code == 404:
+        if status == 404:
             raise NotFoundError(f"{msg} (on {self.url})", hint=hint)
-        raise RemoteError(f"{self.url}: {what} failed with HTTP {resp.status_code}: {msg}", hint=hint)
+        raise RemoteError(f"{self.url}: {what} failed with HTTP {status}: {msg}", hint=hint)
 
     def _send(self, method: str, path: str, **kw) -> httpx.Response:
         """One request with retries on connection errors and 5xx; other statuses returned."""
@@ -162,19 +172,31 @@ class RemoteStore:
     def get_version(self, doc_id: str, label: str = "full", doc_version: str | None = None) -> VersionRecord:
         params = {"doc_version": doc_version} if doc_version else None
         path = f"/v1/docs/{_q(doc_id)}/versions/{_q(label)}"
-        return self._learn(_version(self._json(path, f"{doc_id!r} [{label}]", params)))
+        return self._learn(self._json(path, f"{doc_id!r} [{label}]", params))
 
     def list_versions(self, doc_id: str | None = None) -> list[VersionRecord]:
         if doc_id is not None:
             body = self._json(f"/v1/docs/{_q(doc_id)}/versions", f"versions of {doc_id!r}", missing=None)
-            return [self._learn(_version(v)) for v in body["versions"]] if body else []
+            return [self._learn(v) for v in body["versions"]] if body else []
         body = self._json("/v1/docs", "listing", {"chunks": "1"})
-        return [self._learn(_version(v)) for e in body["documents"] for v in e["versions"]]
+        return [self._learn(v) for e in body["documents"] for v in e["versions"]]
 
-    def _learn(self, v: VersionRecord) -> VersionRecord:
+    def _learn(self, raw) -> VersionRecord:
+        """Decode a version record from the server, keeping what it says about its objects:
+        BLAKE3 digests, sizes and (behind nginx with --signed-links) signed download links."""
+        v = _version(raw)
+        links = raw.get("links") if isinstance(raw, dict) else None
+        if isinstance(links, dict):
+            for c in v.chunks:
+                q = links.get(c.object)
+                m = _LINK.match(q) if isinstance(q, str) else None
+                if m:
+                    self._links[c.object] = (q, int(m.group(1)))
         for c in v.chunks:
             if c.blake3:
                 self._blake3[c.object] = c.blake3
+            if c.nbytes:
+                self._nbytes[c.object] = c.nbytes
         return v
 
     def lookup_chunk(self, fingerprint: str, label: str, chain_hash: str) -> tuple[VersionRecord, ChunkRef] | None:
@@ -184,7 +206,7 @@ class RemoteStore:
             return None
         if not isinstance(body, dict):
             raise RemoteError(f"{self.url}{path} answered {type(body).__name__}, not a chunk")
-        return self._learn(_version(body.get("version"))), ChunkRef.from_dict(body.get("chunk"), "chunk from the server")
+        return self._learn(body.get("version")), ChunkRef.from_dict(body.get("chunk"), "chunk from the server")
 
     def lookup_prefix(self, fingerprint: str, label: str, token_ids: list[int], chunk_tokens: int | None = None) -> dict:
         """The longest stored chain matching ``token_ids``, in one request (POST /v1/lookup)."""
@@ -215,14 +237,16 @@ class RemoteStore:
     def _cache_path(self, sha: str) -> Path | None:
         return self.cache_dir / sha[:2] / sha if self.cache_dir else None
 
-    def _from_cache(self, sha: str) -> bytes | None:
+    def _from_cache(self, sha: str) -> bytearray | None:
         path = self._cache_path(sha)
-        try:
-            data = path.read_bytes() if path else None
-        except OSError:
+        if path is None:
             return None
-        if data is not None and hashlib.sha256(data).hexdigest() != sha:
-            path.unlink(missing_ok=True)  # a damaged cache entry is dropped and fetched again
+        try:
+            data = read_into(path)
+            check_bytes(data, sha, self._blake3.get(sha))
+        except (OSError, StoreCorruptError):  # missing, or damaged: dropped and fetched again
+            if path.exists():
+                path.unlink(missing_ok=True)
             return None
         return data
 
@@ -238,54 +262,51 @@ class RemoteStore:
         except OSError:
             pass  # the cache is an optimisation; a full disk must not fail the load
 
-    def _download(self, sha: str) -> tuple[bytes, str, bool]:
+    def _download(self, sha: str) -> tuple[bytearray, str, bool]:
         """Fetch an object, resuming after breaks; returns (bytes, their sha256, stitched?).
 
-        The hash is updated block by block as bytes arrive (hashlib releases the GIL, so
-        parallel fetches hash while other threads wait on sockets) instead of a second pass."""
-        buf = bytearray()
+        The body lands in one preallocated buffer and each slice is hashed as it arrives
+        (kdnctl/fetch.py): BLAKE3 when the version listing recorded one, else sha256."""
         b3 = self._blake3.get(sha)
         new_hasher = blake3_hasher if b3 and blake3_hasher() is not None else hashlib.sha256
-        hasher = new_hasher()
-        stitched = False
-        path = f"/v1/objects/{sha}"
+        part = Partial(new_hasher, expect=self._nbytes.get(sha))
+        plain = path = f"/v1/objects/{sha}"
+        link = self._links.get(sha)
+        if link and link[1] > time.time() + 5:  # a signed link: nginx checks it, kdnctl is not asked
+            path = f"{plain}?{link[0]}"
+
+        def on_bytes(n: int) -> None:
+            self._count("bytes", n)
+            if self.on_block is not None:
+                self.on_block(sha, part.got)
+
         for attempt in range(self.retries + 1):
-            headers = {}
-            if buf:  # resume: only valid while the server still has the very same object
-                headers = {"range": f"bytes={len(buf)}-", "if-range": f'"{sha}"'}
             self._count("requests")
+            resumed = part.got > 0
             try:
-                with self._client.stream("GET", path, headers=headers) as resp:
-                    if resp.status_code == 206 and buf:
-                        m = _CONTENT_RANGE.match(resp.headers.get("content-range", ""))
-                        if not m or int(m.group(1)) != len(buf):
-                            raise _Retry(f"bad Content-Range {resp.headers.get('content-range')!r}")
-                        stitched = True
-                        self._count("resumed")
-                    elif resp.status_code in (200, 416):  # full body (or our range went stale)
-                        buf.clear()
-                        hasher = new_hasher()
-                        if resp.status_code == 416:
-                            raise _Retry("range not satisfiable")
-                    elif resp.status_code >= 500:
-                        raise _Retry(f"HTTP {resp.status_code}")
-                    elif resp.status_code == 404:
-                        raise NotFoundError(f"object {sha[:12]} is not on {self.url} (missing there, "
-                                            "or not visible to this token)")
-                    else:
-                        resp.read()
-                        self._fail(resp, f"object {sha[:12]}")
-                    for block in resp.iter_bytes():
-                        buf += block
-                        hasher.update(block)
-                        self._count("bytes", len(block))
-                        if self.on_block is not None:
-                            self.on_block(sha, len(buf))
-                got = hasher.hexdigest()
+                try:
+                    fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
+                except Refused as exc:
+                    if path == plain or exc.status not in (403, 410):
+                        raise
+                    self._links.pop(sha, None)  # expired, or the server restarted with a new secret
+                    path = plain
+                    fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
+                if resumed and part.stitched:
+                    self._count("resumed")
+                got = part.hasher.hexdigest()
                 if new_hasher is not hashlib.sha256:  # BLAKE3 checked: report it as the name
                     got = sha if got == b3 else f"blake3:{got}"
-                return bytes(buf), got, stitched
-            except (httpx.TransportError, _Retry) as exc:
+                return part.buf, got, part.stitched
+            except WrongSize as exc:
+                raise StoreCorruptError(f"object {sha[:12]} from {self.url}: {exc}; refused",
+                                        hint="check the served store with `kdnctl verify`") from None
+            except Refused as exc:
+                if exc.status == 404:
+                    raise NotFoundError(f"object {sha[:12]} is not on {self.url} (missing there, "
+                                        "or not visible to this token)") from None
+                self._refused(exc.status, exc.reason, exc.body, f"object {sha[:12]}")
+            except (OSError, http.client.HTTPException, Retry) as exc:
                 err = f"{type(exc).__name__}: {exc}"
             if attempt == self.retries:
                 raise RemoteError(f"download of object {sha[:12]} from {self.url} failed after "
@@ -294,8 +315,9 @@ class RemoteStore:
             self._backoff(attempt)
         raise AssertionError("unreachable")
 
-    def read_object(self, sha: str, *, verify: bool = True) -> bytes:
-        """The verified bytes of object ``sha``. ``verify`` is accepted for Store compatibility;
+    def read_object(self, sha: str, *, verify: bool = True) -> bytearray:
+        """The verified bytes of object ``sha``, in a writable ``bytearray`` (the decoder makes
+        zero-copy tensor views into it). ``verify`` is accepted for Store compatibility;
         remote bytes are always verified (the network and the server's disk are not trusted)."""
         self._check_sha(sha)
         data = self._from_cache(sha)
@@ -318,7 +340,7 @@ class RemoteStore:
         range request could not be checked against the object's hash."""
         return self.read_object(sha)[:n]
 
-    def fetch_objects(self, shas: Iterable[str], max_workers: int | None = None) -> dict[str, bytes]:
+    def fetch_objects(self, shas: Iterable[str], max_workers: int | None = None) -> dict[str, bytearray]:
         """Download (and verify) several objects in parallel; the first failure is raised."""
         todo = list(dict.fromkeys(shas))
         for sha in todo:

@@ -10,15 +10,16 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: Path, chunks) -> int:
-    """Write ``chunks`` (bytes-like pieces) to ``path``: temp file in the same directory,
-    fsync, rename, fsync the directory. Returns the number of bytes written."""
+def write_atomic(path: Path, chunks, *, mode: int = 0o644) -> int:
+    """Write ``chunks`` (bytes-like pieces) to ``path`` with permissions ``mode``: temp file in
+    the same directory, fsync, rename, fsync the directory. Returns the number of bytes written."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     n = 0
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), mode)
             for piece in chunks:
                 f.write(piece)
                 n += len(memoryview(piece).cast("B"))

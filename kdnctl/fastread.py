@@ -46,6 +46,30 @@ def blake3_hex(data) -> str | None:
     return None if mod is None else mod.blake3(data).hexdigest()
 
 
+_alloc = None
+
+
+def new_buffer(size: int) -> bytearray:
+    """A writable ``bytearray`` of ``size`` bytes that the caller will overwrite completely.
+
+    ``bytearray(size)`` zero-fills: on fresh pages that is a whole extra pass over memory
+    before the first real byte lands (measured 10 ms per 12 MB here, next to 9 ms for the
+    page faults the read itself triggers). CPython's documented
+    ``PyByteArray_FromStringAndSize(NULL, size)`` leaves the contents uninitialised; every
+    caller fills all ``size`` bytes before anything reads them (a short read raises)."""
+    global _alloc
+    if _alloc is None:
+        try:
+            import ctypes
+
+            fn = ctypes.pythonapi.PyByteArray_FromStringAndSize
+            fn.restype, fn.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_ssize_t]
+            _alloc = lambda n: fn(None, n)  # noqa: E731
+        except (ImportError, AttributeError):  # not CPython: zero-filled, still correct
+            _alloc = bytearray
+    return _alloc(size) if size > 0 else bytearray()
+
+
 def read_into(path: Path) -> bytearray:
     """The whole file in one preallocated bytearray (a single copy out of the page cache)."""
     try:
@@ -54,7 +78,7 @@ def read_into(path: Path) -> bytearray:
         raise StoreCorruptError(f"object {path.name[:12]} is missing from {path.parent.parent}") from None
     try:
         size = os.fstat(fd).st_size
-        buf = bytearray(size)
+        buf = new_buffer(size)
         view = memoryview(buf)
         got = 0
         while got < size:

@@ -20,7 +20,10 @@ objects directory must be readable by that user).
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
+import secrets
 from pathlib import Path
 
 from .durable import write_atomic
@@ -28,15 +31,63 @@ from .durable import write_atomic
 ACCEL_PREFIX = "/_kdn_objects/"
 
 
+def link_query(sha: str, secret: str, expires: int) -> str:
+    """The query string of a signed object link (nginx ``secure_link``): ``e=EXPIRES&s=SIG``,
+    SIG = base64url(MD5("<expires>/v1/objects/<sha> <secret>")), the form nginx's
+    ``secure_link_md5 "$secure_link_expires$uri <secret>"`` checks."""
+    digest = hashlib.md5(f"{expires}/v1/objects/{sha} {secret}".encode()).digest()
+    return f"e={expires}&s={base64.urlsafe_b64encode(digest).rstrip(b'=').decode()}"
+
+
+def new_link_secret() -> str:
+    return secrets.token_urlsafe(32)  # URL-safe: no quote or space to escape in the config
+
+
 def accel_path(sha: str, prefix: str = ACCEL_PREFIX) -> str:
     """The internal URI nginx maps onto ``objects/<sha[:2]>/<sha>``."""
     return f"{prefix}{sha[:2]}/{sha}"
 
 
+def _signed_location(objects: str, secret: str) -> str:
+    """Object requests carrying a signed link (``?e=..&s=..``, issued by kdnctl in the version
+    listings it answers to an authorised token) are checked and sent by nginx alone; any other
+    object request goes to kdnctl (named location) exactly as before."""
+    return f"""
+    location ~ "^/v1/objects/(?<kdn_sfan>[0-9a-f]{{2}})(?<kdn_srest>[0-9a-f]{{62}})$" {{
+        access_log off;               # a signed link is a capability: kept out of the logs
+        error_page 418 = @kdnctl;
+        if ($arg_s = "") {{ return 418; }}  # no link: kdnctl decides (X-Accel-Redirect)
+        secure_link $arg_s,$arg_e;
+        secure_link_md5 "$secure_link_expires$uri {secret}";
+        if ($secure_link = "") {{ return 403; }}   # forged, or another object's link
+        if ($secure_link = "0") {{ return 410; }}  # expired: ask kdnctl for a fresh listing
+        alias {objects}/$kdn_sfan/$kdn_sfan$kdn_srest;
+        etag off;
+        add_header ETag '"$kdn_sfan$kdn_srest"';
+        add_header Cache-Control "private, max-age=31536000, immutable";
+        default_type application/octet-stream;
+    }}
+"""
+
+
 def server_block(objects_dir: str | os.PathLike, upstream: str, listen: str, *,
-                 prefix: str = ACCEL_PREFIX) -> str:
-    """The ``server { ... }`` block: proxy to kdnctl, internal location over ``objects_dir``."""
+                 prefix: str = ACCEL_PREFIX, link_secret: str | None = None) -> str:
+    """The ``server { ... }`` block: proxy to kdnctl, internal location over ``objects_dir``;
+    with ``link_secret``, also the signed-link location (nginx's secure_link module)."""
     objects = str(Path(objects_dir).resolve())
+    signed = _signed_location(objects, link_secret) if link_secret else ""
+    proxy = f"""proxy_pass http://{upstream};
+        proxy_http_version 1.1;
+        proxy_set_header Connection "";
+        proxy_set_header Host $host;
+        proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
+        proxy_buffering on;
+        client_max_body_size 8m;"""
+    named = f"""
+    location @kdnctl {{
+        {proxy}
+    }}
+""" if link_secret else ""
     return f"""server {{
     listen {listen};
     server_name _;
@@ -62,20 +113,15 @@ def server_block(objects_dir: str | os.PathLike, upstream: str, listen: str, *,
     }}
 
     location / {{
-        proxy_pass http://{upstream};
-        proxy_http_version 1.1;
-        proxy_set_header Connection "";
-        proxy_set_header Host $host;
-        proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for;
-        proxy_buffering on;
-        client_max_body_size 8m;
+        {proxy}
     }}
-}}
+{signed}{named}}}
 """
 
 
 def full_config(objects_dir: str | os.PathLike, upstream: str, listen: str, *, run_dir: str | os.PathLike,
-                prefix: str = ACCEL_PREFIX, workers: int | str = "auto", user: str | None = None) -> str:
+                prefix: str = ACCEL_PREFIX, workers: int | str = "auto", user: str | None = None,
+                link_secret: str | None = None) -> str:
     """A complete ``nginx.conf`` (for ``nginx -p RUN_DIR -c FILE``) with pid, logs and temp
     files under ``run_dir``, upstream keep-alive to kdnctl, and :func:`server_block`."""
     run = Path(run_dir).resolve()
@@ -94,7 +140,7 @@ http {{
         server {upstream};
         keepalive 64;
     }}
-{_indent(server_block(objects_dir, "kdnctl", listen, prefix=prefix))}}}
+{_indent(server_block(objects_dir, "kdnctl", listen, prefix=prefix, link_secret=link_secret))}}}
 """
 
 
@@ -103,16 +149,18 @@ def _indent(text: str) -> str:
 
 
 def write_config(path: str | os.PathLike, store_root: str | os.PathLike, *, upstream: str, listen: str,
-                 server_only: bool = False, user: str | None = None) -> Path:
-    """Write the config for ``store_root`` to ``path`` (atomically); returns the path. The run
-    directory of a full config is ``<path's folder>/nginx-run``."""
+                 server_only: bool = False, user: str | None = None, link_secret: str | None = None) -> Path:
+    """Write the config for ``store_root`` to ``path`` (atomically; mode 0600 when it holds a
+    link secret); returns the path. The run directory of a full config is
+    ``<path's folder>/nginx-run``."""
     path = Path(path)
     objects = Path(store_root) / "objects"
     if server_only:
-        text = server_block(objects, upstream, listen)
+        text = server_block(objects, upstream, listen, link_secret=link_secret)
     else:
         run = path.parent / "nginx-run"
         run.mkdir(parents=True, exist_ok=True)
-        text = full_config(objects, upstream, listen, run_dir=run, user=user)
-    write_atomic(path, [text.encode("utf-8")])
+        text = full_config(objects, upstream, listen, run_dir=run, user=user, link_secret=link_secret)
+    # the config holds the link secret: readable by its owner only
+    write_atomic(path, [text.encode("utf-8")], mode=0o600 if link_secret else 0o644)
     return path

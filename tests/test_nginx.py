@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -21,6 +22,7 @@ import pytest
 
 from kdnctl.client import RemoteStore
 from kdnctl.errors import NotFoundError
+from kdnctl.nginx import link_query
 from kdnctl.store import ChunkRef, DocumentRecord, Store, VersionRecord
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,8 +60,7 @@ def _wait(url: str, proc: subprocess.Popen, what: str) -> None:
             time.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def fronted(tmp_path_factory):
+def _front(tmp_path_factory, *extra: str):
     """A store with two namespaces behind kdnctl serve-files + the nginx it configured."""
     root = tmp_path_factory.mktemp("store")
     with Store(root) as st, st.writer():
@@ -71,7 +72,7 @@ def fronted(tmp_path_factory):
     conf = work / "nginx.conf"
     cmd = [sys.executable, "-m", "kdnctl.cli.app", "serve-files", "--port", str(kport), "--store", str(root),
            "--token-file", str(work / "tokens"), "--no-access-log", "--emit-nginx-config", str(conf),
-           "--nginx-listen", f"127.0.0.1:{nport}"]
+           "--nginx-listen", f"127.0.0.1:{nport}", *extra]
     if os.geteuid() == 0:  # nginx would drop to `nobody`, who cannot read pytest's 0700 temp dirs
         cmd += ["--nginx-user", "root"]
     kd = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -83,12 +84,24 @@ def fronted(tmp_path_factory):
                               stderr=subprocess.PIPE, text=True)
         _wait(f"http://127.0.0.1:{nport}/v1/health", ng, "nginx")
         yield {"root": root, "acme": acme, "globex": globex, "nginx": f"http://127.0.0.1:{nport}",
-               "kdnctl": f"http://127.0.0.1:{kport}"}
+               "kdnctl": f"http://127.0.0.1:{kport}", "conf": conf}
     finally:
         for p in (ng, kd):
             if p is not None and p.poll() is None:
                 p.send_signal(signal.SIGTERM if p is kd else signal.SIGQUIT)
                 p.communicate(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def fronted(tmp_path_factory):
+    yield from _front(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def signed(tmp_path_factory):
+    if "secure_link" not in subprocess.run([NGINX, "-V"], capture_output=True, text=True).stderr:
+        pytest.skip("this nginx is built without the secure_link module (--signed-links needs it)")
+    yield from _front(tmp_path_factory, "--signed-links", "--link-ttl", "300")
 
 
 def _get(url: str, path: str, token: str | None = None, **headers) -> httpx.Response:
@@ -107,6 +120,7 @@ def test_nginx_sends_the_bytes_kdnctl_allows(fronted):
     assert r.status_code == 200 and r.content == _bytes(fronted["root"], sha)
     assert hashlib.sha256(r.content).hexdigest() == sha
     assert r.headers["etag"] == f'"{sha}"' and "immutable" in r.headers["cache-control"]
+    assert r.headers.get_list("accept-ranges") == ["bytes"]  # nginx's own, not kdnctl's as well
     # ranges are served by nginx from the file
     r = _get(fronted["nginx"], f"/v1/objects/{sha}", "tok-acme", range="bytes=1000-1999")
     assert r.status_code == 206 and r.content == _bytes(fronted["root"], sha)[1000:2000]
@@ -135,9 +149,71 @@ def test_namespaces_and_auth_hold_through_nginx(fronted):
     assert r.content == _bytes(fronted["root"], fronted["acme"][0])
 
 
+def test_other_namespaces_objects_stay_closed_however_asked(fronted):
+    """HEAD, Range, If-None-Match with the right ETag, a resume-style If-Range: every way of
+    asking for another namespace's object through nginx gets kdnctl's 404 and no byte of it."""
+    other = fronted["globex"][0]
+    secret = _bytes(fronted["root"], other)
+    url = f"{fronted['nginx']}/v1/objects/{other}"
+    hdr = {"authorization": "Bearer tok-acme"}
+    asks = [httpx.head(url, headers=hdr), httpx.get(url, headers={**hdr, "range": "bytes=0-99"}),
+            httpx.get(url, headers={**hdr, "if-none-match": f'"{other}"'}),
+            httpx.get(url, headers={**hdr, "range": "bytes=10-", "if-range": f'"{other}"'}),
+            httpx.get(f"{url}?x=1", headers=hdr), httpx.get(url.replace("/v1/", "/v1//"), headers=hdr)]
+    for r in asks:
+        assert r.status_code == 404 and secret[:64] not in r.content and "x-accel-redirect" not in r.headers, r
+
+
 def test_verifying_client_through_nginx(fronted):
     with RemoteStore(fronted["nginx"], token="tok-acme") as remote:
+        remote.list_versions()  # learns the BLAKE3 digests and sizes, as the loader does
         got = remote.fetch_objects(fronted["acme"])
         assert all(hashlib.sha256(got[s]).hexdigest() == s for s in fronted["acme"])
+        assert remote._pool._idle  # keep-alive connections through nginx, reused
         with pytest.raises(NotFoundError):
             remote.read_object(fronted["globex"][0])
+
+
+# -- signed links (--signed-links): nginx checks the link, kdnctl is not asked per object -------------
+
+def _secret(conf: Path) -> str:
+    return re.search(r'secure_link_md5 "\$secure_link_expires\$uri (\S+)";', conf.read_text()).group(1)
+
+
+def test_signed_links_are_issued_only_for_the_tokens_own_objects(signed):
+    url, root = signed["nginx"], signed["root"]
+    rec = _get(url, "/v1/docs/acme%2Fmanual.md/versions/full", "tok-acme").json()
+    assert set(rec["links"]) == set(signed["acme"])
+    for sha, query in rec["links"].items():  # the link alone opens the object, through nginx only
+        r = httpx.get(f"{url}/v1/objects/{sha}?{query}")
+        assert r.status_code == 200 and r.content == _bytes(root, sha) and r.headers["etag"] == f'"{sha}"'
+        assert httpx.get(f"{signed['kdnctl']}/v1/objects/{sha}?{query}").status_code == 401  # kdnctl wants a token
+    # another namespace's record is not answered, so no link for its objects exists ...
+    assert _get(url, "/v1/docs/globex%2Fnotes.txt/versions/full", "tok-acme").status_code == 404
+    other, mine = signed["globex"][0], signed["acme"][0]
+    # ... and none can be made from one of ours: moved to another object, altered, or unsigned
+    query = rec["links"][mine]
+    e, sig = re.match(r"e=(\d+)&s=(.+)$", query).groups()
+    assert httpx.get(f"{url}/v1/objects/{other}?{query}").status_code == 403
+    assert httpx.get(f"{url}/v1/objects/{mine}?e={int(e) + 1}&s={sig}").status_code == 403
+    assert httpx.get(f"{url}/v1/objects/{other}?e={e}").status_code == 401  # no signature: kdnctl, no token
+    assert _get(url, f"/v1/objects/{other}?e={e}", "tok-acme").status_code == 404
+    # an expired link, correctly signed, is refused with 410
+    stale = link_query(mine, _secret(signed["conf"]), int(time.time()) - 1)
+    assert httpx.get(f"{url}/v1/objects/{mine}?{stale}").status_code == 410
+    fresh = link_query(mine, _secret(signed["conf"]), int(time.time()) + 60)
+    assert httpx.get(f"{url}/v1/objects/{mine}?{fresh}").content == _bytes(root, mine)
+    assert signed["conf"].stat().st_mode & 0o077 == 0  # the config holds the secret: owner only
+
+
+def test_verifying_client_uses_signed_links_and_falls_back(signed):
+    with RemoteStore(signed["nginx"], token="tok-acme") as remote:
+        remote.get_version("acme/manual.md")
+        assert set(remote._links) == set(signed["acme"])
+        got = remote.fetch_objects(signed["acme"])
+        assert all(hashlib.sha256(got[s]).hexdigest() == s for s in signed["acme"])
+        sha = signed["acme"][0]
+        remote._links[sha] = ("e=9999999999&s=forged", 9999999999)  # a stale secret after a restart
+        assert remote.read_object(sha) == _bytes(signed["root"], sha) and sha not in remote._links
+        with pytest.raises(NotFoundError):
+            remote.read_object(signed["globex"][0])

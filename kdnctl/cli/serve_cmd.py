@@ -27,6 +27,10 @@ def serve_files(
     nginx_user: Optional[str] = typer.Option(None, "--nginx-user", help="`user` directive of the emitted config "
                                              "(the account nginx workers read the objects as)."),
     x_accel: bool = typer.Option(False, "--x-accel", help="Answer object downloads with X-Accel-Redirect (behind nginx)."),
+    signed_links: bool = typer.Option(False, "--signed-links", help="With --emit-nginx-config: version listings carry "
+                                      "signed object links (fresh secret per start) that nginx checks and serves "
+                                      "without asking kdnctl (needs nginx's secure_link module)."),
+    link_ttl: int = typer.Option(600, "--link-ttl", help="Seconds a signed object link stays valid."),
     header_timeout: float = typer.Option(10.0, "--header-timeout", help="Seconds a connection may take to send a "
                                          "complete request head (from connect, or after a response)."),
     body_timeout: float = typer.Option(30.0, "--body-timeout", help="Seconds to receive a request body (lookups)."),
@@ -50,12 +54,17 @@ def serve_files(
     root = store_root(store)
     open_store(store).close()  # fail fast, with the usual message, when there is no store
     auth = f"tokens from {token_file}" if token_file else "no authentication"
-    accel = None
+    accel = secret = None
+    if signed_links and emit_nginx_config is None:
+        raise UsageError("--signed-links needs --emit-nginx-config (nginx must hold the same secret)")
+    if link_ttl < 1:
+        raise UsageError(f"--link-ttl must be >= 1, got {link_ttl}")
     if emit_nginx_config is not None:
-        from ..nginx import ACCEL_PREFIX, write_config
+        from ..nginx import ACCEL_PREFIX, new_link_secret, write_config
 
+        secret = new_link_secret() if signed_links else None
         path = write_config(emit_nginx_config, root, upstream=f"{host}:{port}", listen=nginx_listen,
-                            server_only=nginx_server_only, user=nginx_user)
+                            server_only=nginx_server_only, user=nginx_user, link_secret=secret)
         message(f"wrote {path}: run `nginx -c {path.resolve()}`; clients use the nginx address ({nginx_listen})")
         accel = ACCEL_PREFIX
     elif x_accel:
@@ -64,7 +73,7 @@ def serve_files(
         accel = ACCEL_PREFIX
     message(f"serving {root} read-only on http://{host}:{port} ({auth}{', X-Accel-Redirect' if accel else ''}); Ctrl-C stops")
     serve(root, host, port, token_file, max_body_bytes=max_body, access_log=not no_access_log, limits=limits,
-          accel_prefix=accel)
+          accel_prefix=accel, link_secret=secret, link_ttl_s=link_ttl)
 
 
 def pull(

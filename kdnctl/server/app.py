@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 
 import anyio
 from starlette.applications import Starlette
@@ -32,6 +33,7 @@ from .limits import Limits
 
 MAX_BODY_BYTES = 4 << 20  # a lookup of ~500k token ids; anything larger is not a prompt
 MAX_FIELD_BYTES = 256  # fingerprint / label in a lookup
+LINK_TTL_S = 600  # signed object links (behind nginx) stay valid this long
 
 
 class _State:
@@ -98,13 +100,29 @@ def find_chunk(store: Store, access: Access, fingerprint: str, label: str, chain
 
 def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | None = None,
                *, max_body_bytes: int = MAX_BODY_BYTES, limits: Limits | None = None,
-               accel_prefix: str | None = None) -> Starlette:
+               accel_prefix: str | None = None, link_secret: str | None = None,
+               link_ttl_s: int = LINK_TTL_S) -> Starlette:
     """The ASGI app serving ``store_root`` read-only. ``tokens``: token -> namespace grants
-    (``["*"]`` = all); None = no authentication. Raises NotFoundError if there is no store."""
+    (``["*"]`` = all); None = no authentication. Raises NotFoundError if there is no store.
+
+    ``link_secret`` (behind the nginx config written with the same secret, kdnctl/nginx.py):
+    every version record answered to a token carries ``links``, a signed query string per
+    chunk object valid ``link_ttl_s`` seconds, so nginx sends those objects without asking
+    kdnctl again. Only records the token may see are answered, so only its own objects get
+    links."""
     if tokens is not None and not tokens:
         raise UsageError("an empty token table would refuse every request; pass tokens=None for no auth")
     store = Store(store_root, create=False)
     state = _State(store, tokens, max_body_bytes, limits or Limits())
+
+    def vrecord(v) -> dict:
+        d = _record(v)
+        if link_secret:
+            from ..nginx import link_query
+
+            expires = int(time.time()) + int(link_ttl_s)
+            d["links"] = {c.object: link_query(c.object, link_secret, expires) for c in v.chunks}
+        return d
 
     def guarded(handler):
         async def endpoint(request: Request):
@@ -135,7 +153,7 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
             out.append({
                 "document": _record(d),
                 "doc_versions": [h.doc_version for h in store.document_history(d.doc_id)],
-                "versions": [_record(v) if with_chunks else _version_summary(v) for v in versions],
+                "versions": [vrecord(v) if with_chunks else _version_summary(v) for v in versions],
                 "nbytes": sum(v.nbytes for v in versions),
             })
         return JSONResponse({"documents": sorted(out, key=lambda e: e["document"]["doc_id"])})
@@ -152,10 +170,10 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         if not doc_id or not access.sees(doc_id):
             return not_found(f"document {doc_id!r}")
         if label:
-            return JSONResponse(_record(store.get_version(doc_id, label, doc_version)))
+            return JSONResponse(vrecord(store.get_version(doc_id, label, doc_version)))
         doc = store.get_document(doc_id, doc_version)
         if label is None:
-            return JSONResponse({"versions": [_record(v) for v in store.list_versions(doc_id)]})
+            return JSONResponse({"versions": [vrecord(v) for v in store.list_versions(doc_id)]})
         return JSONResponse({
             "document": _record(doc),
             "history": [_record(h) for h in store.document_history(doc_id)],
@@ -169,7 +187,7 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         hit = find_chunk(store, access, *seg)
         if hit is None:
             return not_found(f"chunk {seg[2][:16]}")
-        return JSONResponse({"version": _record(hit[0]), "chunk": dataclasses.asdict(hit[1])})
+        return JSONResponse({"version": vrecord(hit[0]), "chunk": dataclasses.asdict(hit[1])})
 
     async def chunk_sizes(request: Request, access: Access):
         return JSONResponse({"chunk_sizes": state.chunk_sizes(access)})
@@ -254,7 +272,8 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         if accel_prefix is not None:  # nginx sends the bytes (ranges too): kdnctl/nginx.py
             from ..nginx import accel_path
 
-            headers.pop("content-type")
+            for name in ("content-type", "accept-ranges"):  # nginx sets both for the file it sends
+                headers.pop(name)
             return Response(status_code=200, headers={**headers, "x-accel-redirect": accel_path(sha, accel_prefix)})
         start, end, status = 0, st.st_size, 200
         rng = request.headers.get("range")

@@ -29,13 +29,16 @@ def _log_config(level: str) -> dict:
 def serve(store_root: str | os.PathLike, host: str = "127.0.0.1", port: int = 8700,
           token_file: str | os.PathLike | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
           access_log: bool = True, log_level: str = "info", graceful_timeout_s: float = 10.0,
-          limits: Limits | None = None, accel_prefix: str | None = None) -> None:
+          limits: Limits | None = None, accel_prefix: str | None = None, link_secret: str | None = None,
+          link_ttl_s: int | None = None) -> None:
     """Run the server until SIGINT/SIGTERM; in-flight requests get ``graceful_timeout_s`` to finish."""
     import uvicorn
 
     limits = limits or Limits()
     tokens = load_tokens(token_file) if token_file else None
-    app = create_app(store_root, tokens, max_body_bytes=max_body_bytes, limits=limits, accel_prefix=accel_prefix)
+    extra = {"link_ttl_s": link_ttl_s} if link_ttl_s else {}
+    app = create_app(store_root, tokens, max_body_bytes=max_body_bytes, limits=limits, accel_prefix=accel_prefix,
+                     link_secret=link_secret, **extra)
     if tokens is None and host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving {store_root} on {host} without --token-file: anyone who can reach it can read it",
               file=sys.stderr)
