@@ -62,9 +62,12 @@ class CompressRecipe:
     allocator: str = DEFAULT_ALLOCATOR
     allocator_options: dict[str, Any] = field(default_factory=dict)
     keep: float = 1.0
+    coding: str = sizing.CODING  # size budget: lossless coding of codes (+ scales/zeros)
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
+        if self.coding not in ("zlib", "zlib+params"):
+            raise UsageError(f"unknown coding {self.coding!r}", hint="zlib or zlib+params", param="coding")
         if self.budget is not None:
             self.budget = validate_budget(self.budget)
             if self.quant is None:
@@ -86,6 +89,8 @@ class CompressRecipe:
         d = {"step": "compress", "budget": self.budget, "keep": self.keep, "method": self.method, "scorer": self.scorer,
              "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
              "method_options": dict(sorted(self.method_options.items()))}
+        if self.sized and self.coding != "zlib" and sizing.ladder_for(self.quant) != ("fp16",):
+            d["coding"] = self.coding  # versions made before params were coded ("zlib") match
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -127,7 +132,7 @@ class CompressRecipe:
     def uses_scorer(self) -> bool:
         """The scorer ranks tokens for presses that use it, weighs the ladder's damage, and picks
         int8 tokens for ``mixed``."""
-        if self.sized and self.quant == "ladder":
+        if self.sized and self.quant in ("ladder", "floor"):
             return True
         if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
             return False  # one tier that fits everywhere: nothing to rank
@@ -328,17 +333,21 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
     n_layers, n_tokens, (n_heads, _, d) = len(keys), keys[0].shape[1], keys[0].shape
     cap = recipe.budget * fp16
     tiers = sizing.ladder_for(recipe.quant)
-    if recipe.quant == "uniform":
-        tiers = sizing.uniform_tier(cap - len(bundles) * sizing.HEADER_BYTES - 16 * n_tokens,
-                                    n_layers * n_heads * n_tokens, d, recipe.group_size)
+    if recipe.quant in ("uniform", "floor"):
+        pick = sizing.uniform_tier if recipe.quant == "uniform" else sizing.floor_tiers
+        tiers = pick(cap - len(bundles) * sizing.HEADER_BYTES - 16 * n_tokens, n_layers * n_heads * n_tokens, d,
+                     recipe.group_size)
     rope = bundles[0].meta["model"].get("rope") or {}
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
-    q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding="zlib")
+    q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding=recipe.coding)
     w = sizing.weights(importance)
     recipe_meta = child_recipe(src, step)
-    fixed = len(bundles) * sizing.HEADER_BYTES + 16 * n_tokens
+    # ``fixed``: headers and small tensors (first guess, corrected when even the lowest tier does
+    # not fit: then the cap forces eviction); ``margin``: what the planner's byte estimate of the
+    # codes missed (an overflow lowers the solver's cap, so upgrades go before any token does)
+    fixed, margin = len(bundles) * sizing.HEADER_BYTES + 16 * n_tokens, 0.0
     errors, last_keep, best, loosened, picks = None, None, None, False, None
-    for _attempt in range(6):
+    for _attempt in range(8):
         forced = sizing.forced_keep(cap - fixed, n_tokens, n_layers, n_heads, d, q.group_size, tiers[-1])
         keep = min(recipe.keep, forced * 0.995 if forced < 1 else 1.0)
         if keep <= 0:
@@ -352,9 +361,9 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
             imp = [w[i].gather(1, r) for i, r in enumerate(rows)]
             errors, last_keep = None, keep
         pos_bytes = sum(p.numel() for p in pos) * sizing.POSITION_BYTES if picks is not None else 0
-        maps, errors = sizing.plan_tiers(q, kk, vv, pos, imp, tiers, cap - fixed - pos_bytes, errors)
-        if maps is None:  # the fixed part grew: evict a little more
-            fixed *= 1.05
+        maps, errors = sizing.plan_tiers(q, kk, vv, pos, imp, tiers, cap - fixed - margin - pos_bytes, errors)
+        if maps is None:  # even the lowest tier does not fit what is left: evict a little more
+            fixed, margin = fixed + max(margin, 0.05 * fixed), 0.0
             continue
         new_tensors, metas, offsets = [], [], [0] * n_layers
         for c, b in enumerate(bundles):
@@ -367,14 +376,24 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
         if total <= cap:
             kept = sum(r.shape[1] for r in rows) / (n_layers * n_tokens)
             best = (new_tensors, metas, kept, sizing.mix(maps))
-            if total >= 0.99 * cap or loosened:
+            if total >= 0.99 * cap or loosened or (len(tiers) == 1 and picks is None):
                 return best
-            loosened = True  # the first guess of the fixed part was generous: give the slack back once
-            fixed -= (cap - total) * 0.9
+            loosened = True  # the estimate was generous: give the slack back once
+            if picks is not None and keep < recipe.keep:
+                fixed -= (cap - total) * 0.9  # to the tokens the cap evicted
+            else:
+                margin -= (cap - total) * 0.9  # to the solver's upgrades
             continue
         if best is not None:
             return best
-        fixed += (total - cap) * 1.02 + 64  # what the estimate missed (headers, partial groups)
+        over = (total - cap) * 1.02 + 64  # what the estimate missed (headers, partial groups, coding)
+        lowest = sizing.TIERS.index(tiers[-1])
+        if all(bool((m == lowest).all()) for pair in maps for m in pair):
+            # no upgrade left to take back: evict (at least 0.5% of the cap a step: token counts
+            # are whole, so a tiny correction may select the same tokens again)
+            fixed, margin = fixed + max(over + margin, 0.005 * cap), 0.0
+        else:
+            margin += over
     if best is not None:
         return best
     raise UsageError(f"could not fit {recipe.budget:g} x the fp16 size", hint="raise --budget")

@@ -125,6 +125,34 @@ def test_zlib_coding_is_lossless_and_smaller():
     assert coded["keys.codes"].numel() < plain["keys.codes"].numel()
 
 
+def test_coding_params_too_is_lossless_and_smaller_on_real_like_scales():
+    # K/V whose scales repeat (per-channel key ranges are stable across groups of tokens)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 256, 64, generator=g) * torch.linspace(0.5, 4, 64)
+    v = torch.randn(2, 256, 64, generator=g)
+    pos = torch.arange(256).expand(2, 256)
+    ids = torch.full((2, 256), TIERS.index("int2"))
+    ref_t, (k1, v1) = _roundtrip(LadderQuantizer(key_rope_theta=1e5, coding="zlib"), k, v, ids, ids, pos)
+    both, (k2, v2) = _roundtrip(LadderQuantizer(key_rope_theta=1e5, coding="zlib+params"), k, v, ids, ids, pos)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert both["keys.params"].dtype == torch.uint8
+    assert both["keys.params"].numel() + both["values.params"].numel() < 2 * (
+        ref_t["keys.params"].numel() + ref_t["values.params"].numel())  # fp16 -> bytes: 2 per element
+    assert row_bytes("int2", 64, 32, coded="zlib+params") < row_bytes("int2", 64, 32, coded="zlib")
+    full = {f"layers.0.{n}": x for n, x in {**both, "keys.params": both["keys.params"][:-3]}.items()}
+    full["positions"] = torch.arange(256)
+    with pytest.raises(BundleFormatError):
+        dequantize_tensors(full, "layers.0.keys", LadderQuantizer(coding="zlib+params").meta(64))
+
+
+def test_floor_lifts_rows_one_tier_above_the_uniform_one():
+    from kdnctl.sizing import floor_tiers, uniform_tier
+
+    rows, fp16_row_pair = 1000, 256
+    assert floor_tiers(0.25 * rows * fp16_row_pair, rows, 64, 32) == ("int4", uniform_tier(0.25 * rows * fp16_row_pair, rows, 64, 32)[0])
+    assert floor_tiers(1.0 * rows * fp16_row_pair, rows, 64, 32) == ("fp16",)
+
+
 def test_recipe_labels_and_when_scores_are_needed():
     from kdnctl.compress import CompressRecipe
 
