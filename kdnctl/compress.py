@@ -49,8 +49,9 @@ _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
 class CompressRecipe:
     """``budget``: size cap as a fraction of the fp16 K/V bytes (None: no cap, pure eviction);
     ``keep``: fraction of tokens kept per layer and KV head by ``method``; ``quant``: with a
-    budget, the tiers (``uniform`` = best single tier that fits, ``ladder`` = per-token tiers,
-    ``int4`` = int4, ``fp16`` = eviction alone); without one, the quantizer of every kept token."""
+    budget, the tiers (``auto``/None = ``sizing.auto_quant``, ``uniform`` = best single tier that
+    fits, ``floor`` = that tier + one-tier upgrades, ``ladder`` = per-token tiers, ``int4`` = int4,
+    ``fp16`` = eviction alone); without one, the quantizer of every kept token."""
 
     budget: float | None = 0.25
     method: str = "kvcrush"
@@ -70,8 +71,9 @@ class CompressRecipe:
             raise UsageError(f"unknown coding {self.coding!r}", hint="zlib or zlib+params", param="coding")
         if self.budget is not None:
             self.budget = validate_budget(self.budget)
-            if self.quant is None:
-                self.quant = "uniform"
+            if self.quant in (None, "auto"):
+                self.quant, keep = sizing.auto_quant(self.budget, self.group_size)
+                self.keep = min(self.keep, keep)
             sizing.ladder_for(self.quant)
         elif self.quant is None:
             self.quant = "none"

@@ -63,11 +63,25 @@ def may_evict(budget: float, quant: str, group_size: int, head_dim: int = 64) ->
 def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:
     """The most precise single tier whose rows (K and V) all fit in ``avail`` bytes; the lowest
     (with forced eviction) if none does. Measured better than the importance-weighted ladder at
-    0.25 (docs/size-budget.md)."""
+    0.25 (docs/compression.md)."""
     for t in TIERS:
         if n_rows * 2 * row_bytes(t, head_dim, group, coded=CODING) <= avail:
             return (t,)
     return (TIERS[-1],)
+
+
+FLOOR_KEEP = 0.95  # the default floor recipe gives the 5% least important tokens' bytes to upgrades
+
+
+def auto_quant(budget: float, group: int, head_dim: int = 64) -> tuple[str, float]:
+    """``--quant auto`` (the default with a budget) -> (quant, keep). Where the best single tier
+    is int3 (budgets ~0.24-0.30): ``floor`` keeping 95% of the tokens, i.e. every kept row at
+    int3 and the bytes of the 5% least important tokens (KVCrush, hybrid scorer) lift the most
+    important rows to int4 (measured better than int3 for every token on needle answer NLL,
+    docs/compression.md). Elsewhere ``uniform``: the best single tier, eviction only if forced."""
+    frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
+    best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
+    return ("floor", FLOOR_KEEP) if best == "int3" else ("uniform", 1.0)
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:

@@ -156,8 +156,12 @@ def test_floor_lifts_rows_one_tier_above_the_uniform_one():
 def test_recipe_labels_and_when_scores_are_needed():
     from kdnctl.compress import CompressRecipe
 
-    # the default: one uniform tier (int3 at 0.25 fits every token: no eviction, no scores needed)
-    assert CompressRecipe().default_label() == "uniform-b0.25" and not CompressRecipe().needs_model
+    # the default at 0.25: int3 floor, the 5% least important tokens' bytes lift rows to int4 (scored)
+    d = CompressRecipe()
+    assert (d.quant, d.keep, d.default_label()) == ("floor", 0.95, "floor-b0.25-k0.95") and d.needs_model
+    u = CompressRecipe(budget=0.25, quant="uniform")  # one tier that fits every token: no scores needed
+    assert u.default_label() == "uniform-b0.25" and not u.needs_model and u.keep == 1.0
+    assert CompressRecipe(budget=0.083).quant == "uniform" and CompressRecipe(budget=0.6).quant == "uniform"
     assert CompressRecipe(budget=0.083).needs_model  # int2 does not fit: the press evicts by importance
     assert CompressRecipe(budget=0.25, quant="ladder").needs_model
     q8 = CompressRecipe(budget=1.0, quant="int8")  # fits everywhere: nothing to rank, no model pass

@@ -87,7 +87,7 @@ def test_floor_fills_the_cap_with_upgrades_not_evictions(store, doc, budget):
     mix = bundles[0].meta["quant"]["mix"]
     if budget == 0.25:
         assert all(b.layer_len(i) == b.n_tokens for b in bundles for i in range(b.n_layers))
-        assert set(mix["keys"]) | set(mix["values"]) == {"int3", "int4"}
+        assert "int3" in mix["keys"] and set(mix["keys"]) | set(mix["values"]) <= {"int3", "int4"}
     else:
         assert sum(b.kept_tokens for b in bundles) < sum(b.n_tokens for b in bundles)
         assert set(mix["keys"]) | set(mix["values"]) <= {"int2", "int3"}
