@@ -145,6 +145,20 @@ def test_coding_params_too_is_lossless_and_smaller_on_real_like_scales():
         dequantize_tensors(full, "layers.0.keys", LadderQuantizer(coding="zlib+params").meta(64))
 
 
+@pytest.mark.parametrize("tier", ["fp16", "int4"])
+def test_coded_blobs_round_trip_when_empty(tier):
+    """fp16-only rows leave the params blob empty (eviction alone at a size budget)."""
+    k, v = _kv(t=40)
+    pos = torch.arange(40).expand(3, 40)
+    ids = torch.full((3, 40), TIERS.index(tier))
+    t, (k2, v2) = _roundtrip(LadderQuantizer(coding="zlib+params"), k, v, ids, ids, pos)
+    assert t["values.params"].dtype == torch.uint8
+    assert float((k2 - k).norm() / k.norm()) < MAX_REL[tier] and float((v2 - v).norm() / v.norm()) < MAX_REL[tier]
+    _, (k0, v0) = _roundtrip(LadderQuantizer(coding="zlib+params"), k[:, :0], v[:, :0], ids[:, :0], ids[:, :0],
+                             pos[:, :0])  # a layer that keeps no token
+    assert k0.shape == v0.shape == (3, 0, 64)
+
+
 def test_floor_lifts_rows_one_tier_above_the_uniform_one():
     from kdnctl.sizing import floor_tiers, uniform_tier
 

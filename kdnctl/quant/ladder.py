@@ -74,14 +74,17 @@ def row_bytes(tier: str, head_dim: int, group_size: int, coded: bool | str | Non
     return codes + params + 0.5
 
 
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
 def _zlib(blob: torch.Tensor) -> torch.Tensor:
-    return torch.frombuffer(bytearray(zlib.compress(blob.contiguous().view(torch.uint8).numpy().tobytes(), 9)),
-                            dtype=torch.uint8)
+    return _bytes_tensor(zlib.compress(blob.contiguous().view(torch.uint8).numpy().tobytes(), 9))
 
 
 def _unzlib(blob: torch.Tensor, what: str) -> torch.Tensor:
     try:
-        return torch.frombuffer(bytearray(zlib.decompress(blob.numpy().tobytes())), dtype=torch.uint8)
+        return _bytes_tensor(zlib.decompress(blob.numpy().tobytes()))
     except zlib.error:
         raise BundleFormatError(f"{what} is not a valid zlib stream") from None
 
