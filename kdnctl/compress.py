@@ -17,6 +17,11 @@ version in one transaction. The source version stays; re-running the same recipe
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import dataclasses
 import time
 from dataclasses import dataclass, field
@@ -173,7 +178,7 @@ def _cat_stats(bundles: list[KVBundle]) -> dict[str, torch.Tensor]:
     return {n: torch.cat([s[n].float() for s in per_chunk], dim=-1) for n in sorted(names)}
 
 
-def _attention_stats(lm, token_ids: list[int], ingest_recipe: dict) -> dict[str, torch.Tensor]:
+def _attention_stats(lm: LoadedModel, token_ids: list[int], ingest_recipe: dict) -> dict[str, torch.Tensor]:
     """``window`` and ``accum`` of a document computed after the fact (one prefill)."""
     from .prefill import prefill
 

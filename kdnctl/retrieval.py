@@ -12,6 +12,11 @@ is one retrieval candidate.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import math
 import re
 import time
@@ -167,7 +172,7 @@ def retrieve(store: ReadStore, question: str, k: int, *, doc_id: str | None = No
     return rank(store, question, chunks)[:k]
 
 
-def load_chunk_bundles(lm, store: ReadStore, chunks: list[ChunkInfo]) -> tuple[KVBundle, list[KVBundle], int]:
+def load_chunk_bundles(lm: LoadedModel, store: ReadStore, chunks: list[ChunkInfo]) -> tuple[KVBundle, list[KVBundle], int]:
     """(header bundle, chunk bundles in the given order, bytes read) for ``compose``."""
     if not chunks:
         raise UsageError("no chunks to load")
@@ -190,7 +195,7 @@ def load_chunk_bundles(lm, store: ReadStore, chunks: list[ChunkInfo]) -> tuple[K
     return header, bundles, read
 
 
-def compose_chunks(lm, store: ReadStore, chunks: list[ChunkInfo], suffix_ids: list[int], recompute: float, *, info: dict | None = None):
+def compose_chunks(lm: LoadedModel, store: ReadStore, chunks: list[ChunkInfo], suffix_ids: list[int], recompute: float, *, info: dict | None = None):
     """Load ``chunks`` from ``store`` and compose them (kdnctl.engine.independent). Returns a
     LoadedContext with ``load_s`` and ``nbytes`` set."""
     from .engine.independent import compose

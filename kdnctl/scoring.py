@@ -22,6 +22,11 @@ At compress time the question is unknown. Each scorer returns ``[L, H_kv, T]`` (
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 from typing import Callable
 
 import torch
@@ -48,7 +53,7 @@ def accum_normalised(accum: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def reconstruct_scores(lm, keys: list[torch.Tensor], values: list[torch.Tensor], token_ids: list[int],
+def reconstruct_scores(lm: LoadedModel, keys: list[torch.Tensor], values: list[torch.Tensor], token_ids: list[int],
                        *, chunk_tokens: int = 256, on_progress: Callable[[int], None] | None = None) -> torch.Tensor:
     """KVzip-style reconstruction attention, chunked: for each chunk of the document, run
     ``repeat prompt + chunk`` over the document's cache and keep, per key, the max attention
@@ -86,7 +91,7 @@ def reconstruct_scores(lm, keys: list[torch.Tensor], values: list[torch.Tensor],
 
 
 @torch.inference_mode()
-def reference_reconstruct_scores(lm, token_ids: list[int], *, chunk_tokens: int = 256) -> torch.Tensor:
+def reference_reconstruct_scores(lm: LoadedModel, token_ids: list[int], *, chunk_tokens: int = 256) -> torch.Tensor:
     """The spec of ``reconstruct_scores``, naively: for each chunk, one forward over
     ``document + repeat prompt + chunk`` from scratch with transformers' eager attention; the
     score of document token j in layer l, KV group g is the max over that group's query heads

@@ -9,6 +9,11 @@ Forms:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import time
 from pathlib import Path
 from typing import Optional
@@ -81,7 +86,7 @@ def _pick_chunks(st, doc, chunks):
     return picked
 
 
-def _ask_document(lm, st, doc, version, suffix, compare, max_new_tokens, as_json) -> None:
+def _ask_document(lm: LoadedModel, st, doc, version, suffix, compare, max_new_tokens, as_json) -> None:
     from ..engine.hf import full_prefill_generate, generate, load_document
 
     t0 = time.perf_counter()
@@ -96,7 +101,7 @@ def _ask_document(lm, st, doc, version, suffix, compare, max_new_tokens, as_json
     _report(out, result, full, as_json, f"from stored KV [{version}], {ctx.n_tokens} context tokens")
 
 
-def _ask_composed(lm, st, doc, question, picked, retrieve, recompute, suffix, compare, max_new_tokens, as_json) -> None:
+def _ask_composed(lm: LoadedModel, st, doc, question, picked, retrieve, recompute, suffix, compare, max_new_tokens, as_json) -> None:
     from ..engine.hf import full_prefill_generate, generate
     from ..retrieval import compose_chunks
     from ..retrieval import retrieve as bm25_retrieve

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 from pathlib import Path
 from typing import List, Optional
 
@@ -76,7 +81,7 @@ def ingest(
     _print_report(report, skipped, mode, as_json)
 
 
-def _ingest_here(st, lm, docs, opts, mode):
+def _ingest_here(st, lm: LoadedModel, docs, opts, mode):
     from ..ingest import ingest_documents
 
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)

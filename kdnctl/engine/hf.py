@@ -16,6 +16,11 @@ its own key length. A steering edit's bias follows the kept tokens.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import os
 import threading
 import time
@@ -106,7 +111,7 @@ def _default_workers(n: int) -> int:
     return max(1, min(n, os.cpu_count() or 1, 8))
 
 
-def context_from_bundles(lm, bundles: list[KVBundle], *, label: str = "full", doc_id: str | None = None,
+def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str = "full", doc_id: str | None = None,
                          room: int = CACHE_ROOM, workers: int = 1, profile: LoadProfile | None = None) -> LoadedContext:
     """Chunk bundles (in order) -> one context for ``lm``: each layer's K/V is allocated once
     (context length plus ``room`` spare tokens) and every chunk is copied (cast, dequantized)
@@ -180,7 +185,7 @@ def _run(fn, items, workers: int) -> list:
         return list(pool.map(fn, items))
 
 
-def _read_bundles(lm, store: ReadStore, hits, *, workers: int = 1,
+def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
                   profile: LoadProfile | None = None) -> tuple[list[KVBundle], int]:
     """Read, check (every byte, before decoding) and decode the chunks of ``hits`` ((version,
     chunk) pairs) in parallel threads (file reads and hashing release the GIL); each bundle's own
@@ -219,7 +224,7 @@ def _read_bundles(lm, store: ReadStore, hits, *, workers: int = 1,
     return [b for b, _ in out], sum(n for _, n in out)
 
 
-def load_chunks(lm, store: ReadStore, hits, *, label: str = "full", doc_id: str | None = None,
+def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full", doc_id: str | None = None,
                 workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
     """(version, chunk) hits -> a context (read + check + decode in parallel, then placement)."""
     t = time.perf_counter()
@@ -234,7 +239,7 @@ def load_chunks(lm, store: ReadStore, hits, *, label: str = "full", doc_id: str 
     return ctx
 
 
-def load_document(lm, store: ReadStore, doc_id: str, label: str = "full", doc_version: str | None = None, *,
+def load_document(lm: LoadedModel, store: ReadStore, doc_id: str, label: str = "full", doc_version: str | None = None, *,
                   workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
     """Load every chunk of a stored document version into a context for ``lm``."""
     t = time.perf_counter()
@@ -242,7 +247,7 @@ def load_document(lm, store: ReadStore, doc_id: str, label: str = "full", doc_ve
                         profile=profile)
 
 
-def load_version(lm, store: ReadStore, version, *, t0: float | None = None, workers: int | None = None,
+def load_version(lm: LoadedModel, store: ReadStore, version, *, t0: float | None = None, workers: int | None = None,
                  profile: LoadProfile | None = None) -> LoadedContext:
     """Load a version record a caller already holds (``load_document`` looks it up)."""
     t = time.perf_counter() if t0 is None else t0
@@ -276,7 +281,7 @@ def _still_stored(store: ReadStore, version) -> bool:
     return now.doc_version == version.doc_version and now.chunks == version.chunks
 
 
-def load_prefix(lm, store: ReadStore, token_ids: list[int], label: str = "full", chunk_tokens: int | None = None):
+def load_prefix(lm: LoadedModel, store: ReadStore, token_ids: list[int], label: str = "full", chunk_tokens: int | None = None):
     """Find the longest stored prefix of ``token_ids`` (prefix hash chain) and load it.
 
     Returns (context or None, number of matched tokens)."""
@@ -322,7 +327,7 @@ def stop_ids(tokenizer) -> set[int]:
 
 
 @torch.inference_mode()
-def forward_suffix(lm, ctx: LoadedContext | None, suffix_ids: list[int], *, last_only: bool = False):
+def forward_suffix(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], *, last_only: bool = False):
     """Run ``suffix_ids`` after the cached context; returns (logits [q, V], cache).
 
     ``last_only``: compute the vocabulary projection for the last token only (``[1, V]``):
@@ -342,7 +347,7 @@ def forward_suffix(lm, ctx: LoadedContext | None, suffix_ids: list[int], *, last
 
 
 @torch.inference_mode()
-def generate(lm, ctx: LoadedContext | None, suffix_ids: list[int], *, max_new_tokens: int = 48, t0: float | None = None) -> GenerationResult:
+def generate(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], *, max_new_tokens: int = 48, t0: float | None = None) -> GenerationResult:
     """Greedy decoding of ``suffix_ids`` after ``ctx`` (None = no cached context).
 
     ``ttft_s`` counts from ``t0`` (default: now) to the first token's logits, so a caller that
@@ -373,7 +378,7 @@ def generate(lm, ctx: LoadedContext | None, suffix_ids: list[int], *, max_new_to
     return GenerationResult(answer, out_ids, ttft, first_logits, time.perf_counter() - t0)
 
 
-def full_prefill_generate(lm, context_ids: list[int], suffix_ids: list[int], *, max_new_tokens: int = 48) -> GenerationResult:
+def full_prefill_generate(lm: LoadedModel, context_ids: list[int], suffix_ids: list[int], *, max_new_tokens: int = 48) -> GenerationResult:
     """Baseline: no stored KV, prefill context + suffix from scratch."""
     t0 = time.perf_counter()
     return generate(lm, None, list(context_ids) + list(suffix_ids), max_new_tokens=max_new_tokens, t0=t0)

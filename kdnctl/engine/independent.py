@@ -36,6 +36,11 @@ suffix_ids)`` runs it fresh after position ``ctx.next_position`` as usual.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import math
 import time
 
@@ -51,13 +56,13 @@ DEFAULT_CHECK_LAYER = 1
 RECOMPUTE_BLOCK = 512
 
 
-def _rotary_module(lm):
+def _rotary_module(lm: LoadedModel):
     model = getattr(lm, "model", lm)
     decoder = getattr(model, "model", model)
     return getattr(decoder, "rotary_emb", None)
 
 
-def rope_inv_freq(lm) -> torch.Tensor:
+def rope_inv_freq(lm: LoadedModel) -> torch.Tensor:
     """The model's RoPE inverse frequencies (fp32, [D/2]); UnsupportedError for RoPE variants
     whose rotation is not a pure function of the position difference."""
     rot = _rotary_module(lm)
@@ -92,7 +97,7 @@ def rerotate_keys(keys: torch.Tensor, delta, inv_freq: torch.Tensor) -> torch.Te
     return k * cos + _rotate_half(k) * sin
 
 
-def _check_bundles(lm, header: KVBundle, chunks: list[KVBundle]) -> None:
+def _check_bundles(lm: LoadedModel, header: KVBundle, chunks: list[KVBundle]) -> None:
     for b in [header, *chunks]:
         fp = b.meta.get("model_fingerprint")
         if fp != lm.fingerprint:
@@ -119,7 +124,7 @@ class _StopForward(Exception):
     """Raised by the observer at the check layer: the layers below are all we need."""
 
 
-def fresh_first_layers(lm, token_ids: list[int], upto: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def fresh_first_layers(lm: LoadedModel, token_ids: list[int], upto: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Exact K/V ([1, H_kv, N, D]) of layers 0..upto for ``token_ids`` at positions 0..N-1.
 
     Runs the decoder until layer ``upto`` has written its K/V to the cache (transformers updates
@@ -152,7 +157,7 @@ def token_deviation(fresh: tuple[torch.Tensor, torch.Tensor], stored: tuple[torc
     return out
 
 
-def recompute_tokens(lm, ctx: LoadedContext, selected: torch.Tensor, *, block_tokens: int = RECOMPUTE_BLOCK) -> None:
+def recompute_tokens(lm: LoadedModel, ctx: LoadedContext, selected: torch.Tensor, *, block_tokens: int = RECOMPUTE_BLOCK) -> None:
     """Recompute the K/V of context positions ``selected`` (sorted, int64) through all layers,
     each attending causally (by position) to the whole cache; splices them into ``ctx``."""
     from transformers import DynamicCache

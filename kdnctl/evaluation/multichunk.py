@@ -19,6 +19,11 @@ token's logits; the full prefill starts its clock at its forward pass.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import random
 import re
 import statistics
@@ -110,7 +115,7 @@ def _method_name(r: float | None) -> str:
     return "naive concat" if r == 0 else f"recompute {r:g}"
 
 
-def evaluate_compose(lm, store, cases: list[Case], *, recompute_levels=(0.0, 0.15, 0.3), max_new_tokens: int = 24,
+def evaluate_compose(lm: LoadedModel, store, cases: list[Case], *, recompute_levels=(0.0, 0.15, 0.3), max_new_tokens: int = 24,
                      on_step=None) -> dict:
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     methods: list[float | None] = [float(r) for r in recompute_levels] + [None]

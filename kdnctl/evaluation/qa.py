@@ -15,6 +15,11 @@ The full cache (label ``full``) is the reference for KL and is always evaluated.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import random
 import re
 import unicodedata
@@ -68,7 +73,7 @@ def cloze_probes(text: str, n: int, seed: int = 0) -> list[tuple[str, str]]:
     return out
 
 
-def _scored_logits(lm, ctx: LoadedContext, prompt_ids: list[int], target_ids: list[int]) -> torch.Tensor:
+def _scored_logits(lm: LoadedModel, ctx: LoadedContext, prompt_ids: list[int], target_ids: list[int]) -> torch.Tensor:
     """Log-probs [len(target), V] of the positions that predict ``target_ids``."""
     logits, _ = forward_suffix(lm, ctx, prompt_ids + target_ids)
     start = len(prompt_ids) - 1
@@ -105,7 +110,7 @@ class VersionScore:
                 "recipe": self.recipe}
 
 
-def evaluate(lm, store, labels: list[str], *, qa: list[QAItem] | None = None, docs: list[str] | None = None,
+def evaluate(lm: LoadedModel, store, labels: list[str], *, qa: list[QAItem] | None = None, docs: list[str] | None = None,
              probes_per_doc: int = 4, max_new_tokens: int = 40, on_step=None) -> dict:
     """Evaluate ``labels`` (``full`` is always added first) on QA items and cloze probes."""
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)

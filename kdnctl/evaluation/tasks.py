@@ -19,6 +19,11 @@ K and V, all layers and KV heads, every token of the original context).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import hashlib
 import json
 import re
@@ -113,7 +118,7 @@ def missing_documents(store, tasks: list[Task]) -> list[Task]:
     return out
 
 
-def ingest_tasks(lm, store, tasks: list[Task], **kw):
+def ingest_tasks(lm: LoadedModel, store, tasks: list[Task], **kw):
     """Ingest the contexts of ``tasks`` (unchanged ones are skipped by ingest itself)."""
     from ..corpus import Document
     from ..ingest import IngestOptions, ingest_documents
@@ -153,7 +158,7 @@ def fp16_bytes_per_token(summary: dict) -> int:
 
 
 @torch.inference_mode()
-def run_task(lm, ctx, task: Task, fmt: PromptFormat, max_new_tokens: int) -> dict:
+def run_task(lm: LoadedModel, ctx, task: Task, fmt: PromptFormat, max_new_tokens: int) -> dict:
     """Score one task against a loaded context; returns the per-task record."""
     tok = lm.tokenizer
     if task.kind == "continuation":
@@ -173,7 +178,7 @@ def run_task(lm, ctx, task: Task, fmt: PromptFormat, max_new_tokens: int) -> dic
             "distracted": any(number_in(answer, d) for d in task.distractors), "nll": round(nll, 5)}
 
 
-def evaluate_tasks(lm, store, labels: list[str], tasks: list[Task], *, max_new_tokens: int = 24,
+def evaluate_tasks(lm: LoadedModel, store, labels: list[str], tasks: list[Task], *, max_new_tokens: int = 24,
                    on_step=None, on_task=None, before_task=None) -> dict:
     """Answer every task from every version in ``labels`` (``full`` always, first).
 

@@ -26,6 +26,11 @@ plain token windows. Every piece is tokenized on its own, so equal paragraphs gi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import hashlib
 import re
 import time
@@ -94,7 +99,7 @@ def split_chunks(tokenizer, text: str, chunk_tokens: int) -> list[list[int]]:
 
 # -- bundles ----------------------------------------------------------------------------------
 
-def _bundle(lm, token_ids: list[int], result, start: int, *, chash: str, role: str,
+def _bundle(lm: LoadedModel, token_ids: list[int], result, start: int, *, chash: str, role: str,
             header_hash: str | None, text: str, recipe: dict) -> KVBundle:
     """A bundle of tokens [start, start+n) of ``result`` (header + chunk prefill)."""
     n = len(token_ids)
@@ -259,7 +264,7 @@ def ingest_independent(
     return c.report
 
 
-def ingest_paths_independent(store: Store, lm, paths: list[str | Path], opts: IngestOptions, **kw) -> IndependentReport:
+def ingest_paths_independent(store: Store, lm: LoadedModel, paths: list[str | Path], opts: IngestOptions, **kw) -> IndependentReport:
     docs, skipped = read_corpus(paths)
     report = ingest_independent(store, lm, docs, opts, **kw)
     report.skipped = skipped

@@ -7,6 +7,11 @@ every document already committed, which is what makes ingest resumable.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -196,7 +201,7 @@ class SegmentResult:
     write_seconds: float = 0.0
 
 
-def document_segments(lm, fmt: PromptFormat, doc: Document, opts: IngestOptions) -> list[Segment]:
+def document_segments(lm: LoadedModel, fmt: PromptFormat, doc: Document, opts: IngestOptions) -> list[Segment]:
     ids, n_header = fmt.document_ids(lm.tokenizer, doc.text)
     segments = _segments(ids, n_header, lm.summary.get("max_positions"))
     version = doc_version_for(doc, lm.fingerprint, opts, fmt.header)
@@ -215,7 +220,7 @@ def is_current(store, seg_id: str, doc_version: str) -> bool:
     return False
 
 
-def write_segment(objects, lm, doc: Document, seg: Segment, opts: IngestOptions, *,
+def write_segment(objects, lm: LoadedModel, doc: Document, seg: Segment, opts: IngestOptions, *,
                   on_progress: Callable[[int], None] | None = None) -> SegmentResult:
     """Prefill one segment and put its chunk bundles and text into ``objects`` (a Store or an
     ObjectDir); no catalog access, so a worker process can run it and a driver commit it."""
@@ -268,7 +273,7 @@ def ingest_documents(
     return report
 
 
-def ingest_paths(store: Store, lm, paths: list[str | Path], opts: IngestOptions, **kw) -> IngestReport:
+def ingest_paths(store: Store, lm: LoadedModel, paths: list[str | Path], opts: IngestOptions, **kw) -> IngestReport:
     docs, skipped = read_corpus(paths)
     report = ingest_documents(store, lm, docs, opts, **kw)
     report.skipped = skipped

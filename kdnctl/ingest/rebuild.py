@@ -10,6 +10,11 @@ incomplete versions. The damaged catalog is kept beside the new one (``catalog.d
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import contextlib
 import fcntl
 import hashlib
@@ -95,7 +100,7 @@ def _write_lock(root: Path):
         os.close(fd)
 
 
-def rebuild_catalog(root: str | os.PathLike, lm, *, force: bool = False) -> RebuildReport:
+def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = False) -> RebuildReport:
     """Rebuild ``root``'s catalog from its objects with ``lm`` (the model of its bundles)."""
     root = Path(root)
     if not (root / "objects").is_dir():

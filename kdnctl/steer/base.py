@@ -21,6 +21,11 @@ commits a new version (``parent`` = source label, ``recipe`` = the source's step
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import importlib
 import math
 import time
@@ -150,7 +155,7 @@ def default_label(source: str, spec: SteerSpec) -> str:
     return label
 
 
-def load_source(store: Store, lm, doc_id: str, source: str) -> tuple[VersionRecord, list[KVBundle], str]:
+def load_source(store: Store, lm: LoadedModel, doc_id: str, source: str) -> tuple[VersionRecord, list[KVBundle], str]:
     """(version, decoded chunk bundles, stored document text)."""
     src = store.get_version(doc_id, source)
     if src.fingerprint != lm.fingerprint:
@@ -166,7 +171,7 @@ def load_source(store: Store, lm, doc_id: str, source: str) -> tuple[VersionReco
     return src, bundles, text
 
 
-def steer_document(store: Store, lm, doc_id: str, spec: SteerSpec, *, source: str = "full",
+def steer_document(store: Store, lm: LoadedModel, doc_id: str, spec: SteerSpec, *, source: str = "full",
                    label: str | None = None) -> SteerResult:
     """Apply a steering edit to ``doc_id``'s ``source`` version and commit it as ``label``."""
     t0 = time.perf_counter()

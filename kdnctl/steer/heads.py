@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InputError, UsageError
+
+if TYPE_CHECKING:
+    from ..model import LoadedModel
 
 HEADS_DIR = Path(__file__).resolve().parents[2] / "recipes" / "heads"
 FORMAT = "kdnctl-heads/1"
@@ -110,7 +113,7 @@ def find_auto_config(fingerprint: str, directory: Path = HEADS_DIR) -> Path:
     )
 
 
-def resolve_heads(spec: str, lm) -> tuple[dict[int, list[int]], str]:
+def resolve_heads(spec: str, lm: LoadedModel) -> tuple[dict[int, list[int]], str]:
     """(heads, description) for a --heads value and a loaded model."""
     n_layers, n_q = lm.summary["n_layers"], lm.summary["n_q_heads"]
     spec = (spec or "auto").strip()

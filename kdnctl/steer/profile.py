@@ -17,6 +17,11 @@ The resulting config is JSON (``heads = [[layer, head], ...]`` plus the profile 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
+
 import contextlib
 import contextvars
 import hashlib
@@ -75,7 +80,7 @@ def _batched(model, bias: dict[int, torch.Tensor]):
 
 
 @torch.inference_mode()
-def batched_answers(lm, keys, values, suffix_ids: list[int], biases: list[dict[int, torch.Tensor]],
+def batched_answers(lm: LoadedModel, keys, values, suffix_ids: list[int], biases: list[dict[int, torch.Tensor]],
                     *, max_new_tokens: int = 16) -> list[str]:
     """Greedy answers after one cached context (keys/values per layer [H_kv, n, D]) for several
     steering configurations at once; ``biases[r]`` = {layer: [H_q, n]} of row r."""
@@ -115,7 +120,7 @@ def batched_answers(lm, keys, values, suffix_ids: list[int], biases: list[dict[i
 
 
 class _Prepared:
-    def __init__(self, lm, task, fmt):
+    def __init__(self, lm: LoadedModel, task, fmt):
         ids, _ = fmt.document_ids(lm.tokenizer, task.text)
         res = prefill(lm.model, ids, stats=False)
         self.keys, self.values = res.keys, res.values
@@ -129,7 +134,7 @@ def _key(heads: dict[int, list[int]]) -> str:
     return json.dumps(heads_list(heads))
 
 
-def profile_heads(lm, tasks, *, alpha: float = 0.01, max_new_tokens: int = 16, top_layers: int = 3,
+def profile_heads(lm: LoadedModel, tasks, *, alpha: float = 0.01, max_new_tokens: int = 16, top_layers: int = 3,
                   on_progress: Callable[[str, int, int], None] | None = None) -> dict:
     """Run the three profiling stages; returns the head config (JSON-able)."""
 
