@@ -192,3 +192,16 @@ def test_uniform_picks_the_best_tier_that_fits():
     assert uniform_tier(1.0 * rows * fp16_row_pair, rows, 64, 32) == ("fp16",)
     assert uniform_tier(0.25 * rows * fp16_row_pair, rows, 64, 32) == ("int3",)
     assert uniform_tier(0.083 * rows * fp16_row_pair, rows, 64, 32) == ("int2",)  # + forced eviction
+
+
+def test_shipped_size_recipes_are_the_cli_defaults():
+    from pathlib import Path
+
+    from kdnctl.compress import CompressRecipe
+    from kdnctl.recipes import load_recipe
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    for name, budget in (("size-0.25.toml", 0.25), ("size-0.083.toml", 0.083)):
+        r = load_recipe(root / name)
+        assert r.compress_recipe().as_dict() == CompressRecipe(budget=budget).as_dict(), name
+        assert r.label == CompressRecipe(budget=budget).default_label()
