@@ -126,15 +126,19 @@ def write_json(path: Path, result: dict) -> None:
     tmp.replace(path)
 
 
-def markdown(result: dict) -> str:
-    rows = ["| version | needle acc (n) | multi-fact acc (n) | continuation NLL (n) | needle / full | multi-fact / full | NLL / full | stored bytes/token | K/V fraction of fp16 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def markdown(result: dict, names: dict[str, str] | None = None) -> str:
+    """The results table; ``names`` optionally maps a label to the text shown for it."""
+    rows = ["| version | needle acc (n) | multi-fact acc (n) | continuation NLL (n) | needle / full | multi-fact / full "
+            "| NLL / full | stored / fp16 | stored bytes/token | K/V payload / fp16 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     for v in result["versions"]:
         n, m, c, r = v["needle"], v["multifact"], v["continuation"], v["ratio_vs_full"]
-        rows.append(f"| {v['label']} | {f(n['accuracy'], '.3f')} ({n['n']}) | {f(m['accuracy'], '.3f')} ({m['n']}) | "
-                    f"{f(c['nll'], '.3f')} ({c['n']}) | {f(r.get('needle'), '.1%')} | {f(r.get('multifact'), '.1%')} | "
-                    f"{f(r.get('continuation'), '.1%')} | {f(v['bytes_per_token'], ',.0f')} | {f(v['fp16_fraction'], '.3f')} |")
+        name = (names or {}).get(v["label"], v["label"])
+        rows.append(f"| {name} | {f(n['accuracy'], '.3f')} ({n.get('correct', '-')}/{n['n']}) | "
+                    f"{f(m['accuracy'], '.3f')} ({m.get('correct', '-')}/{m['n']}) | {f(c['nll'], '.3f')} ({c['n']}) | "
+                    f"{f(r.get('needle'), '.1%')} | {f(r.get('multifact'), '.1%')} | {f(r.get('continuation'), '.1%')} | "
+                    f"{f(v.get('stored_fp16_fraction'), '.3f')} | {f(v['bytes_per_token'], ',.0f')} | {f(v['fp16_fraction'], '.3f')} |")
     return "\n".join(rows)
 
 
