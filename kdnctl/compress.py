@@ -69,6 +69,7 @@ class CompressRecipe:
     allocator_options: dict[str, Any] = field(default_factory=dict)
     keep: float = 1.0
     coding: str = sizing.CODING  # size budget: lossless coding of codes (+ scales/zeros)
+    protect: int = 0  # size budget: the last N tokens (and the prompt header) are never evicted and lifted first
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -77,8 +78,8 @@ class CompressRecipe:
         if self.budget is not None:
             self.budget = validate_budget(self.budget)
             if self.quant in (None, "auto"):
-                self.quant, keep = sizing.auto_quant(self.budget, self.group_size)
-                self.keep = min(self.keep, keep)
+                self.quant, keep, protect = sizing.auto_quant(self.budget, self.group_size)
+                self.keep, self.protect = min(self.keep, keep), max(self.protect, protect)
             sizing.ladder_for(self.quant)
         elif self.quant is None:
             self.quant = "none"
@@ -98,6 +99,8 @@ class CompressRecipe:
              "method_options": dict(sorted(self.method_options.items()))}
         if self.sized and self.coding != "zlib" and sizing.ladder_for(self.quant) != ("fp16",):
             d["coding"] = self.coding  # versions made before params were coded ("zlib") match
+        if self.protect:
+            d["protect"] = self.protect
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -113,6 +116,8 @@ class CompressRecipe:
                 label = f"{self.method}-{label}"
             if self.keep < 1:
                 label += f"-k{self.keep:g}"
+            if self.protect:
+                label += f"-p{self.protect}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if (self.keep < 1 or self.sized) and self.allocator != DEFAULT_ALLOCATOR:
@@ -130,6 +135,8 @@ class CompressRecipe:
             # The prompt header (system prompt, start of the user turn) precedes every question
             # and is where attention sinks live: it is always kept, as the press's sinks.
             press = dataclasses.replace(press, sink_tokens=header_tokens)
+        if self.protect > press.recent_tokens:
+            press = dataclasses.replace(press, recent_tokens=self.protect)
         return press
 
     def build_allocator(self) -> Allocator:
@@ -348,6 +355,10 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
     q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding=recipe.coding)
     w = sizing.weights(importance)
+    if recipe.protect:  # the prompt header and the last tokens: the solver lifts them first
+        top = float(w.max()) * 100 if w.numel() else 1.0
+        w[..., -recipe.protect:] = top
+        w[..., :int(bundles[0].meta.get("header_tokens", 0))] = top
     recipe_meta = child_recipe(src, step)
     # ``fixed``: headers and small tensors (first guess, corrected when even the lowest tier does
     # not fit: then the cap forces eviction); ``margin``: what the planner's byte estimate of the

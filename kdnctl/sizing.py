@@ -71,17 +71,20 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
 
 
 FLOOR_KEEP = 0.95  # the default floor recipe gives the 5% least important tokens' bytes to upgrades
+FLOOR_PROTECT = 64  # ... and never evicts the last 64 tokens (nor the prompt header), lifting them first
 
 
-def auto_quant(budget: float, group: int, head_dim: int = 64) -> tuple[str, float]:
-    """``--quant auto`` (the default with a budget) -> (quant, keep). Where the best single tier
-    is int3 (budgets ~0.24-0.30): ``floor`` keeping 95% of the tokens, i.e. every kept row at
-    int3 and the bytes of the 5% least important tokens (KVCrush, hybrid scorer) lift the most
-    important rows to int4 (measured better than int3 for every token on needle answer NLL,
-    docs/compression.md). Elsewhere ``uniform``: the best single tier, eviction only if forced."""
+def auto_quant(budget: float, group: int, head_dim: int = 64) -> tuple[str, float, int]:
+    """``--quant auto`` (the default with a budget) -> (quant, keep, protect). Where the best
+    single tier is int3 (budgets ~0.24-0.29): ``floor`` keeping 95% of the tokens, i.e. every
+    kept row at int3 and the bytes of the 5% least important tokens (KVCrush, hybrid scorer)
+    lift rows to int4: first the prompt header and the last 64 tokens (never evicted), then the
+    most important rows (measured better than int3 for every token on needle answer NLL at the
+    same continuation NLL, docs/compression.md). Elsewhere ``uniform``: the best single tier,
+    eviction only if forced."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
     best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
-    return ("floor", FLOOR_KEEP) if best == "int3" else ("uniform", 1.0)
+    return ("floor", FLOOR_KEEP, FLOOR_PROTECT) if best == "int3" else ("uniform", 1.0, 0)
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:

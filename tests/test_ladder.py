@@ -172,7 +172,8 @@ def test_recipe_labels_and_when_scores_are_needed():
 
     # the default at 0.25: int3 floor, the 5% least important tokens' bytes lift rows to int4 (scored)
     d = CompressRecipe()
-    assert (d.quant, d.keep, d.default_label()) == ("floor", 0.95, "floor-b0.25-k0.95") and d.needs_model
+    assert (d.quant, d.keep, d.protect, d.default_label()) == ("floor", 0.95, 64, "floor-b0.25-k0.95-p64")
+    assert d.needs_model and d.as_dict()["protect"] == 64 and d.build_press(24).recent_tokens == 64
     u = CompressRecipe(budget=0.25, quant="uniform")  # one tier that fits every token: no scores needed
     assert u.default_label() == "uniform-b0.25" and not u.needs_model and u.keep == 1.0
     assert CompressRecipe(budget=0.083).quant == "uniform" and CompressRecipe(budget=0.6).quant == "uniform"
