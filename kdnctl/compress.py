@@ -365,7 +365,7 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
     # codes missed (an overflow lowers the solver's cap, so upgrades go before any token does)
     fixed, margin = len(bundles) * sizing.HEADER_BYTES + 16 * n_tokens, 0.0
     errors, last_keep, best, loosened, picks = None, None, None, False, None
-    for _attempt in range(8):
+    for _attempt in range(10):
         forced = sizing.forced_keep(cap - fixed, n_tokens, n_layers, n_heads, d, q.group_size, tiers[-1])
         keep = min(recipe.keep, forced * 0.995 if forced < 1 else 1.0)
         if keep <= 0:
@@ -406,7 +406,15 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
             return best
         over = (total - cap) * 1.02 + 64  # what the estimate missed (headers, partial groups, coding)
         lowest = sizing.TIERS.index(tiers[-1])
-        if all(bool((m == lowest).all()) for pair in maps for m in pair):
+        at_lowest = all(bool((m == lowest).all()) for pair in maps for m in pair)
+        if at_lowest and recipe.quant in ("uniform", "floor") and keep >= recipe.keep and lowest + 1 < len(sizing.TIERS):
+            # the best single tier was an estimate and does not fit once encoded: one tier lower
+            # for every row beats evicting (eviction only when even the lowest tier does not fit)
+            low = sizing.TIERS[lowest + 1]
+            tiers = (tiers[-1], low) if recipe.quant == "floor" else (low,)
+            errors, margin = None, 0.0
+            continue
+        if at_lowest:
             # no upgrade left to take back: evict (at least 0.5% of the cap a step: token counts
             # are whole, so a tiny correction may select the same tokens again)
             fixed, margin = fixed + max(over + margin, 0.005 * cap), 0.0

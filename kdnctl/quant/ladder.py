@@ -42,10 +42,10 @@ from . import transforms as tf
 from .base import Quantizer, check_kv, encode_tensor, group_size_of, need
 
 TIERS = ("fp16", "int8", "int4", "int3", "int2")
-# stored/raw bytes of zlib-coded codes, measured on real K/V (bench/tiers.py): the planner's
-# first guess; compress measures the encoded bundles and corrects the plan
-CODED = {"fp16": 0.93, "int8": 0.95, "int4": 0.91, "int3": 0.93, "int2": 0.81}
-PARAMS_CODED = 0.85  # zlib-coded fp16 scales + zeros / raw (measured 0.83 at groups of 32 and 64)
+# stored/raw bytes of zlib-coded codes per 256-token chunk, measured on real K/V (bench/coding.py,
+# stored bundles): the planner's first guess; compress measures the encoded bundles and corrects the plan
+CODED = {"fp16": 0.93, "int8": 0.95, "int4": 0.95, "int3": 0.98, "int2": 0.85}
+PARAMS_CODED = 0.88  # zlib-coded fp16 scales + zeros / raw (0.81 on a whole document, 0.85-0.90 per 256-token chunk)
 CODINGS = (None, "zlib", "zlib+params")
 TIER_BITS = {"fp16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2}
 ROLES = ("keys", "values")
