@@ -77,8 +77,8 @@ def test_byte_cap_includes_everything(store, doc, budget):
 @pytest.mark.parametrize("doc", list(DOCS))
 def test_floor_fills_the_cap_with_upgrades_not_evictions(store, doc, budget):
     """``--quant floor``: every row at least at the best uniform tier, the bytes left lift rows
-    one tier; an overflow of the first plan takes upgrades back, never tokens, unless even the
-    floor does not fit (0.083: int2 plus forced eviction)."""
+    one tier; an overflow of the first plan takes upgrades back, then lowers the floor one tier,
+    never evicts unless even the lowest tier does not fit (0.083: int2 plus forced eviction)."""
     v = store.get_version(doc, f"floor-b{budget:g}-surprisal")
     stored = sum(len(store.read_object(c.object)) for c in v.chunks)
     cap = budget * _fp16(store, doc)
@@ -87,7 +87,11 @@ def test_floor_fills_the_cap_with_upgrades_not_evictions(store, doc, budget):
     mix = bundles[0].meta["quant"]["mix"]
     if budget == 0.25:
         assert all(b.layer_len(i) == b.n_tokens for b in bundles for i in range(b.n_layers))
-        assert "int3" in mix["keys"] and set(mix["keys"]) | set(mix["values"]) <= {"int3", "int4"}
+        # these short documents (220-300 tokens, 128-token chunks) spend ~2.5% of the cap on
+        # headers, so int3 everywhere does not fit once encoded: the floor drops some rows to
+        # int2 rather than evicting (int3 rows stay the majority)
+        assert set(mix["keys"]) | set(mix["values"]) <= {"int2", "int3", "int4"}
+        assert mix["keys"].get("int3", 0) > sum(mix["keys"].values()) / 2
     else:
         assert sum(b.kept_tokens for b in bundles) < sum(b.n_tokens for b in bundles)
         assert set(mix["keys"]) | set(mix["values"]) <= {"int2", "int3"}
