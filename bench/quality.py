@@ -95,15 +95,50 @@ def cache_reconstruct_scores(cache_dir: Path) -> dict:
     return stats
 
 
-def markdown(result: dict) -> str:
-    rows = ["| version | needle acc (n) | multi-fact acc (n) | continuation NLL (n) | needle / full | multi-fact / full | NLL / full | stored bytes/token | K/V fraction of fp16 |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+def interleave(tasks: list) -> list:
+    """Tasks reordered so every prefix holds the kinds in proportion to their counts (each kind
+    keeps its own order): a run stopped early evaluated the first tasks of every kind."""
+    by_kind: dict[str, list] = {}
+    for t in tasks:
+        by_kind.setdefault(t.kind, []).append(t)
+    keyed = [((i + 0.5) / len(ts), k, t) for k, ts in by_kind.items() for i, t in enumerate(ts)]
+    return [t for _, _, t in sorted(keyed, key=lambda x: (x[0], x[1]))]
+
+
+def deadline_ts(hhmm: str) -> float:
+    """Epoch seconds of the next HH:MM on the machine clock (today, or tomorrow if more than 12
+    hours passed), or of ``+SECONDS`` from now."""
+    import datetime as dt
+
+    if hhmm.startswith("+"):
+        return time.time() + float(hhmm[1:])
+    h, m = (int(x) for x in hhmm.split(":"))
+    now = dt.datetime.now()
+    at = now.replace(hour=h, minute=m, second=0, microsecond=0)
+    if at <= now - dt.timedelta(hours=12):
+        at += dt.timedelta(days=1)
+    return at.timestamp()
+
+
+def write_json(path: Path, result: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    tmp.replace(path)
+
+
+def markdown(result: dict, names: dict[str, str] | None = None) -> str:
+    """The results table; ``names`` optionally maps a label to the text shown for it."""
+    rows = ["| version | needle acc (n) | multi-fact acc (n) | continuation NLL (n) | needle / full | multi-fact / full "
+            "| NLL / full | stored / fp16 | stored bytes/token | K/V payload / fp16 |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
     for v in result["versions"]:
         n, m, c, r = v["needle"], v["multifact"], v["continuation"], v["ratio_vs_full"]
-        rows.append(f"| {v['label']} | {f(n['accuracy'], '.3f')} ({n['n']}) | {f(m['accuracy'], '.3f')} ({m['n']}) | "
-                    f"{f(c['nll'], '.3f')} ({c['n']}) | {f(r.get('needle'), '.1%')} | {f(r.get('multifact'), '.1%')} | "
-                    f"{f(r.get('continuation'), '.1%')} | {f(v['bytes_per_token'], ',.0f')} | {f(v['fp16_fraction'], '.3f')} |")
+        name = (names or {}).get(v["label"], v["label"])
+        rows.append(f"| {name} | {f(n['accuracy'], '.3f')} ({n.get('correct', '-')}/{n['n']}) | "
+                    f"{f(m['accuracy'], '.3f')} ({m.get('correct', '-')}/{m['n']}) | {f(c['nll'], '.3f')} ({c['n']}) | "
+                    f"{f(r.get('needle'), '.1%')} | {f(r.get('multifact'), '.1%')} | {f(r.get('continuation'), '.1%')} | "
+                    f"{f(v.get('stored_fp16_fraction'), '.3f')} | {f(v['bytes_per_token'], ',.0f')} | {f(v['fp16_fraction'], '.3f')} |")
     return "\n".join(rows)
 
 
@@ -120,6 +155,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality.json"))
     ap.add_argument("--plot", default=None, help="quality-vs-bytes PNG")
+    ap.add_argument("--compress-only", action="store_true", help="ingest and compress, no evaluation")
+    ap.add_argument("--interleave", action="store_true",
+                    help="evaluate the kinds in proportion (needle, multi-fact, continuation, ...), so a run cut "
+                         "short by --deadline holds a balanced subset, the same tasks for every version")
+    ap.add_argument("--per-task", action="store_true",
+                    help="ingest and compress each task's document right before evaluating it (with --deadline "
+                         "a cut-off run spent no time on documents it did not evaluate)")
+    ap.add_argument("--deadline", default=None,
+                    help="HH:MM (machine clock) or +SECONDS: start no new task after it; the results JSON is rewritten "
+                         "after every task, so a cut-off run still reports the tasks it finished")
     args = ap.parse_args()
 
     import torch
@@ -131,47 +176,84 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tasks = load_tasks(args.tasks, kinds=args.kinds.split(",") if args.kinds else None, limit=args.limit)
-    ids = [t.id for t in tasks]
     lm = load_model()
     store_dir = Path(args.store)
     store = Store(store_dir)
-    t0 = time.perf_counter()
-    todo = missing_documents(store, tasks)
-    report = ingest_tasks(lm, store, todo) if todo else None
-    ingest_s = time.perf_counter() - t0
-    print(f"ingest: {len(todo)} contexts, {report.tokens if report else 0} tokens, {ingest_s:.1f}s", file=sys.stderr)
-
+    if args.interleave:
+        tasks = interleave(tasks)
     recon = cache_reconstruct_scores(store_dir / "bench-cache" / "reconstruct")
     recipes = ([] if args.no_default_recipes else default_recipes(compress_options())) + args.recipe
-    labels, timings = [], []
-    for spec in recipes:
-        t0 = time.perf_counter()
-        before = recon["seconds"]
-        try:
-            out = run_compress(shlex.split(spec), store_dir, ids)
-        except KdnError as exc:  # one bad recipe must not cost the rest of the run
-            print(f"compress {spec!r} failed: {exc.one_line()}", file=sys.stderr, flush=True)
-            timings.append({"recipe": spec, "error": exc.one_line()})
-            continue
-        label = out["results"][0]["label"]
-        labels.append(label)
-        elapsed = time.perf_counter() - t0
-        timings.append({"recipe": spec, "label": label, "seconds": round(elapsed, 2),
-                        "reconstruct_seconds": round(recon["seconds"] - before, 2),
-                        "statuses": sorted({r["status"] for r in out["results"]})})
-        print(f"compress {spec!r} -> {label}: {elapsed:.1f}s", file=sys.stderr, flush=True)
-    labels += [l.strip() for l in args.versions.split(",") if l.strip()]
+    timings = {spec: {"recipe": spec, "seconds": 0.0, "reconstruct_seconds": 0.0, "statuses": set()} for spec in recipes}
+    label_of: dict[str, str] = {}  # recipe -> label
+    ingest_s = 0.0
+    t_start = time.perf_counter()
 
-    t0 = time.perf_counter()
-    result = evaluate_tasks(lm, store, labels, tasks, max_new_tokens=args.max_new_tokens)
-    eval_s = time.perf_counter() - t0
-    result.update({"recipes": timings, "ingest_seconds": round(ingest_s, 2), "eval_seconds": round(eval_s, 2),
-                   "threads": args.threads, "task_file": args.tasks, "limit": args.limit})
+    prepared: set[str] = set()
+
+    def prepare(batch: list) -> None:
+        """Ingest the missing contexts of ``batch`` and compress them with every recipe."""
+        nonlocal ingest_s
+        batch = [t for t in batch if t.id not in prepared]
+        if not batch:
+            return
+        prepared.update(t.id for t in batch)
+        t0 = time.perf_counter()
+        todo = missing_documents(store, batch)
+        report = ingest_tasks(lm, store, todo) if todo else None
+        ingest_s += time.perf_counter() - t0
+        if todo:
+            print(f"ingest: {len(todo)} contexts, {report.tokens if report else 0} tokens, "
+                  f"{time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        for spec in recipes:
+            t0, before = time.perf_counter(), recon["seconds"]
+            tm = timings[spec]
+            try:
+                out = run_compress(shlex.split(spec), store_dir, [t.id for t in batch])
+            except KdnError as exc:  # one bad recipe must not cost the rest of the run
+                print(f"compress {spec!r} failed: {exc.one_line()}", file=sys.stderr, flush=True)
+                tm["error"] = exc.one_line()
+                continue
+            label_of[spec] = tm["label"] = out["results"][0]["label"]
+            tm["seconds"] += time.perf_counter() - t0
+            tm["reconstruct_seconds"] += recon["seconds"] - before
+            tm["statuses"] |= {r["status"] for r in out["results"]}
+            if not args.per_task:
+                print(f"compress {spec!r} -> {label_of[spec]}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+
+    prepare(tasks[:1] if args.per_task else tasks)
+    labels = [label_of[r] for r in recipes if r in label_of] + [l.strip() for l in args.versions.split(",") if l.strip()]
+    if args.compress_only:
+        return
     out_path = Path(args.out)
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out_path)
+    stop_at = deadline_ts(args.deadline) if args.deadline else None
+
+    def extra() -> dict:
+        return {"recipes": [{**t, "seconds": round(t["seconds"], 2), "reconstruct_seconds": round(t["reconstruct_seconds"], 2),
+                             "statuses": sorted(t["statuses"])} for t in timings.values()],
+                "ingest_seconds": round(ingest_s, 2), "threads": args.threads, "task_file": args.tasks,
+                "limit": args.limit, "interleave": args.interleave, "per_task": args.per_task, "deadline": args.deadline,
+                "eval_seconds": round(time.perf_counter() - t_start - prep_s(), 2)}
+
+    def prep_s() -> float:
+        return ingest_s + sum(t["seconds"] for t in timings.values())
+
+    def checkpoint(partial: dict) -> bool:
+        partial.update(extra())
+        write_json(out_path, partial)
+        if stop_at is not None and time.time() >= stop_at:
+            return True
+        print(f"{partial['n_tasks']}/{len(tasks)} tasks evaluated", file=sys.stderr, flush=True)
+        return False
+
+    before = (lambda task: prepare([task])) if args.per_task else None
+    result = evaluate_tasks(lm, store, labels, tasks, max_new_tokens=args.max_new_tokens, on_task=checkpoint,
+                            before_task=before)
+    result.update(extra())
+    write_json(out_path, result)
+    eval_s = result["eval_seconds"]
+    if result["n_tasks"] < len(tasks):
+        print(f"deadline {args.deadline}: stopped after {result['n_tasks']} of {len(tasks)} tasks", file=sys.stderr)
     print(markdown(result))
     per = {v["label"]: v.get("eval_seconds") for v in result["versions"]}
     print(f"\neval: {eval_s:.1f}s for {len(tasks)} tasks x {len(result['versions'])} versions "

@@ -22,7 +22,8 @@ import torch
 from kdnctl.errors import BundleFormatError, ModelMismatchError
 from .tensor_views import tensor_views
 
-FORMAT_VERSION = "1.1"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions
+FORMAT_VERSION = "1.2"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
+# 1.2: ladder coding "zlib+params" (scales/zeros zlib-coded, stored as uint8)
 SUPPORTED_MAJOR = 1
 
 # safetensors __metadata__ keys kdnctl writes. The header digest guards the metadata and the

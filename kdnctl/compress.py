@@ -54,8 +54,9 @@ _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
 class CompressRecipe:
     """``budget``: size cap as a fraction of the fp16 K/V bytes (None: no cap, pure eviction);
     ``keep``: fraction of tokens kept per layer and KV head by ``method``; ``quant``: with a
-    budget, the tiers (``uniform`` = best single tier that fits, ``ladder`` = per-token tiers,
-    ``int4`` = int4, ``fp16`` = eviction alone); without one, the quantizer of every kept token."""
+    budget, the tiers (``auto``/None = ``sizing.auto_quant``, ``uniform`` = best single tier that
+    fits, ``floor`` = that tier + one-tier upgrades, ``ladder`` = per-token tiers, ``int4`` = int4,
+    ``fp16`` = eviction alone); without one, the quantizer of every kept token."""
 
     budget: float | None = 0.25
     method: str = "kvcrush"
@@ -67,13 +68,18 @@ class CompressRecipe:
     allocator: str = DEFAULT_ALLOCATOR
     allocator_options: dict[str, Any] = field(default_factory=dict)
     keep: float = 1.0
+    coding: str = sizing.CODING  # size budget: lossless coding of codes (+ scales/zeros)
+    protect: int = 0  # size budget: the last N tokens (and the prompt header) are never evicted and lifted first
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
+        if self.coding not in ("zlib", "zlib+params"):
+            raise UsageError(f"unknown coding {self.coding!r}", hint="zlib or zlib+params", param="coding")
         if self.budget is not None:
             self.budget = validate_budget(self.budget)
-            if self.quant is None:
-                self.quant = "uniform"
+            if self.quant in (None, "auto"):
+                self.quant, keep, protect = sizing.auto_quant(self.budget, self.group_size)
+                self.keep, self.protect = min(self.keep, keep), max(self.protect, protect)
             sizing.ladder_for(self.quant)
         elif self.quant is None:
             self.quant = "none"
@@ -91,6 +97,10 @@ class CompressRecipe:
         d = {"step": "compress", "budget": self.budget, "keep": self.keep, "method": self.method, "scorer": self.scorer,
              "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
              "method_options": dict(sorted(self.method_options.items()))}
+        if self.sized and self.coding != "zlib" and sizing.ladder_for(self.quant) != ("fp16",):
+            d["coding"] = self.coding  # versions made before params were coded ("zlib") match
+        if self.protect:
+            d["protect"] = self.protect
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -106,6 +116,8 @@ class CompressRecipe:
                 label = f"{self.method}-{label}"
             if self.keep < 1:
                 label += f"-k{self.keep:g}"
+            if self.protect:
+                label += f"-p{self.protect}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if (self.keep < 1 or self.sized) and self.allocator != DEFAULT_ALLOCATOR:
@@ -123,6 +135,8 @@ class CompressRecipe:
             # The prompt header (system prompt, start of the user turn) precedes every question
             # and is where attention sinks live: it is always kept, as the press's sinks.
             press = dataclasses.replace(press, sink_tokens=header_tokens)
+        if self.protect > press.recent_tokens:
+            press = dataclasses.replace(press, recent_tokens=self.protect)
         return press
 
     def build_allocator(self) -> Allocator:
@@ -132,7 +146,7 @@ class CompressRecipe:
     def uses_scorer(self) -> bool:
         """The scorer ranks tokens for presses that use it, weighs the ladder's damage, and picks
         int8 tokens for ``mixed``."""
-        if self.sized and self.quant == "ladder":
+        if self.sized and self.quant in ("ladder", "floor"):
             return True
         if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
             return False  # one tier that fits everywhere: nothing to rank
@@ -333,17 +347,25 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
     n_layers, n_tokens, (n_heads, _, d) = len(keys), keys[0].shape[1], keys[0].shape
     cap = recipe.budget * fp16
     tiers = sizing.ladder_for(recipe.quant)
-    if recipe.quant == "uniform":
-        tiers = sizing.uniform_tier(cap - len(bundles) * sizing.HEADER_BYTES - 16 * n_tokens,
-                                    n_layers * n_heads * n_tokens, d, recipe.group_size)
+    if recipe.quant in ("uniform", "floor"):
+        pick = sizing.uniform_tier if recipe.quant == "uniform" else sizing.floor_tiers
+        tiers = pick(cap - len(bundles) * sizing.HEADER_BYTES - 16 * n_tokens, n_layers * n_heads * n_tokens, d,
+                     recipe.group_size)
     rope = bundles[0].meta["model"].get("rope") or {}
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
-    q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding="zlib")
+    q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding=recipe.coding)
     w = sizing.weights(importance)
+    if recipe.protect:  # the prompt header and the last tokens: the solver lifts them first
+        top = float(w.max()) * 100 if w.numel() else 1.0
+        w[..., -recipe.protect:] = top
+        w[..., :int(bundles[0].meta.get("header_tokens", 0))] = top
     recipe_meta = child_recipe(src, step)
-    fixed = len(bundles) * sizing.HEADER_BYTES + 16 * n_tokens
+    # ``fixed``: headers and small tensors (first guess, corrected when even the lowest tier does
+    # not fit: then the cap forces eviction); ``margin``: what the planner's byte estimate of the
+    # codes missed (an overflow lowers the solver's cap, so upgrades go before any token does)
+    fixed, margin = len(bundles) * sizing.HEADER_BYTES + 16 * n_tokens, 0.0
     errors, last_keep, best, loosened, picks = None, None, None, False, None
-    for _attempt in range(6):
+    for _attempt in range(10):
         forced = sizing.forced_keep(cap - fixed, n_tokens, n_layers, n_heads, d, q.group_size, tiers[-1])
         keep = min(recipe.keep, forced * 0.995 if forced < 1 else 1.0)
         if keep <= 0:
@@ -357,9 +379,9 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
             imp = [w[i].gather(1, r) for i, r in enumerate(rows)]
             errors, last_keep = None, keep
         pos_bytes = sum(p.numel() for p in pos) * sizing.POSITION_BYTES if picks is not None else 0
-        maps, errors = sizing.plan_tiers(q, kk, vv, pos, imp, tiers, cap - fixed - pos_bytes, errors)
-        if maps is None:  # the fixed part grew: evict a little more
-            fixed *= 1.05
+        maps, errors = sizing.plan_tiers(q, kk, vv, pos, imp, tiers, cap - fixed - margin - pos_bytes, errors)
+        if maps is None:  # even the lowest tier does not fit what is left: evict a little more
+            fixed, margin = fixed + max(margin, 0.05 * fixed), 0.0
             continue
         new_tensors, metas, offsets = [], [], [0] * n_layers
         for c, b in enumerate(bundles):
@@ -372,14 +394,32 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
         if total <= cap:
             kept = sum(r.shape[1] for r in rows) / (n_layers * n_tokens)
             best = (new_tensors, metas, kept, sizing.mix(maps))
-            if total >= 0.99 * cap or loosened:
+            if total >= 0.99 * cap or loosened or (len(tiers) == 1 and picks is None):
                 return best
-            loosened = True  # the first guess of the fixed part was generous: give the slack back once
-            fixed -= (cap - total) * 0.9
+            loosened = True  # the estimate was generous: give the slack back once
+            if picks is not None and keep < recipe.keep:
+                fixed -= (cap - total) * 0.9  # to the tokens the cap evicted
+            else:
+                margin -= (cap - total) * 0.9  # to the solver's upgrades
             continue
         if best is not None:
             return best
-        fixed += (total - cap) * 1.02 + 64  # what the estimate missed (headers, partial groups)
+        over = (total - cap) * 1.02 + 64  # what the estimate missed (headers, partial groups, coding)
+        lowest = sizing.TIERS.index(tiers[-1])
+        at_lowest = all(bool((m == lowest).all()) for pair in maps for m in pair)
+        if at_lowest and recipe.quant in ("uniform", "floor") and keep >= recipe.keep and lowest + 1 < len(sizing.TIERS):
+            # the best single tier was an estimate and does not fit once encoded: one tier lower
+            # for every row beats evicting (eviction only when even the lowest tier does not fit)
+            low = sizing.TIERS[lowest + 1]
+            tiers = (tiers[-1], low) if recipe.quant == "floor" else (low,)
+            errors, margin = None, 0.0
+            continue
+        if at_lowest:
+            # no upgrade left to take back: evict (at least 0.5% of the cap a step: token counts
+            # are whole, so a tiny correction may select the same tokens again)
+            fixed, margin = fixed + max(over + margin, 0.005 * cap), 0.0
+        else:
+            margin += over
     if best is not None:
         return best
     raise UsageError(f"could not fit {recipe.budget:g} x the fp16 size", hint="raise --budget")

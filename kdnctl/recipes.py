@@ -1,17 +1,18 @@
 """Recipes: a TOML file naming a pipeline's steps and their settings.
 
     name = "size-0.25"
-    label = "uniform-b0.25"              # optional: label of the final version
+    label = "floor-b0.25-k0.95-p64"      # optional: label of the final version
     [ingest]
     chunk_tokens = 256
     window = 32
     [compress]
     budget = 0.25                        # size cap: <= 0.25 x the fp16 K/V bytes
-    quant = "uniform"                    # best single tier that fits; "ladder": per-token tiers; "fp16": eviction alone
-    method = "kvcrush"                   # evicts only when the cap forces it
+    quant = "floor"                      # "auto" (default), "uniform": best single tier, "floor": + upgrades, "ladder", "fp16"
+    keep = 0.95                          # with a budget: at most this token fraction (the floor's upgrades use the rest)
+    protect = 64                         # with a budget: the last 64 tokens (and the header) never evicted, lifted first
+    method = "kvcrush"                   # picks the evicted tokens
     scorer = "hybrid"
     group_size = 32
-    # keep = 0.5                         # token eviction (alone: without budget)
     allocator = "uniform"                # optional: uniform | pyramid | adaptive (kdnctl.allocate)
     [compress.options]                   # method options, e.g. KVCrush's ratio/anchor/page_size
     ratio = 0.25
@@ -57,7 +58,8 @@ class Recipe:
             raise UsageError(f"recipe {self.name} has no [compress] step")
         c = dict(self.compress)
         options = c.pop("options", {})
-        allowed = {"method", "budget", "keep", "scorer", "quant", "group_size", "seed", "allocator", "allocator_options"}
+        allowed = {"method", "budget", "keep", "scorer", "quant", "group_size", "seed", "allocator", "allocator_options",
+                   "protect", "coding"}
         bad = set(c) - allowed
         if bad:
             raise UsageError(f"recipe {self.name}: unknown [compress] keys {sorted(bad)}", hint=f"allowed: {sorted(allowed)}")

@@ -24,7 +24,8 @@ from .quant.ladder import TIERS, LadderQuantizer, row_bytes, tier_errors
 
 # --quant name -> the tiers the solver may use with a size budget (uniform ones have one tier)
 LADDERS: dict[str, tuple[str, ...]] = {
-    "uniform": TIERS,  # the default: the best single tier that holds every token (see uniform_tier)
+    "floor": TIERS,  # the best single tier that holds every token, the bytes left lift rows one tier
+    "uniform": TIERS,  # the best single tier that holds every token (see uniform_tier)
     "ladder": TIERS,
     "fp16": ("fp16",),
     "none": ("fp16",),
@@ -40,6 +41,7 @@ FLOOR = 0.05
 KEY_WEIGHT = 1.0  # damage of a key row's error relative to a value row's (keys steer attention)
 POSITION_BYTES = 2  # int16 positions per kept row pair (int32 beyond 32767)
 HEADER_BYTES = 24_000  # first guess of one chunk's header + small tensors; corrected after encoding
+CODING = "zlib+params"  # lossless coding of a size-budgeted version's codes and scales/zeros
 
 
 def ladder_for(quant: str) -> tuple[str, ...]:
@@ -54,18 +56,43 @@ def may_evict(budget: float, quant: str, group_size: int, head_dim: int = 64) ->
     """Whether a budget could force eviction at this ladder's cheapest tier (with a margin for
     headers and positions): if not, a single-tier recipe needs no importance scores."""
     lowest = ladder_for(quant)[-1]
-    frac = row_bytes(lowest, head_dim, group_size, coded=True) / (2 * head_dim)
+    frac = row_bytes(lowest, head_dim, group_size, coded=CODING) / (2 * head_dim)
     return budget < frac * 1.15
 
 
 def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:
     """The most precise single tier whose rows (K and V) all fit in ``avail`` bytes; the lowest
     (with forced eviction) if none does. Measured better than the importance-weighted ladder at
-    0.25 (docs/size-budget.md)."""
+    0.25 (docs/compression.md)."""
     for t in TIERS:
-        if n_rows * 2 * row_bytes(t, head_dim, group, coded=True) <= avail:
+        if n_rows * 2 * row_bytes(t, head_dim, group, coded=CODING) <= avail:
             return (t,)
     return (TIERS[-1],)
+
+
+FLOOR_KEEP = 0.95  # the default floor recipe gives the 5% least important tokens' bytes to upgrades
+FLOOR_PROTECT = 64  # ... and never evicts the last 64 tokens (nor the prompt header), lifting them first
+
+
+def auto_quant(budget: float, group: int, head_dim: int = 64) -> tuple[str, float, int]:
+    """``--quant auto`` (the default with a budget) -> (quant, keep, protect). Where the best
+    single tier is int3 (budgets ~0.24-0.29): ``floor`` keeping 95% of the tokens, i.e. every
+    kept row at int3 and the bytes of the 5% least important tokens (KVCrush, hybrid scorer)
+    lift rows to int4: first the prompt header and the last 64 tokens (never evicted), then the
+    most important rows (measured better than int3 for every token on needle answer NLL at the
+    same continuation NLL, docs/compression.md). Elsewhere ``uniform``: the best single tier,
+    eviction only if forced."""
+    frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
+    best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
+    return ("floor", FLOOR_KEEP, FLOOR_PROTECT) if best == "int3" else ("uniform", 1.0, 0)
+
+
+def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:
+    """``uniform_tier`` and the tier above it: every row at least at the floor, the solver
+    spends what is left on lifting the rows whose damage drops most per byte."""
+    (t,) = uniform_tier(avail, n_rows, head_dim, group)
+    i = TIERS.index(t)
+    return TIERS[max(i - 1, 0):i + 1]
 
 
 def fp16_bytes(n_tokens: int, n_layers: int, n_heads: int, head_dim: int) -> int:
@@ -85,7 +112,7 @@ def weights(importance: torch.Tensor) -> torch.Tensor:
 def forced_keep(avail: float, n_tokens: int, n_layers: int, n_heads: int, head_dim: int, group: int,
                 lowest: str) -> float:
     """Largest token fraction whose rows all fit at the ``lowest`` tier in ``avail`` bytes."""
-    per_token = n_layers * n_heads * (2 * row_bytes(lowest, head_dim, group, coded=True) + POSITION_BYTES)
+    per_token = n_layers * n_heads * (2 * row_bytes(lowest, head_dim, group, coded=CODING) + POSITION_BYTES)
     return max(0.0, min(1.0, avail / (n_tokens * per_token)))
 
 
@@ -98,7 +125,12 @@ def plan_tiers(q: LadderQuantizer, keys: list[torch.Tensor], values: list[torch.
     ``keys/values[i]`` [H, T_i, D] are the kept rows, ``importance[i]`` [H, T_i] their weights,
     ``errors`` (optional, reused between calls) the output of ``tier_errors`` per layer."""
     d = keys[0].shape[-1]
-    cost = torch.tensor([row_bytes(t, d, q.group_size, coded=q.coding is not None) for t in tiers], dtype=torch.float64)
+    cost = torch.tensor([row_bytes(t, d, q.group_size, coded=q.coding) for t in tiers], dtype=torch.float64)
+    if len(tiers) == 1:  # one tier: nothing to choose, no errors to measure
+        if 2 * sum(k.shape[0] * k.shape[1] for k in keys) * float(cost[0]) > cap:
+            return None, errors
+        tid = TIERS.index(tiers[0])
+        return [(torch.full(k.shape[:2], tid, dtype=torch.long),) * 2 for k in keys], errors
     if errors is None:
         errors = [tier_errors(q, k, v, p, list(tiers)) for k, v, p in zip(keys, values, positions)]
     role_w = torch.tensor([KEY_WEIGHT, 1.0])[:, None, None, None]

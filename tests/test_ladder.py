@@ -125,11 +125,58 @@ def test_zlib_coding_is_lossless_and_smaller():
     assert coded["keys.codes"].numel() < plain["keys.codes"].numel()
 
 
+def test_coding_params_too_is_lossless_and_smaller_on_real_like_scales():
+    # K/V whose scales repeat (per-channel key ranges are stable across groups of tokens)
+    g = torch.Generator().manual_seed(3)
+    k = torch.randn(2, 256, 64, generator=g) * torch.linspace(0.5, 4, 64)
+    v = torch.randn(2, 256, 64, generator=g)
+    pos = torch.arange(256).expand(2, 256)
+    ids = torch.full((2, 256), TIERS.index("int2"))
+    ref_t, (k1, v1) = _roundtrip(LadderQuantizer(key_rope_theta=1e5, coding="zlib"), k, v, ids, ids, pos)
+    both, (k2, v2) = _roundtrip(LadderQuantizer(key_rope_theta=1e5, coding="zlib+params"), k, v, ids, ids, pos)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert both["keys.params"].dtype == torch.uint8
+    assert both["keys.params"].numel() + both["values.params"].numel() < 2 * (
+        ref_t["keys.params"].numel() + ref_t["values.params"].numel())  # fp16 -> bytes: 2 per element
+    assert row_bytes("int2", 64, 32, coded="zlib+params") < row_bytes("int2", 64, 32, coded="zlib")
+    full = {f"layers.0.{n}": x for n, x in {**both, "keys.params": both["keys.params"][:-3]}.items()}
+    full["positions"] = torch.arange(256)
+    with pytest.raises(BundleFormatError):
+        dequantize_tensors(full, "layers.0.keys", LadderQuantizer(coding="zlib+params").meta(64))
+
+
+@pytest.mark.parametrize("tier", ["fp16", "int4"])
+def test_coded_blobs_round_trip_when_empty(tier):
+    """fp16-only rows leave the params blob empty (eviction alone at a size budget)."""
+    k, v = _kv(t=40)
+    pos = torch.arange(40).expand(3, 40)
+    ids = torch.full((3, 40), TIERS.index(tier))
+    t, (k2, v2) = _roundtrip(LadderQuantizer(coding="zlib+params"), k, v, ids, ids, pos)
+    assert t["values.params"].dtype == torch.uint8
+    assert float((k2 - k).norm() / k.norm()) < MAX_REL[tier] and float((v2 - v).norm() / v.norm()) < MAX_REL[tier]
+    _, (k0, v0) = _roundtrip(LadderQuantizer(coding="zlib+params"), k[:, :0], v[:, :0], ids[:, :0], ids[:, :0],
+                             pos[:, :0])  # a layer that keeps no token
+    assert k0.shape == v0.shape == (3, 0, 64)
+
+
+def test_floor_lifts_rows_one_tier_above_the_uniform_one():
+    from kdnctl.sizing import floor_tiers, uniform_tier
+
+    rows, fp16_row_pair = 1000, 256
+    assert floor_tiers(0.25 * rows * fp16_row_pair, rows, 64, 32) == ("int4", uniform_tier(0.25 * rows * fp16_row_pair, rows, 64, 32)[0])
+    assert floor_tiers(1.0 * rows * fp16_row_pair, rows, 64, 32) == ("fp16",)
+
+
 def test_recipe_labels_and_when_scores_are_needed():
     from kdnctl.compress import CompressRecipe
 
-    # the default: one uniform tier (int3 at 0.25 fits every token: no eviction, no scores needed)
-    assert CompressRecipe().default_label() == "uniform-b0.25" and not CompressRecipe().needs_model
+    # the default at 0.25: int3 floor, the 5% least important tokens' bytes lift rows to int4 (scored)
+    d = CompressRecipe()
+    assert (d.quant, d.keep, d.protect, d.default_label()) == ("floor", 0.95, 64, "floor-b0.25-k0.95-p64")
+    assert d.needs_model and d.as_dict()["protect"] == 64 and d.build_press(24).recent_tokens == 64
+    u = CompressRecipe(budget=0.25, quant="uniform")  # one tier that fits every token: no scores needed
+    assert u.default_label() == "uniform-b0.25" and not u.needs_model and u.keep == 1.0
+    assert CompressRecipe(budget=0.083).quant == "uniform" and CompressRecipe(budget=0.6).quant == "uniform"
     assert CompressRecipe(budget=0.083).needs_model  # int2 does not fit: the press evicts by importance
     assert CompressRecipe(budget=0.25, quant="ladder").needs_model
     q8 = CompressRecipe(budget=1.0, quant="int8")  # fits everywhere: nothing to rank, no model pass
@@ -146,3 +193,16 @@ def test_uniform_picks_the_best_tier_that_fits():
     assert uniform_tier(1.0 * rows * fp16_row_pair, rows, 64, 32) == ("fp16",)
     assert uniform_tier(0.25 * rows * fp16_row_pair, rows, 64, 32) == ("int3",)
     assert uniform_tier(0.083 * rows * fp16_row_pair, rows, 64, 32) == ("int2",)  # + forced eviction
+
+
+def test_shipped_size_recipes_are_the_cli_defaults():
+    from pathlib import Path
+
+    from kdnctl.compress import CompressRecipe
+    from kdnctl.recipes import load_recipe
+
+    root = Path(__file__).resolve().parents[1] / "recipes"
+    for name, budget in (("size-0.25.toml", 0.25), ("size-0.083.toml", 0.083)):
+        r = load_recipe(root / name)
+        assert r.compress_recipe().as_dict() == CompressRecipe(budget=budget).as_dict(), name
+        assert r.label == CompressRecipe(budget=budget).default_label()

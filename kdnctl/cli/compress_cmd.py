@@ -17,7 +17,7 @@ def compress(
     keep: Optional[float] = typer.Option(None, "--keep", "-k", help="Token eviction: fraction of tokens kept per layer and KV head, 0 < K <= 1."),
     method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`)."),
     allocator: str = typer.Option("uniform", "--allocator", help="Per-layer budget split: uniform | pyramid | adaptive (pyramid:METHOD as --method also works)."),
-    quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: uniform (default: the best single tier that fits) | ladder (per-token tiers) | int8 | int4 | int3 | int2 | fp16 (eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
+    quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: auto (default: floor + 5% eviction where int3 is the best single tier, else uniform) | uniform (the best single tier that fits) | floor (that tier + one-tier upgrades) | ladder (per-token tiers) | int8 | int4 | int3 | int2 | fp16 (eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
     scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
     kvcrush_ratio: Optional[float] = typer.Option(None, "--kvcrush-ratio", help="Share of the budget for KVCrush representatives."),

@@ -179,14 +179,20 @@ def run_task(lm: LoadedModel, ctx, task: Task, fmt: PromptFormat, max_new_tokens
 
 
 def evaluate_tasks(lm: LoadedModel, store, labels: list[str], tasks: list[Task], *, max_new_tokens: int = 24,
-                   on_step=None) -> dict:
-    """Answer every task from every version in ``labels`` (``full`` always, first)."""
+                   on_step=None, on_task=None, before_task=None) -> dict:
+    """Answer every task from every version in ``labels`` (``full`` always, first).
+
+    ``on_task(partial)`` is called after each task with the result over the tasks done so far;
+    when it returns True the evaluation stops there (every version answered the same tasks).
+    ``before_task(task)`` runs first (e.g. to ingest and compress that task's document)."""
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     labels = ["full"] + [l for l in dict.fromkeys(labels) if l != "full"]
     per_token_fp16 = fp16_bytes_per_token(lm.summary)
     results: dict[str, dict[str, dict]] = {l: {} for l in labels}
     sizes: dict[str, dict] = {l: {"stored": 0, "kv": 0, "tokens": 0, "recipe": {}, "seconds": 0.0} for l in labels}
-    for task in tasks:
+    for n_done, task in enumerate(tasks, 1):
+        if before_task is not None:
+            before_task(task)
         for label in labels:
             try:
                 version = store.get_version(task.id, label)
@@ -204,6 +210,13 @@ def evaluate_tasks(lm: LoadedModel, store, labels: list[str], tasks: list[Task],
             s["recipe"] = version.recipe
             if on_step:
                 on_step(1)
+        if on_task is not None and on_task(_result(labels, results, sizes, tasks[:n_done], per_token_fp16)):
+            tasks = tasks[:n_done]
+            break
+    return _result(labels, results, sizes, tasks, per_token_fp16)
+
+
+def _result(labels, results, sizes, tasks: list[Task], per_token_fp16: int) -> dict:
     versions = [summarise(l, results[l], results["full"], tasks, sizes[l], per_token_fp16)
                 for l in labels if results[l]]
     return {"versions": versions, "n_tasks": len(tasks), "fp16_bytes_per_token": per_token_fp16,

@@ -17,8 +17,10 @@ Five tensors per layer, whatever the mix: the safetensors index costs ~90 bytes 
 a chunk's header is part of what the size budget pays for. Every slice's size follows from the
 tier counts, so a bundle whose tensors do not add up is refused (BundleFormatError).
 
-With ``coding="zlib"`` (the default of a size budget) each ``.codes`` blob is zlib-coded
-(lossless; ~20% smaller for int2 codes, ~7% for int3, measured by ``bench/tiers.py``).
+With ``coding="zlib"`` each ``.codes`` blob is zlib-coded (lossless; ~20% smaller for int2
+codes, ~7% for int3, measured by ``bench/tiers.py``); with ``coding="zlib+params"`` (the default
+of a size budget) the ``.params`` blob too, stored as uint8 (fp16 scales and zeros: ~17% smaller,
+which is 0.17 bits per element at groups of 32).
 
 Transforms (measured by ``bench/tiers.py``, see docs/compression.md), recorded in the meta and
 undone after decoding: keys are quantized before RoPE (``key_rope_theta``; the positions are in
@@ -40,9 +42,11 @@ from . import transforms as tf
 from .base import Quantizer, check_kv, encode_tensor, group_size_of, need
 
 TIERS = ("fp16", "int8", "int4", "int3", "int2")
-# stored/raw bytes of zlib-coded codes, measured on real K/V (bench/tiers.py): the planner's
-# first guess; compress measures the encoded bundles and corrects the plan
-CODED = {"fp16": 0.93, "int8": 0.95, "int4": 0.91, "int3": 0.93, "int2": 0.81}
+# stored/raw bytes of zlib-coded codes per 256-token chunk, measured on real K/V (bench/coding.py,
+# stored bundles): the planner's first guess; compress measures the encoded bundles and corrects the plan
+CODED = {"fp16": 0.93, "int8": 0.95, "int4": 0.95, "int3": 0.98, "int2": 0.85}
+PARAMS_CODED = 0.88  # zlib-coded fp16 scales + zeros / raw (0.81 on a whole document, 0.85-0.90 per 256-token chunk)
+CODINGS = (None, "zlib", "zlib+params")
 TIER_BITS = {"fp16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2}
 ROLES = ("keys", "values")
 
@@ -54,16 +58,35 @@ def tier_ids(names) -> list[int]:
     return [TIERS.index(n) for n in names]
 
 
-def row_bytes(tier: str, head_dim: int, group_size: int, coded: bool = False) -> float:
+def row_bytes(tier: str, head_dim: int, group_size: int, coded: bool | str | None = False) -> float:
     """Stored bytes of one row (one token of one head, K or V) at ``tier``, scale/zero amortised
     (keys: one fp16 scale+zero per channel per ``group_size`` rows; values: per group of
-    channels of each row) plus half a byte of the tier map; ``coded``: zlib-coded codes."""
+    channels of each row) plus half a byte of the tier map; ``coded``: zlib-coded codes (True or
+    ``"zlib"``), codes and scales/zeros (``"zlib+params"``)."""
     codes = head_dim * TIER_BITS[tier] / 8
     if coded:
         codes *= CODED[tier]
     if tier == "fp16":
         return codes + 0.5
-    return codes + 4.0 * head_dim / group_size + 0.5
+    params = 4.0 * head_dim / group_size
+    if coded == "zlib+params":
+        params *= PARAMS_CODED
+    return codes + params + 0.5
+
+
+def _bytes_tensor(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+
+
+def _zlib(blob: torch.Tensor) -> torch.Tensor:
+    return _bytes_tensor(zlib.compress(blob.contiguous().view(torch.uint8).numpy().tobytes(), 9))
+
+
+def _unzlib(blob: torch.Tensor, what: str) -> torch.Tensor:
+    try:
+        return _bytes_tensor(zlib.decompress(blob.numpy().tobytes()))
+    except zlib.error:
+        raise BundleFormatError(f"{what} is not a valid zlib stream") from None
 
 
 def _positions(tensors: dict[str, torch.Tensor], layer: str, h: int) -> torch.Tensor:
@@ -109,13 +132,12 @@ class LadderQuantizer(Quantizer):
                     enc = encode_tensor(rows, "r", tier, self.group_size, self.layouts[role], self.scale_dtype)
                     codes.append(enc["r.q"].reshape(-1))
                     params += [enc["r.scale"].reshape(-1), enc["r.zero"].reshape(-1)]
+            if self.coding not in CODINGS:
+                raise InputError(f"unknown code coding {self.coding!r}", hint="zlib, zlib+params or none")
             blob = torch.cat(codes) if codes else torch.zeros(0, dtype=torch.uint8)
-            if self.coding == "zlib":
-                blob = torch.frombuffer(bytearray(zlib.compress(blob.numpy().tobytes(), 9)), dtype=torch.uint8)
-            elif self.coding is not None:
-                raise InputError(f"unknown code coding {self.coding!r}", hint="zlib or none")
-            out[f"{role}.codes"] = blob
-            out[f"{role}.params"] = torch.cat(params).to(torch.float16) if params else torch.zeros(0, dtype=torch.float16)
+            par = torch.cat(params).to(torch.float16) if params else torch.zeros(0, dtype=torch.float16)
+            out[f"{role}.codes"] = _zlib(blob) if self.coding else blob
+            out[f"{role}.params"] = _zlib(par) if self.coding == "zlib+params" else par
         return out
 
     def quantize_layer(self, keys, values, *, importance=None, positions=None, tier: str = "int4"):
@@ -152,16 +174,19 @@ class LadderQuantizer(Quantizer):
         layout = (quant_meta.get("layouts") or {}).get(role, "channel" if role == "keys" else "token")
         g = group_size_of(quant_meta)
         codes, params = need(tensors, f"{prefix}.codes"), need(tensors, f"{prefix}.params")
-        if codes.dtype != torch.uint8 or params.dtype != torch.float16 or codes.dim() != 1 or params.dim() != 1:
-            raise BundleFormatError(f"{prefix}: codes must be uint8 [n] and params float16 [m]")
         coding = quant_meta.get("coding")
-        if coding == "zlib":
-            try:
-                codes = torch.frombuffer(bytearray(zlib.decompress(codes.numpy().tobytes())), dtype=torch.uint8)
-            except zlib.error:
-                raise BundleFormatError(f"{prefix}.codes is not a valid zlib stream") from None
-        elif coding is not None:
+        if coding not in CODINGS:
             raise BundleFormatError(f"unknown code coding {coding!r} in bundle meta")
+        p_dtype = torch.uint8 if coding == "zlib+params" else torch.float16
+        if codes.dtype != torch.uint8 or params.dtype != p_dtype or codes.dim() != 1 or params.dim() != 1:
+            raise BundleFormatError(f"{prefix}: codes must be uint8 [n] and params {p_dtype} [m]")
+        if coding:
+            codes = _unzlib(codes, f"{prefix}.codes")
+        if coding == "zlib+params":
+            params = _unzlib(params, f"{prefix}.params")
+            if params.numel() % 2:
+                raise BundleFormatError(f"{prefix}.params holds an odd number of bytes")
+            params = params.view(torch.float16)
         out = torch.zeros(h, t, d, dtype=torch.float32)
         co = po = 0
         for tid, tier in enumerate(TIERS):
