@@ -1,7 +1,8 @@
 """`kdnctl export llama-cpp`, proven with llama.cpp's own code (llama-cpp-python): the default
 GGUF loads the exported sequence state with ``llama_state_seq_load_file`` and answers every
 question of examples/qa.jsonl exactly as llama.cpp does after its own prefill of the same
-tokens; a pruned (shared-selection) version loads and answers; the file's layout equals the
+tokens; a pruned (shared-selection) version loads and answers (its cells keep their original
+positions and the last one, so the question follows at its original position); the file's layout equals the
 one llama.cpp writes itself, and the keys agree with llama.cpp's own only in the permuted
 (adjacent-pair RoPE) layout.
 """
@@ -21,8 +22,8 @@ from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.corpus import read_corpus  # noqa: E402
 from kdnctl.errors import ExportError  # noqa: E402
 from kdnctl.evaluation.qa import is_correct, load_qa  # noqa: E402
-from kdnctl.export.base import read_document_kv  # noqa: E402
-from kdnctl.export.llamacpp import export_llamacpp, gguf_key_layout, quantize_q8_0  # noqa: E402
+from kdnctl.export.base import DocumentKV, read_document_kv  # noqa: E402
+from kdnctl.export.llamacpp import export_llamacpp, gguf_key_layout, kept_positions, quantize_q8_0  # noqa: E402
 from kdnctl.export.llamacpp_engine import LlamaCppRunner  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
 from kdnctl.model import default_gguf_path  # noqa: E402
@@ -33,6 +34,9 @@ pytestmark = pytest.mark.model
 PRUNED = "shared-k0.5"
 PER_HEAD = "knorm-k0.5"
 N_CTX = 4096
+# shared-k0.5 (knorm, window scorer) in llama.cpp, measured (one run, 2026-11-23): 6/40 correct vs 19/40
+# after llama.cpp's full prefill, identical first token 37/40
+ACC_PRUNED_MIN = 4
 
 
 def test_q8_0_rows_equal_ggml_reference_and_key_permutation():
@@ -70,20 +74,20 @@ def env(tmp_path_factory, lm):
     st.close()
 
 
-def _answers(runner, env, lm, label, *, own: bool):
-    """Per question: (answer ids, first logits, correct) after loading the exported state
+def _answers(runner, env, lm, label, *, own: bool, kv_type: str = "f16", docs=None):
+    """Per question: (answer ids, first logits, correct, text) after loading the exported state
     (own=False) or llama.cpp's own saved prefill of the same context (own=True)."""
     out = []
     tok = lm.tokenizer
-    for doc_id in sorted({i.doc for i in env["qa"]}):
+    for doc_id in docs or sorted({i.doc for i in env["qa"]}):
         ctx_ids = read_document_kv(env["store"], doc_id, "full").token_ids
-        path = env["tmp"] / f"{doc_id}.{label}.{'own' if own else 'kdn'}.bin"
+        path = env["tmp"] / f"{doc_id}.{label}.{kv_type}.{'own' if own else 'kdn'}.bin"
         if own:
             runner.prefill(ctx_ids)
             runner.save_state(path, ctx_ids)
         else:
             export_llamacpp(env["store"], doc_id, path, label=label, gguf=default_gguf_path(),
-                            fingerprint=lm.fingerprint)
+                            fingerprint=lm.fingerprint, kv_type=kv_type)
         for item in (i for i in env["qa"] if i.doc == doc_id):
             n_past = runner.load_state(path)
             assert n_past == len(ctx_ids)
@@ -94,10 +98,20 @@ def _answers(runner, env, lm, label, *, own: bool):
     return out
 
 
-def test_dense_export_answers_like_llamacpp_own_prefill(env, lm):
-    with LlamaCppRunner(default_gguf_path(), n_ctx=N_CTX) as runner:
-        own = _answers(runner, env, lm, "full", own=True)
-        kdn = _answers(runner, env, lm, "full", own=False)
+@pytest.fixture(scope="module")
+def runner(env):
+    with LlamaCppRunner(default_gguf_path(), n_ctx=N_CTX) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def own(runner, env, lm):
+    """llama.cpp's own answers after its own full prefill (the baseline of every comparison)."""
+    return _answers(runner, env, lm, "full", own=True)
+
+
+def test_dense_export_answers_like_llamacpp_own_prefill(env, lm, runner, own):
+    kdn = _answers(runner, env, lm, "full", own=False)
     assert len(own) == len(env["qa"]) == 40
     diffs = [float(np.abs(a[1] - b[1]).max()) for a, b in zip(own, kdn)]
     print(f"\nllama.cpp dense: next-token logit max|diff| mean {np.mean(diffs):.4f} max {max(diffs):.4f}; "
@@ -116,25 +130,40 @@ def test_dense_export_answers_like_llamacpp_own_prefill(env, lm):
     assert sum(b[2] for b in kdn) >= sum(a[2] for a in own) - 4
 
 
-@pytest.mark.xfail(reason="known defect (issue 12, open): llama.cpp's decode refuses the question after a pruned "
-                   "cache whose last kept position is below n_past - 1 (llama_decode returned -1)", strict=False)
-def test_pruned_shared_export_loads_and_answers(env, lm):
+def test_pruned_shared_export_loads_and_answers(env, lm, runner, own):
+    """Half the cells, at their original positions, the last one at n_past - 1: llama.cpp
+    decodes every question right after it and answers (accuracy vs its own full prefill)."""
     doc_id = env["qa"][0].doc
     doc = read_document_kv(env["store"], doc_id, PRUNED)
     kept = doc.shared_positions()
     assert doc.pruned and kept is not None and kept.numel() == round(0.5 * doc.n_tokens)
-    with LlamaCppRunner(default_gguf_path(), n_ctx=N_CTX) as runner:
-        path = env["tmp"] / "pruned.bin"
-        res = export_llamacpp(env["store"], doc_id, path, label=PRUNED, gguf=default_gguf_path())
-        assert res.info["n_cells"] == kept.numel() and res.info["n_past"] == doc.n_tokens
-        assert runner.load_state(path) == doc.n_tokens
-        assert runner.pos_range() == (int(kept[0]), int(kept[-1]))
-        own = _answers(runner, env, lm, "full", own=True)
-        pruned = _answers(runner, env, lm, PRUNED, own=False)
+    assert int(kept[-1]) == doc.n_tokens - 1  # the shared press keeps the document's last token
+    path = env["tmp"] / "pruned.bin"
+    res = export_llamacpp(env["store"], doc_id, path, label=PRUNED, gguf=default_gguf_path())
+    assert res.info["n_cells"] == kept.numel() and res.info["n_past"] == doc.n_tokens
+    assert runner.load_state(path) == doc.n_tokens
+    assert runner.pos_range() == (int(kept[0]), doc.n_tokens - 1)
+    pruned = _answers(runner, env, lm, PRUNED, own=False)
     acc_own, acc_pruned = sum(a[2] for a in own), sum(b[2] for b in pruned)
-    print(f"\nllama.cpp {PRUNED} (shared over knorm): accuracy {acc_pruned}/40 vs "
-          f"full prefill {acc_own}/40")
-    assert all(b[0] for b in pruned)  # every question gets a non-empty answer
+    same_first = sum(a[0][:1] == b[0][:1] for a, b in zip(own, pruned))
+    print(f"\nllama.cpp {PRUNED} (shared over knorm, window scorer): accuracy {acc_pruned}/40 vs "
+          f"full prefill {acc_own}/40; identical first token {same_first}/40")
+    assert len(pruned) == 40 and all(b[0] for b in pruned)  # every question decodes and gets an answer
+    # half the tokens, one set for every head and layer, cost much of the accuracy (docs/engines.md)
+    assert acc_pruned >= ACC_PRUNED_MIN and same_first >= 30
+
+
+def test_export_refuses_a_selection_without_the_last_token():
+    """Model-free: llama.cpp's batch check needs the cell right before the next position."""
+    t, pos = 8, torch.tensor([0, 1, 3, 5])
+    kv = [torch.zeros(2, 4, 4)]
+    doc = DocumentKV(doc_id="d", label="x", doc_version="v", fingerprint="f", mode="prefix",
+                     token_ids=list(range(t)), keys=kv, values=kv, positions=[pos.expand(2, 4)],
+                     model={}, chunk_tokens=[t])
+    with pytest.raises(ExportError, match="last token"):
+        kept_positions(doc)
+    doc.positions = [torch.tensor([0, 1, 3, 7]).expand(2, 4)]
+    assert kept_positions(doc).tolist() == [0, 1, 3, 7]
 
 
 def test_state_layout_equals_llamacpps_own_and_keys_need_the_permutation(env, lm, tmp_path):
@@ -166,21 +195,54 @@ def test_state_layout_equals_llamacpps_own_and_keys_need_the_permutation(env, lm
     assert c_ok > 0.98 and c_raw < c_ok - 0.05
 
 
-@pytest.mark.xfail(reason="known defect (issue 12, open): the q8_0 export loads but answers differently from "
-                   "llama.cpp's own q8_0 prefill (first tokens [198, 2538, 198] vs [504, 6720, 10776])", strict=False)
-def test_q8_0_export_loads_with_flash_attention(env, lm):
+def test_q8_0_export_is_hadamard_rotated_and_answers_like_llamacpp_q8_0_prefill(env, lm):
+    """llama.cpp rotates quantized K/V per head by a Walsh-Hadamard matrix (attn_rot): the
+    export's layer-0 keys equal llama.cpp's own q8_0 keys only with that rotation, and its
+    answers agree with llama.cpp's own q8_0 prefill about as often as the f16 export's agree
+    with the f16 prefill (same fp32-vs-quantized-weights difference, no more)."""
+    from kdnctl.export.llamacpp import QK8_0, hadamard
+
+    h = hadamard(64)
+    assert torch.allclose(h @ h, torch.eye(64), atol=1e-6) and bool((h.abs() == 0.125).all())
     item = env["qa"][0]
     doc = read_document_kv(env["store"], item.doc, "full")
-    q = env["fmt"].question_ids(lm.tokenizer, item.question)
-    path = env["tmp"] / "q8.bin"
-    res = export_llamacpp(env["store"], item.doc, path, kv_type="q8_0", gguf=default_gguf_path())
-    assert res.info["flash_attn"] is True
+    n = doc.n_tokens
+    paths = {r: env["tmp"] / f"q8.rot{int(r)}.bin" for r in (True, False)}
+    for rot, path in paths.items():
+        res = export_llamacpp(env["store"], item.doc, path, kv_type="q8_0", gguf=default_gguf_path(), kv_rotation=rot)
+        assert res.info["flash_attn"] is True and res.info["kv_rotation"] == ({"k": 64, "v": 64} if rot else
+                                                                             {"k": 0, "v": 0})
+    theirs = env["tmp"] / "q8.own.bin"
     with LlamaCppRunner(default_gguf_path(), n_ctx=N_CTX, kv_type="q8_0") as runner:
         runner.prefill(doc.token_ids)
-        own = runner.generate(q, doc.n_tokens, stop_ids=env["stops"])
-        assert runner.load_state(path) == doc.n_tokens
-        kdn = runner.generate(q, doc.n_tokens, stop_ids=env["stops"])
-    assert kdn.token_ids[:3] == own.token_ids[:3]
+        runner.save_state(theirs, doc.token_ids)
+        assert runner.load_state(paths[True]) == n
+        # one document's questions (8): a llama.cpp pass over all 40 takes many minutes on 2 cores
+        own = _answers(runner, env, lm, "full", own=True, kv_type="q8_0", docs=[item.doc])
+        kdn = _answers(runner, env, lm, "full", own=False, kv_type="q8_0", docs=[item.doc])
+    hd = doc.keys[0].shape[0] * doc.keys[0].shape[2]
+    row = hd // QK8_0 * (2 + QK8_0)
+    off = 12 + 4 * n + 8 + 12 * n + 8 + 12
+
+    def layer0_keys(path):
+        x = np.frombuffer(path.read_bytes(), np.uint8, count=n * row, offset=off).reshape(n, hd // QK8_0, 2 + QK8_0)
+        return (x[..., :2].copy().view(np.float16).astype(np.float32) * x[..., 2:].copy().view(np.int8)).ravel()
+
+    def cos(x, y):
+        return float(x @ y / np.linalg.norm(x) / np.linalg.norm(y))
+
+    ref = layer0_keys(theirs)
+    c_rot, c_plain = cos(layer0_keys(paths[True]), ref), cos(layer0_keys(paths[False]), ref)
+    same_first = sum(a[0][:1] == b[0][:1] for a, b in zip(own, kdn))
+    same = sum(a[0] == b[0] for a, b in zip(own, kdn))
+    m = len(own)
+    print(f"\nq8_0 layer-0 keys vs llama.cpp's own: cosine {c_rot:.5f} rotated, {c_plain:.4f} unrotated; "
+          f"answers: identical first token {same_first}/{m}, identical answers {same}/{m}, accuracy own "
+          f"{sum(a[2] for a in own)}/{m}, exported {sum(b[2] for b in kdn)}/{m}")
+    assert c_rot > 0.999 and c_plain < 0.5
+    # as the f16 export vs the f16 prefill (first token 39/40, asserted >= 90 %)
+    assert m == 8 and same_first >= 7
+    assert sum(b[2] for b in kdn) >= sum(a[2] for a in own) - 1
 
 
 def test_refusals_and_cli(env, tmp_path):
@@ -195,5 +257,8 @@ def test_refusals_and_cli(env, tmp_path):
     side = json.loads((tmp_path / "cli.bin.json").read_text())
     assert side["n_past"] == side["n_cells"] and "llama.cpp loaded the state" in proc.stderr
     assert "{question}" in side["suffix_template"]
+    pruned = run_cli("export", "llama-cpp", doc_id, "--to", tmp_path / "p.bin", "--version", PRUNED, "--check",
+                     store=st.root)
+    assert pruned.returncode == 0 and "decoded a question after it" in pruned.stderr, pruned.stderr
     bad = run_cli("export", "llama-cpp", doc_id, "--to", tmp_path / "y.bin", "--version", PER_HEAD, store=st.root)
     assert bad.returncode == 13 and "--method shared" in bad.stderr

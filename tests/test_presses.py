@@ -408,3 +408,22 @@ def test_spans_through_chunked_document_keep_spans_whole():
                 pos[i + 1] == pos[i] + 1 for i in range(len(pos) - 1) if (i + 1) % 8)
         total += chunk[0].shape[1]
     assert total == 16
+
+
+def test_shared_keeps_one_set_everywhere_and_always_the_last_token():
+    # the last token is the worst in every head: still kept (llama.cpp's next batch must start
+    # at the largest cached position + 1), identically in every layer and head, in every chunking
+    imp = torch.rand(3, 3, 64, generator=torch.Generator().manual_seed(5))
+    imp[..., -1] = -1.0
+    ctx = make_ctx(n_layers=3, n_heads=3, n_tokens=64, importance=imp)
+    press = get_press("shared", sink_tokens=2)  # wraps kvcrush, which ranks by importance
+    for bounds in ([(0, 64)], [(0, 20), (20, 45), (45, 64)]):
+        picks = select_document(press, ctx, 0.25, bounds)
+        doc = sorted(p + bounds[c][0] for c, chunk in enumerate(picks) for p in chunk[0][0].tolist())
+        assert len(doc) == 16 and doc[:2] == [0, 1] and doc[-1] == 63
+        for c, chunk in enumerate(picks):
+            assert all(row.tolist() == chunk[0][0].tolist() for layer in chunk for row in layer)
+    # a quota of one keeps the tail before the sinks; without keep_recent (a middle chunk) no tail
+    assert press.forced_indices(10, 1).tolist() == [9]
+    assert press.forced_indices(10, 5, keep_recent=False).tolist() == [0, 1]
+    assert get_press("knorm", sink_tokens=2).forced_indices(10, 5).tolist() == [0, 1]

@@ -56,8 +56,9 @@ def llama_cpp(
     version: str = typer.Option("full", "--version", "-v", help="Version label (pruned: one token set for all heads and layers)."),
     kv_type: str = typer.Option("f16", "--kv-type", help="llama.cpp KV cache type: f16 | q8_0."),
     flash_attn: Optional[bool] = typer.Option(None, "--flash-attn/--no-flash-attn", help="The context's flash attention (default: off for f16, on for q8_0)."),
+    kv_rotation: bool = typer.Option(True, "--kv-rotation/--no-kv-rotation", help="q8_0: Hadamard-rotate K/V as llama.cpp (attn_rot, default since PR 21038) does; off for older builds or LLAMA_ATTN_ROT_DISABLE=1."),
     gguf: Optional[str] = typer.Option(None, "--gguf", help="GGUF llama.cpp loads (default: the default model's)."),
-    check: bool = typer.Option(False, "--check", help="Load the file with llama.cpp's own code (needs kdnctl[llamacpp])."),
+    check: bool = typer.Option(False, "--check", help="Load the file with llama.cpp's own code and decode a question after it (needs kdnctl[llamacpp])."),
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = ModelOpt,
     as_json: bool = JsonOpt,
@@ -73,9 +74,11 @@ def llama_cpp(
 
         require_engine("llama_cpp", "llamacpp", "--check")
     lm = load_lm(str(gguf_path))
-    suffix = QUESTION_TEMPLATE + PromptFormat.for_tokenizer(lm.tokenizer).tail
+    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
+    suffix = QUESTION_TEMPLATE + fmt.tail
     res = export_llamacpp(open_store(store), doc, to, label=version, gguf=gguf_path, kv_type=kv_type,
-                          flash_attn=flash_attn, fingerprint=lm.fingerprint, suffix_template=suffix)
+                          flash_attn=flash_attn, fingerprint=lm.fingerprint, suffix_template=suffix,
+                          kv_rotation=kv_rotation)
     loaded = None
     if check:
         from ..export.llamacpp_engine import LlamaCppRunner
@@ -83,6 +86,7 @@ def llama_cpp(
         with LlamaCppRunner(gguf_path, n_ctx=res.info["n_past"] + 512, kv_type=kv_type,
                             flash_attn=res.info["flash_attn"]) as runner:
             loaded = runner.load_state(res.path)
+            runner.decode(fmt.question_ids(lm.tokenizer, "What is this about?"), loaded)  # llama.cpp accepts what follows
     if as_json:
         emit_json({"file": str(res.path), "sidecar": str(res.sidecar), "bytes": res.n_bytes,
                    "checked_cells": loaded, **res.info})
@@ -90,7 +94,7 @@ def llama_cpp(
     message(f"{doc} [{version}]: {res.info['n_cells']} cells of {res.info['n_past']} tokens, "
             f"{res.n_bytes / 1e6:.1f} MB -> {res.path} (next position {res.info['n_past']}; see {res.sidecar})")
     if loaded is not None:
-        message(f"llama.cpp loaded the state ({loaded} tokens)")
+        message(f"llama.cpp loaded the state ({loaded} tokens) and decoded a question after it")
 
 
 def register(app: typer.Typer) -> None:

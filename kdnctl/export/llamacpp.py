@@ -13,9 +13,19 @@ llama.cpp's own code and compares answers):
 
 Cells carry their positions, so a pruned cache keeps its original positions; but a cell holds
 every head of every layer, so a pruned version can only be exported when all layers and heads
-keep the same tokens (``kdnctl compress --method shared``, wrapping kvcrush by default). V is transposed exactly
+keep the same tokens (``kdnctl compress --method shared``, wrapping kvcrush by default), and
+the document's last token: llama.cpp's batch check (``llama-batch.cpp``) requires a new batch
+to start at the sequence's largest cached position + 1. V is transposed exactly
 when the context runs without flash attention (llama-cpp-python's default); a quantized V
 cache (q8_0) needs flash attention.
+
+Quantized KV (q8_0): llama.cpp (since ggml-org/llama.cpp PR 21038, in the vendored copy of
+llama-cpp-python 0.3.36: ``attn_rot_k`` / ``attn_rot_v`` in ``llama-kv-cache.cpp``) stores
+quantized K and V rotated by an orthonormal Walsh-Hadamard matrix, per head, over blocks of
+``n`` values (K: the largest power of two >= 64 dividing the head size; V: 64), when the head
+size is a multiple of 64 and ``LLAMA_ATTN_ROT_DISABLE`` is not set; it rotates the queries
+the same way and the attention output back. An export of unrotated rows loads (types and row
+sizes match) but answers garbage, so the export rotates before quantizing.
 
 RoPE layout: llama.cpp runs LLaMA-architecture GGUFs with "normal" RoPE, rotating adjacent
 pairs (2i, 2i+1), and the HF -> GGUF conversion permutes each head's Q/K weight rows so that
@@ -99,11 +109,41 @@ def quantize_q8_0(rows: torch.Tensor) -> bytes:
     return block.contiguous().numpy().tobytes()
 
 
-def _rows(kind: list[torch.Tensor], layer: int, permute: bool) -> torch.Tensor:
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal ``n x n`` Walsh-Hadamard matrix (Sylvester order, symmetric, H @ H = I),
+    as llama.cpp builds it for its KV rotation."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard size must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).float()
+
+
+def rotation_sizes(head_dim: int, kv_type: str) -> tuple[int, int]:
+    """(K, V) Hadamard block sizes llama.cpp rotates a ``kv_type`` cache with (0 = none)."""
+    if kv_type == "f16" or head_dim % 64:
+        return 0, 0
+    nk = 64
+    while head_dim % (nk * 2) == 0:
+        nk *= 2
+    return nk, 64
+
+
+def rotate_heads(x: torch.Tensor, n: int) -> torch.Tensor:
+    """``[H, T, D]`` -> each head's vectors times the n x n Hadamard matrix, per block of n."""
+    if not n:
+        return x
+    h, t, d = x.shape
+    return (x.float().reshape(h, t, d // n, n) @ hadamard(n)).reshape(h, t, d)
+
+
+def _rows(kind: list[torch.Tensor], layer: int, permute: bool, rot: int = 0) -> torch.Tensor:
     """``[cells, H*D]`` float rows of one layer in llama.cpp's layout."""
     x = kind[layer]
     if permute:
         x = gguf_key_layout(x)
+    x = rotate_heads(x, rot)
     return x.permute(1, 0, 2).reshape(x.shape[1], -1)
 
 
@@ -117,20 +157,22 @@ def _row_pieces(rows: torch.Tensor, kv_type: str) -> tuple[int, int, list]:
 
 
 def state_pieces(doc: DocumentKV, positions: torch.Tensor, kv_type: str, v_trans: bool, *,
-                 permute_keys: bool, seq_id: int = 0) -> list:
-    """The sequence state (what ``llama_state_seq_get_data`` returns) as byte pieces."""
+                 permute_keys: bool, seq_id: int = 0, rotate: bool = True) -> list:
+    """The sequence state (what ``llama_state_seq_get_data`` returns) as byte pieces.
+    ``rotate``: apply llama.cpp's Hadamard rotation of quantized caches (see the module doc)."""
     n_cells = int(positions.numel())
     out: list = [struct.pack("<II", 1, n_cells)]
     cells = torch.stack([positions.to(torch.int32), torch.ones(n_cells, dtype=torch.int32),
                          torch.full((n_cells,), seq_id, dtype=torch.int32)], dim=1)
     out.append(cells.numpy().tobytes())
     out.append(struct.pack("<II", int(v_trans), doc.n_layers))
+    rot_k, rot_v = rotation_sizes(int(doc.keys[0].shape[-1]), kv_type) if rotate else (0, 0)
     for layer in range(doc.n_layers):
-        gtype, row, pieces = _row_pieces(_rows(doc.keys, layer, permute_keys), kv_type)
+        gtype, row, pieces = _row_pieces(_rows(doc.keys, layer, permute_keys, rot_k), kv_type)
         out.append(struct.pack("<iQ", gtype, row))
         out.extend(pieces)
     for layer in range(doc.n_layers):
-        rows = _rows(doc.values, layer, False)
+        rows = _rows(doc.values, layer, False, rot_v)
         if not v_trans:
             gtype, row, pieces = _row_pieces(rows, kv_type)
             out.append(struct.pack("<iQ", gtype, row))
@@ -172,13 +214,26 @@ def kept_positions(doc: DocumentKV) -> torch.Tensor:
             "cache cell holds every head of every layer",
             hint="compress with --method shared (one token set for all heads and layers)",
         )
+    if int(pos[-1]) != doc.n_tokens - 1:
+        # llama_batch_allocr::init (llama-batch.cpp) accepts a batch after a cached sequence only
+        # when it starts at the sequence's largest cached position + 1 ("Y = X + 1"): the question
+        # at position n_tokens needs the cell at n_tokens - 1.
+        raise ExportError(
+            f"{doc.doc_id} [{doc.label}] dropped the document's last token (last kept position "
+            f"{int(pos[-1])} of {doc.n_tokens}); llama.cpp decodes a new token only right after the "
+            "largest cached position, so the question could not follow at its original position",
+            hint="re-compress with the current --method shared (it always keeps the last token)",
+        )
     return pos
 
 
 def export_llamacpp(store, doc_id: str, path: str | Path, *, label: str = "full", gguf: str | Path,
                     kv_type: str = "f16", flash_attn: bool | None = None, fingerprint: str | None = None,
-                    suffix_template: str | None = None) -> LlamaCppExportResult:
-    """Write ``path`` (sequence state file) and ``path.json`` (what a caller needs next)."""
+                    suffix_template: str | None = None, kv_rotation: bool = True) -> LlamaCppExportResult:
+    """Write ``path`` (sequence state file) and ``path.json`` (what a caller needs next).
+
+    ``kv_rotation``: for quantized KV, rotate as llama.cpp builds with ``attn_rot`` do (the
+    default since PR 21038); False for older builds or ``LLAMA_ATTN_ROT_DISABLE=1``."""
     if kv_type not in KV_TYPES:
         raise UsageError(f"unknown KV type {kv_type!r}", hint="use f16 or q8_0")
     flash_attn = (kv_type != "f16") if flash_attn is None else bool(flash_attn)
@@ -190,7 +245,9 @@ def export_llamacpp(store, doc_id: str, path: str | Path, *, label: str = "full"
     positions = kept_positions(doc)
     tokens = torch.tensor(doc.token_ids, dtype=torch.int32)
     header = struct.pack("<III", SEQ_MAGIC, SEQ_VERSION, len(doc.token_ids))
-    state = state_pieces(doc, positions, kv_type, v_trans, permute_keys=info.arch in PERMUTED_ARCHS)
+    state = state_pieces(doc, positions, kv_type, v_trans, permute_keys=info.arch in PERMUTED_ARCHS,
+                         rotate=kv_rotation)
+    rot_k, rot_v = rotation_sizes(info.head_dim, kv_type) if kv_rotation else (0, 0)
     pieces = [header, tokens.numpy().tobytes(), *state]
     path = Path(path)
     n = write_atomic(path, pieces)
@@ -199,6 +256,7 @@ def export_llamacpp(store, doc_id: str, path: str | Path, *, label: str = "full"
         "doc_id": doc.doc_id, "label": doc.label, "doc_version": doc.doc_version,
         "gguf_sha256": info.sha256, "arch": info.arch,
         "kv_type": kv_type, "flash_attn": flash_attn, "seq_id": 0,
+        "kv_rotation": {"k": rot_k, "v": rot_v},
         "n_past": doc.n_tokens, "n_cells": int(positions.numel()), "pruned": doc.pruned,
         "suffix_template": suffix_template,
         "load": "llama_state_seq_load_file(ctx, path, 0, tokens, n_past, &n); then decode the "

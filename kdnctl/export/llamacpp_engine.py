@@ -9,7 +9,6 @@ bench/engines.py. Needs ``pip install 'kdnctl[llamacpp]'``.
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,8 @@ class LlamaCppAnswer:
 
 class LlamaCppRunner:
     """One llama.cpp context on sequence 0. ``kv_type``: f16 | q8_0 (K and V);
-    ``flash_attn`` None = off for f16, on for q8_0 (what the export assumes by default)."""
+    ``flash_attn`` None = off for f16, on for q8_0 (what the export assumes by default);
+    ``n_threads`` None = 1 (a checker and benchmark harness, not a server)."""
 
     def __init__(self, gguf: str | Path, *, n_ctx: int = 4096, kv_type: str = "f16",
                  flash_attn: bool | None = None, n_threads: int | None = None, n_batch: int = 512):
@@ -38,7 +38,9 @@ class LlamaCppRunner:
         self.n_ctx = n_ctx
         self.kv_type = kv_type
         self.flash_attn = (kv_type != "f16") if flash_attn is None else bool(flash_attn)
-        self.n_threads = n_threads or max(1, min(os.cpu_count() or 1, 4))
+        # one thread unless asked: ggml's workers spin at barriers, so on a shared, busy machine
+        # two threads were measured far slower than one (a 600-token prefill: 24 s vs > 4 min)
+        self.n_threads = n_threads or 1
         self.n_batch = n_batch
         self.llm = None
 

@@ -7,6 +7,13 @@ scale by ranks (0 = worst, 1 = best), averages them over layers and heads, and k
 of that one ranking plus the wrapped press's forced tokens (sinks, recent), identically in
 every layer and head. Quotas are the wrapped press's uniform ones.
 
+It always keeps the document's last token (first of the forced set; in a multi-chunk
+document the last chunk's last token). llama.cpp accepts a batch after a cached sequence only
+when the batch starts at the sequence's largest cached position + 1 (``llama_batch_allocr``'s
+"Y = X + 1" check, ``llama-batch.cpp``); with the last token kept, that position is the
+document's length and the question continues at its original positions, as it would after a
+full prefill.
+
 The cost: every head must keep tokens that only some heads need. It is measured, not assumed:
 ``python bench/engines.py --quality`` (docs/engines.md).
 """
@@ -16,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
 from torch import Tensor
 
 from kdnctl.errors import UsageError
@@ -49,6 +57,16 @@ class SharedPress(Press):
         """``[T]``: the mean over layers and heads of each row's rank of the wrapped scores."""
         return rank01(sanitize(self.inner.score(ctx))).mean(dim=(0, 1))
 
+    def forced_indices(self, n_tokens: int, k: int, *, keep_sinks: bool = True,
+                       keep_recent: bool = True) -> Tensor:
+        """The last token (when ``keep_recent``: the document's tail), then the wrapped press's
+        forced tokens; at most k."""
+        inner = self.inner.forced_indices(n_tokens, k, keep_sinks=keep_sinks, keep_recent=keep_recent)
+        if not keep_recent or n_tokens == 0 or k == 0:
+            return inner
+        last = torch.tensor([n_tokens - 1], dtype=torch.long)
+        return torch.cat([last, inner[inner != n_tokens - 1]])[:k]
+
     def select(self, ctx: ScoreContext, quotas: list[int], *, keep_sinks: bool = True,
                keep_recent: bool = True) -> list[Tensor]:
         ks = self.check_quotas(ctx, quotas)
@@ -57,6 +75,6 @@ class SharedPress(Press):
         if not ks:
             return []
         k, t, h = ks[0], ctx.n_tokens, ctx.n_heads
-        forced = self.inner.forced_indices(t, k, keep_sinks=keep_sinks, keep_recent=keep_recent)
+        forced = self.forced_indices(t, k, keep_sinks=keep_sinks, keep_recent=keep_recent)
         idx = select_top(self.token_scores(ctx).unsqueeze(0), k, forced)  # [1, k]
         return [idx.expand(h, k).contiguous() for _ in ks]
