@@ -121,9 +121,9 @@ def _offsets(lens: list[list[int]]) -> tuple[list[int], list[list[int]]]:
 
 def _alloc(lm: LoadedModel, totals: list[int], h_kv: int, d: int, room: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (keys, values) cache buffers: on CPU from the pooled arena (memory already
-    faulted in by an earlier load, kdnctl/engine/arena.py)."""
+    faulted in by an earlier load, kdnctl/arena.py)."""
     if lm.device.type == "cpu":
-        from .arena import kv_buffers
+        from ..arena import kv_buffers
 
         return kv_buffers(totals, h_kv, d, room, lm.dtype)
     return [(torch.empty(1, h_kv, n + room, d, device=lm.device, dtype=lm.dtype),
@@ -210,7 +210,7 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
     hits = list(hits)
     slots: list = [None] * len(hits)
     if checked:  # pooled memory (already faulted in by earlier loads) sized from the catalog
-        from .arena import READ_POOL, byte_slices
+        from ..arena import READ_POOL, byte_slices
 
         sizes = [max(0, int(ref.nbytes)) for _, ref in hits]
         if sum(sizes) <= READ_POOL.max_bytes:  # (a damaged size only costs a fresh buffer)

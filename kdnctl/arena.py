@@ -1,4 +1,4 @@
-"""Cache memory reused across loads (issue 15).
+"""Memory reused across loads: cache buffers, read buffers, downloads (issue 15).
 
 A load writes every K/V byte of a context into freshly allocated cache buffers. Fresh memory
 from the OS costs a page fault (and the kernel zeroing the page) on first touch: measured here
@@ -21,7 +21,7 @@ import threading
 
 import torch
 
-from ..fastread import new_buffer
+from .fastread import new_buffer
 
 ALIGN = 64
 
@@ -43,14 +43,15 @@ class ArenaPool:
         base = self._counts([bytearray()])[0]
         return [(a, c <= base) for a, c in zip(self._arenas, self._counts(self._arenas))]
 
-    def take(self, nbytes: int) -> bytearray:
-        """A writable arena of at least ``nbytes`` (contents undefined) that no live tensor views."""
+    def take(self, nbytes: int, *, exact: bool = False) -> bytearray:
+        """A writable arena of at least ``nbytes`` (exactly ``nbytes`` with ``exact``; contents
+        undefined) that nothing else references."""
         with self._lock:
             states = self._states()
             free = [a for a, ok in states if ok]
             busy = [a for a, ok in states if not ok]
             del states
-            fits = [a for a in free if nbytes <= len(a) <= 2 * nbytes + (16 << 20)]
+            fits = [a for a in free if (len(a) == nbytes if exact else nbytes <= len(a) <= 2 * nbytes + (16 << 20))]
             if fits:
                 return min(fits, key=len)
             fresh = new_buffer(nbytes)
@@ -72,6 +73,9 @@ class ArenaPool:
 
 POOL = ArenaPool()  # cache buffers
 READ_POOL = ArenaPool()  # whole objects read for decoding (quantized chunks): dead once placed
+# downloaded objects (kdnctl/fetch.py), one exact-size bytearray each: a document's chunks
+# mostly share one size, so the next load's downloads land in memory the last one faulted in
+FETCH_POOL = ArenaPool(max_arenas=64, max_bytes=512 << 20)
 
 
 def byte_slices(sizes: list[int], pool: ArenaPool | None = READ_POOL) -> list[memoryview]:
