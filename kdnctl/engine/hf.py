@@ -212,12 +212,18 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
         if why:
             raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
                                     hint="run `kdnctl verify`; the version record is damaged or was tampered with")
-        prof.add("decode", t0)
+        t0 = prof.add("decode", t0)
+        if lm.device.type == "cuda":  # one transfer per object; placement is then on the device
+            from .gpu_transfer import bundle_to_device
+
+            b = bundle_to_device(b, data, lm.device)
+            prof.add("place", t0)
         if profile is not None:
             with _PROFILE_LOCK:
                 profile.read += prof.read
                 profile.hash += prof.hash
                 profile.decode += prof.decode
+                profile.place += prof.place
         return b, len(data)
 
     out = _run(one, hits, workers)
@@ -274,6 +280,8 @@ def load_version(lm: LoadedModel, store: ReadStore, version, *, t0: float | None
             raise NotFoundError(f"{doc_id} [{label}] changed while it was being loaded (a newer version replaced "
                                 "it and gc reclaimed the old one)", hint="retry the load") from None
         raise
+    if lm.device.type == "cuda":  # host-to-device copies may still be queued: the clock waits for them
+        torch.cuda.synchronize(lm.device)
     ctx.load_s = time.perf_counter() - t
     return ctx
 
@@ -361,11 +369,11 @@ def generate(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], 
     model = lm.model
     logits, cache = forward_suffix(lm, ctx, suffix_ids, last_only=True)
     first_logits = logits[-1]
+    nxt = int(first_logits.argmax())  # the first token, and on a GPU the wait for its logits
     ttft = time.perf_counter() - t0
     stops = stop_ids(lm.tokenizer)
     pos = (ctx.next_position if ctx else 0) + len(suffix_ids)
     out_ids: list[int] = []
-    nxt = int(first_logits.argmax())
     state = AttentionState(bias=dict(ctx.bias) if ctx else {})
     with kdn_attention(model, state):
         while nxt not in stops and len(out_ids) < max_new_tokens:
