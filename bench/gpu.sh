@@ -44,7 +44,7 @@ for s in "$@"; do
         echo "model sha256 $got (want ${GGUF_SHA:-unset})" | tee -a "$OUT/summary.txt"
         [ -z "$GGUF_SHA" ] || [ "$got" = "$GGUF_SHA" ] || rc=1
         ;;
-    kernels) stage kernels python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_kernels_gpu.py tests/test_kernels_attention.py ;;
+    kernels) stage kernels python3 -m pytest -q -p no:cacheprovider -m gpu -k "${KERNELS_K:-gpu}" tests/test_kernels_gpu.py tests/test_kernels_attention.py ;;
     e2e) stage e2e python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py ;;
     ttft) stage ttft python3 bench/ttft.py --device cuda --profile --sizes "${TTFT_SIZES:-1024,2048,4096,8000}" --repeats 5 ;;
     kbench) stage kbench python3 bench/kernels.py ;;
