@@ -103,3 +103,24 @@ def test_gpu_fp16_model_answers_like_its_own_prefill(tmp_path):
         assert (a.first_logits.float() - b.first_logits.float()).abs().max().item() < 0.5
     finally:
         st.close()
+
+
+def test_gpu_load_still_checks_every_byte(gpu_lm, tmp_path):
+    """Objects read into page-locked memory for the GPU are checked before use like any other."""
+    from kdnctl.errors import StoreCorruptError
+
+    tok = gpu_lm.tokenizer
+    body = tok.decode(tok((EXAMPLES / DOC).read_text(), add_special_tokens=False).input_ids[:300])
+    doc = Document(DOC, body, "test", hashlib.sha256(body.encode()).hexdigest())
+    st = Store(tmp_path / "s")
+    try:
+        ingest_documents(st, gpu_lm, [doc], IngestOptions(chunk_tokens=128))
+        path = st.object_path(st.get_version(DOC).chunks[1].object)
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 1
+        path.chmod(0o644)
+        path.write_bytes(bytes(raw))
+        with pytest.raises(StoreCorruptError):
+            load_document(gpu_lm, st, DOC)
+    finally:
+        st.close()

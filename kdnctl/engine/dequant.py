@@ -14,8 +14,6 @@ from __future__ import annotations
 import torch
 
 from kdnctl.errors import BundleFormatError
-from kdnctl.kernels import quant as kq
-from kdnctl.kernels.dispatch import use_triton
 from kdnctl.kernels.quant import out_shapes, unpack_int4
 
 FAST_SCHEMES = ("int8", "int4", "fp8")
@@ -51,9 +49,6 @@ def dequantize_into(out: torch.Tensor, tensors, name: str, quant_meta: dict) -> 
         return
     if q.device != out.device:  # a GPU cache: ship the (small) codes, dequantize on the device
         q, s, z = (x.to(out.device, non_blocking=True) for x in (q, s, z))
-    if use_triton(q, s, z):  # one kernel launch for the whole [H, T, D] tensor
-        out.copy_(kq.dequantize(q, s, z, fmt, g, layout, tuple(shape), out_dtype=out.dtype))
-        return
     axis = 1 if layout == "channel" else 2  # the grouped axis of [H, T, D]
     n = shape[axis]
     if fmt == "int4":

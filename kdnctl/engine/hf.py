@@ -200,7 +200,10 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
         if checked:
             from ..fastread import check_bytes, read_into
 
-            data = read_into(store.object_path(ref.object))
+            alloc = None
+            if lm.device.type == "cuda":
+                from .gpu_transfer import pinned_buffer as alloc
+            data = read_into(store.object_path(ref.object), alloc=alloc)
             t0 = prof.add("read", t0)
             check_bytes(data, ref.object, getattr(ref, "blake3", None))
             t0 = prof.add("hash", t0)
