@@ -119,7 +119,9 @@ def new_buffer(size: int) -> bytearray:
 
 def read_into(path: Path, alloc=None):
     """The whole file in one preallocated buffer (a single copy out of the page cache):
-    ``alloc(size)`` (a writable buffer of exactly ``size`` bytes) or a fresh ``bytearray``."""
+    ``alloc(size)`` (a writable buffer of exactly ``size`` bytes; the GPU loader passes page-locked
+    memory so the host-to-device copy that follows can run asynchronously at full speed; None
+    falls back) or a fresh ``bytearray``."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
