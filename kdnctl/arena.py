@@ -94,22 +94,37 @@ def byte_slices(sizes: list[int], pool: ArenaPool | None = READ_POOL) -> list[me
 def kv_buffers(totals: list[int], h_kv: int, head_dim: int, room: int, dtype: torch.dtype,
                pool: ArenaPool | None = POOL) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values) CPU buffers ``[1, h_kv, total + room, head_dim]`` carved from
-    one pooled arena (``pool=None``: a fresh one)."""
+    one pooled arena (``pool=None``: a fresh one): every layer's keys, then every layer's values."""
+    return kv_arena(totals, h_kv, head_dim, room, dtype, pool)[0]
+
+
+def kv_arena(totals: list[int], h_kv: int, head_dim: int, room: int, dtype: torch.dtype,
+             pool: ArenaPool | None = POOL):
+    """``(per-layer buffers, stacked)`` where ``stacked`` is ``(keys, values)`` of shape
+    ``[L, h_kv, total + room, head_dim]`` whose rows ARE the layer buffers, when every layer
+    holds the same number of tokens (else None): a chunk's layers can then be written in one
+    operation (``dequantize_layers_into``)."""
     esz = torch.empty(0, dtype=dtype).element_size()
     sizes = [h_kv * (n + room) * head_dim * esz for n in totals]
     step = [(s + ALIGN - 1) // ALIGN * ALIGN for s in sizes]
     need = 2 * sum(step) + ALIGN
     arena = pool.take(need) if pool is not None else new_buffer(need)
     at = (-_address(arena)) % ALIGN
-    out = []
-    for n, s, st in zip(totals, sizes, step):
-        pair = []
-        for _ in range(2):
+    uniform = len(set(totals)) == 1 and step[0] == sizes[0] and sizes[0] > 0
+    if uniform:
+        n, count = totals[0], len(totals) * sizes[0] // esz
+        stacked = tuple(torch.frombuffer(arena, dtype=dtype, count=count, offset=at + r * len(totals) * sizes[0])
+                        .view(len(totals), h_kv, n + room, head_dim) for r in range(2))
+        return [(stacked[0][i][None], stacked[1][i][None]) for i in range(len(totals))], stacked
+    roles = []
+    for _ in range(2):
+        role = []
+        for n, s, st in zip(totals, sizes, step):
             t = torch.frombuffer(arena, dtype=dtype, count=s // esz, offset=at) if s else torch.empty(0, dtype=dtype)
-            pair.append(t.view(1, h_kv, n + room, head_dim))
+            role.append(t.view(1, h_kv, n + room, head_dim))
             at += st
-        out.append(tuple(pair))
-    return out
+        roles.append(role)
+    return list(zip(roles[0], roles[1])), None
 
 
 def _address(buf: bytearray) -> int:

@@ -83,6 +83,6 @@ def tensor_views(header: dict[str, Any], buf, n_header: int) -> dict[str, torch.
         elif off % dtype.itemsize:  # misaligned for its dtype: one small copy instead of a view
             t = torch.frombuffer(bytearray(buf[off : off + numel * dtype.itemsize]), dtype=dtype).view(shape)
         else:
-            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(shape)
+            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(tuple(shape))
         tensors[name] = t
     return tensors

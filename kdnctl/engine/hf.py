@@ -145,9 +145,14 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     h_kv, d = int(bundles[0].meta["model"]["n_kv_heads"]), int(bundles[0].meta["model"]["head_dim"])
     totals, offsets = _offsets(lens)
     stacked = None
-    if bufs is None and lm.device.type == "cuda" and len(set(totals)) == 1:
-        # one [L, H, T, D] tensor per role, layers as views: a chunk's layers can then be
-        # dequantized in one stacked operation (dequantize_layers_into) instead of one per layer
+    # one [L, H, T, D] tensor per role, layers as views, when every layer holds as many tokens:
+    # a chunk's layers are then dequantized in one stacked operation (dequantize_layers_into)
+    # instead of one per layer (kernel launches on a GPU, Python and dispatch on a CPU)
+    if bufs is None and lm.device.type == "cpu":
+        from ..arena import kv_arena
+
+        bufs, stacked = kv_arena(totals, h_kv, d, room, lm.dtype)
+    elif bufs is None and len(set(totals)) == 1:
         stacked = tuple(torch.empty(n_layers, h_kv, totals[0] + room, d, device=lm.device, dtype=lm.dtype)
                         for _ in "kv")
         bufs = [(stacked[0][i][None], stacked[1][i][None]) for i in range(n_layers)]
@@ -167,7 +172,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                                            [tensor_name(i, role) for i in range(n_layers)], quant)
                 prof.add("dequantize", t0)
                 n_done = n_layers
-            elif not quantized[0]:
+            elif not quantized[0] and lm.device.type != "cpu":  # (on a CPU: no gain from the stack's copy)
                 kv = [b.layer_kv(i) for i in range(n_layers)]
                 stacked[0][:, :, s : s + t].copy_(torch.stack([k for k, _ in kv]))
                 stacked[1][:, :, s : s + t].copy_(torch.stack([v for _, v in kv]))
@@ -231,7 +236,7 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
     checked = isinstance(store, LocalObjects)  # files we can read and check ourselves
     hits = list(hits)
     slots: list = [None] * len(hits)
-    if checked:  # pooled memory (already faulted in by earlier loads) sized from the catalog
+    if checked and lm.device.type != "cuda":  # pooled memory (faulted in by earlier loads), catalog sizes
         from ..arena import READ_POOL, byte_slices
 
         sizes = [max(0, int(ref.nbytes)) for _, ref in hits]
