@@ -132,12 +132,12 @@ def _alloc(lm: LoadedModel, totals: list[int], h_kv: int, d: int, room: int) -> 
 
 def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str = "full", doc_id: str | None = None,
                          room: int = CACHE_ROOM, workers: int = 1, profile: LoadProfile | None = None,
-                         bufs: list | None = None) -> LoadedContext:
+                         bufs: list | None = None, placed: bool = False) -> LoadedContext:
     """Chunk bundles (in order) -> one context for ``lm``: each layer's K/V is allocated once
     (context length plus ``room`` spare tokens) and every chunk is copied (cast, dequantized)
     straight into its slice: no concatenation, no intermediate whole-context tensors. With
     ``bufs`` (from ``_alloc``) the buffers exist already, and layers a reader placed there
-    directly (kdnctl/engine/placed.py) are not copied again."""
+    directly (kdnctl/engine/placed.py) are not copied again (``placed``: none needs a copy)."""
     if not bundles:
         raise NotFoundError("no chunks to load")
     n_layers = bundles[0].n_layers
@@ -160,6 +160,8 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
         bufs = _alloc(lm, totals, h_kv, d, room)
 
     def place(c: int) -> None:
+        if placed:  # the reader wrote every layer straight into its slot (kdnctl/engine/placed.py)
+            return
         b, prof = bundles[c], LoadProfile()
         quant = b.meta.get("quant") or {}
         fast = quant.get("scheme") in FAST_SCHEMES
@@ -334,7 +336,8 @@ def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full",
     else:
         bufs = None
         bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
-    ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=1, profile=profile, bufs=bufs)
+    ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=1, profile=profile, bufs=bufs,
+                               placed=direct is not None)
     ctx.load_s = time.perf_counter() - t
     ctx.nbytes = nbytes
     if profile is not None:

@@ -16,8 +16,9 @@ cross it once:
    catalog recorded it, else BLAKE3, else the sha256 name), so the check costs no extra
    pass over memory.
 3. Only when every byte of the object matched is anything decoded: ``bundle.finish_decode``
-   checks the header digest and the structure over tensors that ARE the cache slices, and the
-   catalog record must match the bundle, as on the general path. A failed check raises before
+   checks the header digest and the structure (the K/V entries as shape-and-dtype stand-ins,
+   their bytes being in the cache already), and the catalog record must match the bundle, as
+   on the general path. A failed check raises before
    the context exists: the partly written cache is never used.
 
 A chunk whose header cannot be planned (malformed, quantized, another dtype) sends the whole
@@ -27,12 +28,11 @@ load down the general path, which reports corruption exactly as before (hash fir
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 
 import torch
 
-from ..bundle import _MAX_HEADER, finish_decode, parse_head, tensor_name
+from ..bundle import finish_decode, header_size, parse_head, tensor_name
 from ..errors import BundleFormatError, StoreCorruptError
 from ..fastread import Verifier, new_buffer
 
@@ -55,6 +55,7 @@ class Plan:
     n_header: int
     entries: list[tuple]
     lens: list[int]
+    kv: dict  # tensor name -> (layer, 0 keys / 1 values) for every layer's dense K/V
 
 
 def _read_head(path) -> tuple[bytes, int]:
@@ -66,10 +67,12 @@ def _read_head(path) -> tuple[bytes, int]:
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, min(size, HEAD_BYTES), 0)
-        if len(head) >= 8:
-            (n,) = struct.unpack_from("<Q", head, 0)
-            if len(head) < 8 + n <= min(size, 8 + _MAX_HEADER):
-                head = os.pread(fd, 8 + n, 0)
+        try:
+            need = header_size(head[:8])
+        except BundleFormatError:
+            return head, size  # the planner refuses it; the general path reports it
+        if len(head) < need <= size:
+            head = os.pread(fd, need, 0)
         return head, size
     finally:
         os.close(fd)
@@ -88,7 +91,8 @@ def plan(path, hit, *, dtype: torch.dtype, n_layers: int, h_kv: int, head_dim: i
             or model.get("n_kv_heads") != h_kv or model.get("head_dim") != head_dim:
         return None
     shapes = {name: (dt, shape) for _b, _e, name, dt, shape, _n in entries}
-    if any((lr := _is_kv(name)) is not None and lr[0] >= n_layers for name in shapes):
+    kv = {name: lr for name in shapes if (lr := _is_kv(name)) is not None}
+    if any(lr[0] >= n_layers for lr in kv.values()):
         return None
     lens = []
     for i in range(n_layers):
@@ -97,7 +101,7 @@ def plan(path, hit, *, dtype: torch.dtype, n_layers: int, h_kv: int, head_dim: i
                 or k[1][0] != h_kv or k[1][2] != head_dim:
             return None
         lens.append(k[1][1])
-    return Plan(hit, str(path), size, head[: 8 + n], meta, meta_json, digest, n, entries, lens)
+    return Plan(hit, str(path), size, head[: 8 + n], meta, meta_json, digest, n, entries, lens, kv)
 
 
 def byte_views(bufs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[memoryview, memoryview]]:
@@ -107,8 +111,9 @@ def byte_views(bufs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[memo
 
 def read_placed(p: Plan, bufs, views, starts: list[int], *, expect_fingerprint: str, profile=None):
     """Read ``p``'s object into the cache buffers ``bufs`` (layer i's tokens from ``starts[i]``)
-    and a scratch buffer, hashing every byte as it lands; then decode. Returns the KVBundle,
-    whose layer K/V tensors are the cache slices themselves."""
+    and a scratch buffer, hashing every byte as it lands; then decode. Returns the KVBundle:
+    its small tensors (token ids, positions, statistics, bias) are real, its layer K/V tensors
+    are shape-and-dtype stand-ins (``meta`` tensors): their bytes are in the cache slots."""
     import time
 
     version, ref = p.hit
@@ -116,7 +121,7 @@ def read_placed(p: Plan, bufs, views, starts: list[int], *, expect_fingerprint: 
     t0 = time.perf_counter()
     check.update(p.head)
     base = 8 + p.n_header
-    small = [e for e in p.entries if not _is_kv(e[2])]
+    small = [e for e in p.entries if e[2] not in p.kv]
     offs, at = {}, 0
     for e in small:
         offs[e[2]] = at
@@ -125,21 +130,27 @@ def read_placed(p: Plan, bufs, views, starts: list[int], *, expect_fingerprint: 
     smv = memoryview(scratch)
     tensors: dict[str, torch.Tensor] = {}
     segs: list[memoryview] = []
+    stand_in: dict[tuple, torch.Tensor] = {}
     for begin, end, name, dtype, shape, numel in p.entries:
-        layer_role = _is_kv(name)
+        layer_role = p.kv.get(name)
         if layer_role:
+            # the bytes go straight into the cache; the decoder's checks (header digest, shapes,
+            # dtypes) see a stand-in of the same shape and dtype that holds no memory
             i, r = layer_role
+            key = (dtype, *shape)
+            if key not in stand_in:
+                stand_in[key] = torch.empty(shape, dtype=dtype, device="meta")
+            tensors[name] = stand_in[key]
             s, t = starts[i], shape[1]
-            buf = bufs[i][r]
-            tensors[name] = buf[0, :, s : s + t]
             if t:
                 row = t * shape[2] * dtype.itemsize
-                step = buf.shape[2] * shape[2] * dtype.itemsize
+                step = bufs[i][r].shape[2] * shape[2] * dtype.itemsize
                 first = s * shape[2] * dtype.itemsize
-                segs.extend(views[i][r][h * step + first : h * step + first + row] for h in range(shape[0]))
+                mv = views[i][r]
+                segs.extend(mv[h * step + first : h * step + first + row] for h in range(shape[0]))
         else:
             o = offs[name]
-            tensors[name] = (torch.frombuffer(scratch, dtype=dtype, count=numel, offset=o).view(shape)
+            tensors[name] = (torch.frombuffer(scratch, dtype=dtype, count=numel, offset=o).view(tuple(shape))
                              if numel else torch.empty(shape, dtype=dtype))
             if end > begin:
                 segs.append(smv[o : o + end - begin])
