@@ -33,7 +33,7 @@ from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
-from .dequant import FAST_SCHEMES, dequantize_into
+from .dequant import FAST_SCHEMES, dequantize_into, dequantize_layers_into
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
@@ -123,10 +123,18 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     lens = [[b.layer_len(i) for i in range(n_layers)] for b in bundles]
     h_kv, d = int(bundles[0].meta["model"]["n_kv_heads"]), int(bundles[0].meta["model"]["head_dim"])
     bufs, offsets = [], []
+    totals = [sum(lb[i] for lb in lens) for i in range(n_layers)]
+    stacked = None
+    if device.type == "cuda" and len(set(totals)) == 1:
+        # one [L, H, T, D] tensor per role, layers as views: a chunk's layers can then be
+        # dequantized in one stacked operation (dequantize_layers_into) instead of one per layer
+        stacked = tuple(torch.empty(n_layers, h_kv, totals[0] + room, d, device=device, dtype=dtype) for _ in "kv")
     for i in range(n_layers):
-        total = sum(lb[i] for lb in lens)
-        bufs.append((torch.empty(1, h_kv, total + room, d, device=device, dtype=dtype),
-                     torch.empty(1, h_kv, total + room, d, device=device, dtype=dtype)))
+        if stacked is not None:
+            bufs.append((stacked[0][i][None], stacked[1][i][None]))
+            continue
+        bufs.append((torch.empty(1, h_kv, totals[i] + room, d, device=device, dtype=dtype),
+                     torch.empty(1, h_kv, totals[i] + room, d, device=device, dtype=dtype)))
     starts = [[0] * n_layers]
     for lb in lens[:-1]:
         starts.append([s + t for s, t in zip(starts[-1], lb)])
@@ -136,7 +144,22 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
         b, prof = bundles[c], LoadProfile()
         quant = b.meta.get("quant") or {}
         fast = quant.get("scheme") in FAST_SCHEMES
-        for i in range(n_layers):
+        n_done, quantized = 0, [b.is_quantized(i) for i in range(n_layers)]
+        if stacked is not None and len(set(offsets[c])) == 1 and len(set(lens[c])) == 1 and len(set(quantized)) == 1:
+            t0, s, t = time.perf_counter(), offsets[c][0], lens[c][0]
+            if quantized[0] and fast:
+                for role, big in zip(("keys", "values"), stacked):
+                    dequantize_layers_into(big[:, :, s : s + t], b.tensors,
+                                           [tensor_name(i, role) for i in range(n_layers)], quant)
+                prof.add("dequantize", t0)
+                n_done = n_layers
+            elif not quantized[0]:
+                kv = [b.layer_kv(i) for i in range(n_layers)]
+                stacked[0][:, :, s : s + t].copy_(torch.stack([k for k, _ in kv]))
+                stacked[1][:, :, s : s + t].copy_(torch.stack([v for _, v in kv]))
+                prof.add("place", t0)
+                n_done = n_layers
+        for i in range(n_done, n_layers):
             t0 = time.perf_counter()
             s, t = offsets[c][i], lens[c][i]
             if fast and b.is_quantized(i):  # straight into the cache slice
@@ -156,7 +179,6 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 profile.place += prof.place
 
     _run(place, range(len(bundles)), workers)
-    totals = [sum(lb[i] for lb in lens) for i in range(n_layers)]
     keys = [bufs[i][0][:, :, : totals[i]] for i in range(n_layers)]
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
     bias = {}
