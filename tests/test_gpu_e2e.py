@@ -35,17 +35,22 @@ def gpu_lm():
 @pytest.fixture(scope="module")
 def gpu_store(gpu_lm, tmp_path_factory):
     """~600 tokens of the example manual ingested on the GPU, plus a b1-int8 version."""
-    tok = gpu_lm.tokenizer
-    ids = tok((EXAMPLES / DOC).read_text(), add_special_tokens=False).input_ids[:600]
-    body = tok.decode(ids)
-    doc = Document(DOC, body, "test", hashlib.sha256(body.encode()).hexdigest())
-    st = Store(tmp_path_factory.mktemp("gpu-store"))
-    ingest_documents(st, gpu_lm, [doc], IngestOptions(chunk_tokens=256))
+    st = _ingested(gpu_lm, tmp_path_factory.mktemp("gpu-store"), 600, 256)
     with st.writer():
         compress_document(st, DOC, CompressRecipe(budget=None, keep=1.0, quant="int8"), label="b1-int8")
         compress_document(st, DOC, CompressRecipe(budget=None, keep=1.0, quant="int4"), label="b1-int4")
     yield st
     st.close()
+
+
+def _ingested(lm, store_dir, n_tokens: int, chunk_tokens: int) -> Store:
+    """A store holding the first ``n_tokens`` of the example manual, ingested by ``lm``."""
+    tok = lm.tokenizer
+    body = tok.decode(tok((EXAMPLES / DOC).read_text(), add_special_tokens=False).input_ids[:n_tokens])
+    st = Store(store_dir)
+    ingest_documents(st, lm, [Document(DOC, body, "test", hashlib.sha256(body.encode()).hexdigest())],
+                     IngestOptions(chunk_tokens=chunk_tokens))
+    return st
 
 
 def _question(lm):
@@ -88,12 +93,8 @@ def test_gpu_fp16_model_answers_like_its_own_prefill(tmp_path):
     from kdnctl.model import load_model
 
     lm = load_model(device="cuda", dtype="float16")
-    tok = lm.tokenizer
-    body = tok.decode(tok((EXAMPLES / DOC).read_text(), add_special_tokens=False).input_ids[:400])
-    doc = Document(DOC, body, "test", hashlib.sha256(body.encode()).hexdigest())
-    st = Store(tmp_path / "s")
+    st = _ingested(lm, tmp_path / "s", 400, 128)
     try:
-        ingest_documents(st, lm, [doc], IngestOptions(chunk_tokens=128))
         ctx = load_document(lm, st, DOC)
         assert ctx.keys[0].dtype == torch.float16
         q = _question(lm)
@@ -109,12 +110,8 @@ def test_gpu_load_still_checks_every_byte(gpu_lm, tmp_path):
     """Objects read into page-locked memory for the GPU are checked before use like any other."""
     from kdnctl.errors import StoreCorruptError
 
-    tok = gpu_lm.tokenizer
-    body = tok.decode(tok((EXAMPLES / DOC).read_text(), add_special_tokens=False).input_ids[:300])
-    doc = Document(DOC, body, "test", hashlib.sha256(body.encode()).hexdigest())
-    st = Store(tmp_path / "s")
+    st = _ingested(gpu_lm, tmp_path / "s", 300, 128)
     try:
-        ingest_documents(st, gpu_lm, [doc], IngestOptions(chunk_tokens=128))
         path = st.object_path(st.get_version(DOC).chunks[1].object)
         raw = bytearray(path.read_bytes())
         raw[len(raw) // 2] ^= 1
