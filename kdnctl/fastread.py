@@ -70,15 +70,17 @@ def new_buffer(size: int) -> bytearray:
     return _alloc(size) if size > 0 else bytearray()
 
 
-def read_into(path: Path) -> bytearray:
-    """The whole file in one preallocated bytearray (a single copy out of the page cache)."""
+def read_into(path: Path, alloc=None):
+    """The whole file in one preallocated buffer (a single copy out of the page cache):
+    ``alloc(size)`` gives it (default :func:`new_buffer`; the GPU loader passes page-locked
+    memory so the host-to-device copy that follows can run asynchronously at full speed)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise StoreCorruptError(f"object {path.name[:12]} is missing from {path.parent.parent}") from None
     try:
         size = os.fstat(fd).st_size
-        buf = new_buffer(size)
+        buf = (alloc or new_buffer)(size)
         view = memoryview(buf)
         got = 0
         while got < size:

@@ -300,5 +300,7 @@ def bare_prefill_seconds(model, token_ids: list[int]) -> float:
     with torch.inference_mode():
         t = time.perf_counter()
         model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        if device.type == "cuda":  # the forward is queued, not done, until the device says so
+            torch.cuda.synchronize(device)
         return time.perf_counter() - t
 

@@ -33,7 +33,7 @@ from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
-from .dequant import FAST_SCHEMES, dequantize_into
+from .dequant import FAST_SCHEMES, dequantize_into, dequantize_layers_into
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
@@ -123,10 +123,18 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     lens = [[b.layer_len(i) for i in range(n_layers)] for b in bundles]
     h_kv, d = int(bundles[0].meta["model"]["n_kv_heads"]), int(bundles[0].meta["model"]["head_dim"])
     bufs, offsets = [], []
+    totals = [sum(lb[i] for lb in lens) for i in range(n_layers)]
+    stacked = None
+    if device.type == "cuda" and len(set(totals)) == 1:
+        # one [L, H, T, D] tensor per role, layers as views: a chunk's layers can then be
+        # dequantized in one stacked operation (dequantize_layers_into) instead of one per layer
+        stacked = tuple(torch.empty(n_layers, h_kv, totals[0] + room, d, device=device, dtype=dtype) for _ in "kv")
     for i in range(n_layers):
-        total = sum(lb[i] for lb in lens)
-        bufs.append((torch.empty(1, h_kv, total + room, d, device=device, dtype=dtype),
-                     torch.empty(1, h_kv, total + room, d, device=device, dtype=dtype)))
+        if stacked is not None:
+            bufs.append((stacked[0][i][None], stacked[1][i][None]))
+            continue
+        bufs.append((torch.empty(1, h_kv, totals[i] + room, d, device=device, dtype=dtype),
+                     torch.empty(1, h_kv, totals[i] + room, d, device=device, dtype=dtype)))
     starts = [[0] * n_layers]
     for lb in lens[:-1]:
         starts.append([s + t for s, t in zip(starts[-1], lb)])
@@ -136,7 +144,22 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
         b, prof = bundles[c], LoadProfile()
         quant = b.meta.get("quant") or {}
         fast = quant.get("scheme") in FAST_SCHEMES
-        for i in range(n_layers):
+        n_done, quantized = 0, [b.is_quantized(i) for i in range(n_layers)]
+        if stacked is not None and len(set(offsets[c])) == 1 and len(set(lens[c])) == 1 and len(set(quantized)) == 1:
+            t0, s, t = time.perf_counter(), offsets[c][0], lens[c][0]
+            if quantized[0] and fast:
+                for role, big in zip(("keys", "values"), stacked):
+                    dequantize_layers_into(big[:, :, s : s + t], b.tensors,
+                                           [tensor_name(i, role) for i in range(n_layers)], quant)
+                prof.add("dequantize", t0)
+                n_done = n_layers
+            elif not quantized[0]:
+                kv = [b.layer_kv(i) for i in range(n_layers)]
+                stacked[0][:, :, s : s + t].copy_(torch.stack([k for k, _ in kv]))
+                stacked[1][:, :, s : s + t].copy_(torch.stack([v for _, v in kv]))
+                prof.add("place", t0)
+                n_done = n_layers
+        for i in range(n_done, n_layers):
             t0 = time.perf_counter()
             s, t = offsets[c][i], lens[c][i]
             if fast and b.is_quantized(i):  # straight into the cache slice
@@ -156,7 +179,6 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 profile.place += prof.place
 
     _run(place, range(len(bundles)), workers)
-    totals = [sum(lb[i] for lb in lens) for i in range(n_layers)]
     keys = [bufs[i][0][:, :, : totals[i]] for i in range(n_layers)]
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
     bias = {}
@@ -200,7 +222,10 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
         if checked:
             from ..fastread import check_bytes, read_into
 
-            data = read_into(store.object_path(ref.object))
+            alloc = None
+            if lm.device.type == "cuda":
+                from .gpu_transfer import pinned_buffer as alloc
+            data = read_into(store.object_path(ref.object), alloc=alloc)
             t0 = prof.add("read", t0)
             check_bytes(data, ref.object, getattr(ref, "blake3", None))
             t0 = prof.add("hash", t0)
@@ -212,12 +237,18 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
         if why:
             raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
                                     hint="run `kdnctl verify`; the version record is damaged or was tampered with")
-        prof.add("decode", t0)
+        t0 = prof.add("decode", t0)
+        if lm.device.type == "cuda":  # one transfer per object; placement is then on the device
+            from .gpu_transfer import bundle_to_device
+
+            b = bundle_to_device(b, data, lm.device)
+            prof.add("place", t0)
         if profile is not None:
             with _PROFILE_LOCK:
                 profile.read += prof.read
                 profile.hash += prof.hash
                 profile.decode += prof.decode
+                profile.place += prof.place
         return b, len(data)
 
     out = _run(one, hits, workers)
@@ -274,6 +305,8 @@ def load_version(lm: LoadedModel, store: ReadStore, version, *, t0: float | None
             raise NotFoundError(f"{doc_id} [{label}] changed while it was being loaded (a newer version replaced "
                                 "it and gc reclaimed the old one)", hint="retry the load") from None
         raise
+    if lm.device.type == "cuda":  # host-to-device copies may still be queued: the clock waits for them
+        torch.cuda.synchronize(lm.device)
     ctx.load_s = time.perf_counter() - t
     return ctx
 
@@ -361,11 +394,11 @@ def generate(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], 
     model = lm.model
     logits, cache = forward_suffix(lm, ctx, suffix_ids, last_only=True)
     first_logits = logits[-1]
+    nxt = int(first_logits.argmax())  # the first token, and on a GPU the wait for its logits
     ttft = time.perf_counter() - t0
     stops = stop_ids(lm.tokenizer)
     pos = (ctx.next_position if ctx else 0) + len(suffix_ids)
     out_ids: list[int] = []
-    nxt = int(first_logits.argmax())
     state = AttentionState(bias=dict(ctx.bias) if ctx else {})
     with kdn_attention(model, state):
         while nxt not in stops and len(out_ids) < max_new_tokens:
