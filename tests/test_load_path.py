@@ -111,6 +111,30 @@ def test_dequantize_into_matches_reference(scheme, t):
         dequantize_into(torch.empty(3, t, 64), tensors, "layers.0.keys", meta)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4", "fp8"])
+@pytest.mark.parametrize("t", [64, 61])
+def test_stacked_layers_dequantize_like_one_by_one(scheme, t):
+    """The GPU loader dequantizes a chunk's layers stacked; each row equals the per-layer path,
+    and a layer of another shape is refused rather than misplaced."""
+    from kdnctl.engine.dequant import dequantize_layers_into
+
+    g = torch.Generator().manual_seed(t)
+    tensors, meta = {}, None
+    for layer in range(3):
+        k, v = torch.randn(3, t, 64, generator=g) * 3, torch.randn(3, t, 64, generator=g)
+        qt, meta = get_quantizer(scheme, group_size=32).quantize_layer(k, v)
+        tensors.update({f"layers.{layer}.{n}": x for n, x in qt.items()})
+    names = [f"layers.{i}.values" for i in range(3)]
+    out = torch.full((3, 3, t, 64), float("nan"))
+    dequantize_layers_into(out, tensors, names, meta)
+    for i, name in enumerate(names):
+        one = torch.empty(3, t, 64)
+        dequantize_into(one, tensors, name, meta)
+        assert torch.equal(out[i], one)
+    with pytest.raises(BundleFormatError):
+        dequantize_layers_into(torch.empty(3, 3, t + 1, 64), tensors, names, meta)
+
+
 def test_every_byte_is_checked_before_use(lm, small, tmp_path):
     store = small[None]
     ref = store.get_version(DOC).chunks[1]

@@ -35,20 +35,50 @@ def _checked(tensors, name: str, fmt: str, group_size: int, layout: str):
     return q, s, z, shape
 
 
-def dequantize_into(out: torch.Tensor, tensors, name: str, quant_meta: dict) -> None:
-    """Write the dense ``[H, T, D]`` tensor ``name`` (e.g. ``layers.3.keys``) into ``out``
-    (a view of the same shape, any float dtype); BundleFormatError on malformed input."""
+def _quant_params(name: str, quant_meta: dict) -> tuple[str, int, str]:
     from kdnctl.quant.base import group_size_of, layout_for
 
     fmt = quant_meta.get("format") or quant_meta.get("scheme")
-    g, layout = group_size_of(quant_meta), layout_for(name, quant_meta)
+    return fmt, group_size_of(quant_meta), layout_for(name, quant_meta)
+
+
+def dequantize_into(out: torch.Tensor, tensors, name: str, quant_meta: dict) -> None:
+    """Write the dense ``[H, T, D]`` tensor ``name`` (e.g. ``layers.3.keys``) into ``out``
+    (a view of the same shape, any float dtype); BundleFormatError on malformed input."""
+    fmt, g, layout = _quant_params(name, quant_meta)
     q, s, z, shape = _checked(tensors, name, fmt, g, layout)
     if tuple(out.shape) != tuple(shape):
         raise BundleFormatError(f"{name}: shape {list(shape)} does not fit its cache slot {list(out.shape)}")
     if out.numel() == 0:
         return
-    axis = 1 if layout == "channel" else 2  # the grouped axis of [H, T, D]
-    n = shape[axis]
+    if q.device != out.device:  # a GPU cache: ship the (small) codes, dequantize on the device
+        q, s, z = (x.to(out.device, non_blocking=True) for x in (q, s, z))
+    _decode_groups(out, q, s, z, fmt, g, layout)
+
+
+def dequantize_layers_into(out: torch.Tensor, tensors, names: list[str], quant_meta: dict) -> None:
+    """Several same-shaped tensors at once: ``out [L, H, T, D]`` gets ``names[l]`` in row l.
+
+    On a GPU the per-tensor path costs a handful of kernel launches per layer, which at 30
+    layers x 2 roles x 32 chunks dominates a load; stacking the codes first makes it a
+    handful per chunk. Every tensor is checked exactly as :func:`dequantize_into` checks it."""
+    fmt, g, layout = _quant_params(names[0], quant_meta)
+    parts = [_checked(tensors, n, fmt, g, layout) for n in names]
+    if any(_quant_params(n, quant_meta) != (fmt, g, layout) for n in names):
+        raise BundleFormatError(f"{names[0]}..: layers differ in format; load them one by one")
+    shape = parts[0][3]
+    if any(tuple(p[3]) != tuple(shape) for p in parts) or tuple(out.shape) != (len(names), *shape):
+        raise BundleFormatError(f"{names[0]}..: shapes {[list(p[3]) for p in parts]} do not fit {list(out.shape)}")
+    if out.numel() == 0:
+        return
+    q, s, z = (torch.stack([p[i] for p in parts]).to(out.device, non_blocking=True) for i in range(3))
+    _decode_groups(out, q, s, z, fmt, g, layout)
+
+
+def _decode_groups(out: torch.Tensor, q, s, z, fmt: str, g: int, layout: str) -> None:
+    """``out[..., H, T, D] = code * scale + zero`` by broadcast over the groups (any leading dims)."""
+    axis = -2 if layout == "channel" else -1  # the grouped axis of [..., H, T, D]
+    n = out.shape[axis]
     if fmt == "int4":
         q = unpack_int4(q, n, dim=axis)
     elif fmt == "fp8":
@@ -59,14 +89,14 @@ def dequantize_into(out: torch.Tensor, tensors, name: str, quant_meta: dict) -> 
             continue
         ng = (hi - lo) // glen
         gs = slice(lo // g, lo // g + ng)
-        if axis == 1:
-            dst = out[:, lo:hi].unflatten(1, (ng, glen))
-            codes = q[:, lo:hi].unflatten(1, (ng, glen))
-            sc, ze = s[:, gs, None, :], z[:, gs, None, :]
+        if axis == -2:
+            dst = out[..., lo:hi, :].unflatten(-2, (ng, glen))
+            codes = q[..., lo:hi, :].unflatten(-2, (ng, glen))
+            sc, ze = s[..., gs, None, :], z[..., gs, None, :]
         else:
-            dst = out[:, :, lo:hi].unflatten(2, (ng, glen))
-            codes = q[:, :, lo:hi].unflatten(2, (ng, glen))
-            sc, ze = s[:, :, gs, None], z[:, :, gs, None]
+            dst = out[..., lo:hi].unflatten(-1, (ng, glen))
+            codes = q[..., lo:hi].unflatten(-1, (ng, glen))
+            sc, ze = s[..., gs, None], z[..., gs, None]
         # same arithmetic as the reference: float32 code * float32 scale + float32 zero
         if out.dtype == torch.float32:  # in place in the cache: no temporaries
             dst.copy_(codes)

@@ -33,7 +33,7 @@ from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
-from .dequant import FAST_SCHEMES, dequantize_into
+from .dequant import FAST_SCHEMES, dequantize_into, dequantize_layers_into
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
@@ -111,32 +111,76 @@ def _default_workers(n: int) -> int:
     return max(1, min(n, os.cpu_count() or 1, 8))
 
 
+def _offsets(lens: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Per-layer totals and each chunk's first token per layer, from per-chunk layer lengths."""
+    starts = [[0] * len(lens[0])]
+    for lb in lens[:-1]:
+        starts.append([s + t for s, t in zip(starts[-1], lb)])
+    return [sum(lb[i] for lb in lens) for i in range(len(lens[0]))], starts
+
+
+def _alloc(lm: LoadedModel, totals: list[int], h_kv: int, d: int, room: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) cache buffers: on CPU from the pooled arena (memory already
+    faulted in by an earlier load, kdnctl/arena.py)."""
+    if lm.device.type == "cpu":
+        from ..arena import kv_buffers
+
+        return kv_buffers(totals, h_kv, d, room, lm.dtype)
+    return [(torch.empty(1, h_kv, n + room, d, device=lm.device, dtype=lm.dtype),
+             torch.empty(1, h_kv, n + room, d, device=lm.device, dtype=lm.dtype)) for n in totals]
+
+
 def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str = "full", doc_id: str | None = None,
-                         room: int = CACHE_ROOM, workers: int = 1, profile: LoadProfile | None = None) -> LoadedContext:
+                         room: int = CACHE_ROOM, workers: int = 1, profile: LoadProfile | None = None,
+                         bufs: list | None = None, placed: bool = False) -> LoadedContext:
     """Chunk bundles (in order) -> one context for ``lm``: each layer's K/V is allocated once
     (context length plus ``room`` spare tokens) and every chunk is copied (cast, dequantized)
-    straight into its slice: no concatenation, no intermediate whole-context tensors."""
+    straight into its slice: no concatenation, no intermediate whole-context tensors. With
+    ``bufs`` (from ``_alloc``) the buffers exist already, and layers a reader placed there
+    directly (kdnctl/engine/placed.py) are not copied again (``placed``: none needs a copy)."""
     if not bundles:
         raise NotFoundError("no chunks to load")
-    device, dtype = lm.device, lm.dtype
     n_layers = bundles[0].n_layers
     lens = [[b.layer_len(i) for i in range(n_layers)] for b in bundles]
     h_kv, d = int(bundles[0].meta["model"]["n_kv_heads"]), int(bundles[0].meta["model"]["head_dim"])
-    bufs, offsets = [], []
-    for i in range(n_layers):
-        total = sum(lb[i] for lb in lens)
-        bufs.append((torch.empty(1, h_kv, total + room, d, device=device, dtype=dtype),
-                     torch.empty(1, h_kv, total + room, d, device=device, dtype=dtype)))
-    starts = [[0] * n_layers]
-    for lb in lens[:-1]:
-        starts.append([s + t for s, t in zip(starts[-1], lb)])
-    offsets = starts
+    totals, offsets = _offsets(lens)
+    stacked = None
+    # one [L, H, T, D] tensor per role, layers as views, when every layer holds as many tokens:
+    # a chunk's layers are then dequantized in one stacked operation (dequantize_layers_into)
+    # instead of one per layer (kernel launches on a GPU, Python and dispatch on a CPU)
+    if bufs is None and lm.device.type == "cpu":
+        from ..arena import kv_arena
+
+        bufs, stacked = kv_arena(totals, h_kv, d, room, lm.dtype)
+    elif bufs is None and len(set(totals)) == 1:
+        stacked = tuple(torch.empty(n_layers, h_kv, totals[0] + room, d, device=lm.device, dtype=lm.dtype)
+                        for _ in "kv")
+        bufs = [(stacked[0][i][None], stacked[1][i][None]) for i in range(n_layers)]
+    elif bufs is None:
+        bufs = _alloc(lm, totals, h_kv, d, room)
 
     def place(c: int) -> None:
+        if placed:  # the reader wrote every layer straight into its slot (kdnctl/engine/placed.py)
+            return
         b, prof = bundles[c], LoadProfile()
         quant = b.meta.get("quant") or {}
         fast = quant.get("scheme") in FAST_SCHEMES
-        for i in range(n_layers):
+        n_done, quantized = 0, [b.is_quantized(i) for i in range(n_layers)]
+        if stacked is not None and len(set(offsets[c])) == 1 and len(set(lens[c])) == 1 and len(set(quantized)) == 1:
+            t0, s, t = time.perf_counter(), offsets[c][0], lens[c][0]
+            if quantized[0] and fast:
+                for role, big in zip(("keys", "values"), stacked):
+                    dequantize_layers_into(big[:, :, s : s + t], b.tensors,
+                                           [tensor_name(i, role) for i in range(n_layers)], quant)
+                prof.add("dequantize", t0)
+                n_done = n_layers
+            elif not quantized[0] and lm.device.type != "cpu":  # (on a CPU: no gain from the stack's copy)
+                kv = [b.layer_kv(i) for i in range(n_layers)]
+                stacked[0][:, :, s : s + t].copy_(torch.stack([k for k, _ in kv]))
+                stacked[1][:, :, s : s + t].copy_(torch.stack([v for _, v in kv]))
+                prof.add("place", t0)
+                n_done = n_layers
+        for i in range(n_done, n_layers):
             t0 = time.perf_counter()
             s, t = offsets[c][i], lens[c][i]
             if fast and b.is_quantized(i):  # straight into the cache slice
@@ -147,8 +191,9 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
             k, v = b.layer_kv(i)
             if b.is_quantized(i):
                 t0 = prof.add("dequantize", t0)
-            bufs[i][0][0, :, s : s + t].copy_(k)
-            bufs[i][1][0, :, s : s + t].copy_(v)
+            for dst, src in ((bufs[i][0][0, :, s : s + t], k), (bufs[i][1][0, :, s : s + t], v)):
+                if not (src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride() and src.dtype == dst.dtype):
+                    dst.copy_(src)  # else: already in place
             prof.add("place", t0)
         if profile is not None:
             with _PROFILE_LOCK:
@@ -156,7 +201,6 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 profile.place += prof.place
 
     _run(place, range(len(bundles)), workers)
-    totals = [sum(lb[i] for lb in lens) for i in range(n_layers)]
     keys = [bufs[i][0][:, :, : totals[i]] for i in range(n_layers)]
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
     bias = {}
@@ -164,7 +208,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
         if any(b.layer(layer, "bias") is not None for b in bundles):
             bs = [b.layer(layer, "bias").float() if b.layer(layer, "bias") is not None
                   else torch.zeros(lm.summary["n_q_heads"], lens[c][layer]) for c, b in enumerate(bundles)]
-            bias[layer] = torch.cat(bs, dim=1).to(device=device, dtype=dtype)
+            bias[layer] = torch.cat(bs, dim=1).to(device=lm.device, dtype=lm.dtype)
     token_ids: list[int] = []
     for b in bundles:
         token_ids.extend(b.token_ids.tolist())
@@ -192,17 +236,29 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
     metadata must match the record that points at it (a record aimed at another document's
     chunk is refused)."""
     checked = isinstance(store, LocalObjects)  # files we can read and check ourselves
+    hits = list(hits)
+    slots: list = [None] * len(hits)
+    if checked and lm.device.type != "cuda":  # pooled memory (faulted in by earlier loads), catalog sizes
+        from ..arena import READ_POOL, byte_slices
 
-    def one(hit):
-        version, ref = hit
+        sizes = [max(0, int(ref.nbytes)) for _, ref in hits]
+        if sum(sizes) <= READ_POOL.max_bytes:  # (a damaged size only costs a fresh buffer)
+            slots = byte_slices(sizes)
+
+    def one(item):
+        slot, (version, ref) = item
         prof = LoadProfile()
         t0 = time.perf_counter()
         if checked:
             from ..fastread import check_bytes, read_into
 
-            data = read_into(store.object_path(ref.object))
+            if lm.device.type == "cuda":  # page-locked memory: the host-to-device copy runs async
+                from .gpu_transfer import pinned_buffer as alloc
+            else:
+                alloc = lambda n: slot if slot is not None and n == len(slot) else None  # noqa: E731
+            data = read_into(store.object_path(ref.object), alloc=alloc)
             t0 = prof.add("read", t0)
-            check_bytes(data, ref.object, getattr(ref, "blake3", None))
+            check_bytes(data, ref.object, getattr(ref, "blake3", None), getattr(ref, "xxh3", None))
             t0 = prof.add("hash", t0)
         else:  # a remote store: its read_object verifies
             data = store.read_object(ref.object)
@@ -212,21 +268,61 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
         if why:
             raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
                                     hint="run `kdnctl verify`; the version record is damaged or was tampered with")
-        prof.add("decode", t0)
+        t0 = prof.add("decode", t0)
+        if lm.device.type == "cuda":  # one transfer per object; placement is then on the device
+            from .gpu_transfer import bundle_to_device
+
+            b = bundle_to_device(b, data, lm.device)
+            prof.add("place", t0)
         if profile is not None:
             with _PROFILE_LOCK:
                 profile.read += prof.read
                 profile.hash += prof.hash
                 profile.decode += prof.decode
+                profile.place += prof.place
         return b, len(data)
 
-    out = _run(one, hits, workers)
+    out = _run(one, list(zip(slots, hits)), workers)
     return [b for b, _ in out], sum(n for _, n in out)
+
+
+def _load_placed(lm: LoadedModel, store: ReadStore, hits, profile: LoadProfile | None):
+    """(bundles, buffers, bytes) read straight into a fresh cache (kdnctl/engine/placed.py), or
+    None when some chunk cannot be placed directly (quantized, another dtype, unreadable header)."""
+    from . import placed
+
+    if not hits or lm.device.type != "cpu":
+        return None
+    s = lm.summary
+    t0 = time.perf_counter()
+    plans = []
+    for hit in hits:
+        p = placed.plan(store.object_path(hit[1].object), hit, dtype=lm.dtype, n_layers=s["n_layers"],
+                        h_kv=s["n_kv_heads"], head_dim=s["head_dim"])
+        if p is None:
+            return None
+        plans.append(p)
+    totals, starts = _offsets([p.lens for p in plans])
+    bufs = _alloc(lm, totals, s["n_kv_heads"], s["head_dim"], CACHE_ROOM)
+    views = placed.byte_views(bufs)
+    if profile is not None:
+        profile.decode += time.perf_counter() - t0
+    bundles = []
+    for p, st in zip(plans, starts):
+        b = placed.read_placed(p, bufs, views, st, expect_fingerprint=lm.fingerprint, profile=profile)
+        why = bundle_mismatch(p.hit[0], p.hit[1], b.meta)
+        if why:
+            raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
+                                    hint="run `kdnctl verify`; the version record is damaged or was tampered with")
+        bundles.append(b)
+    return bundles, bufs, sum(p.size for p in plans)
 
 
 def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full", doc_id: str | None = None,
                 workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
-    """(version, chunk) hits -> a context (read + check + decode in parallel, then placement)."""
+    """(version, chunk) hits -> a context (read + check + decode, then placement). Local dense
+    chunks in the model's dtype are read straight into the cache (one pass over the bytes);
+    anything else is read whole, checked, decoded and copied (dequantized) into it."""
     t = time.perf_counter()
     if workers is None:
         # Local objects come from the page cache at memory speed: extra threads only contend
@@ -234,8 +330,14 @@ def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full",
         # 0.075 s with one thread vs 0.114 s with two; int8 0.091 vs 0.204). Remote objects
         # wait on the network: fetch those in parallel.
         workers = 1 if isinstance(store, LocalObjects) else _default_workers(len(hits))
-    bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
-    ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=1, profile=profile)
+    direct = _load_placed(lm, store, hits, profile) if isinstance(store, LocalObjects) else None
+    if direct is not None:
+        bundles, bufs, nbytes = direct
+    else:
+        bufs = None
+        bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
+    ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=1, profile=profile, bufs=bufs,
+                               placed=direct is not None)
     ctx.load_s = time.perf_counter() - t
     ctx.nbytes = nbytes
     if profile is not None:
@@ -274,6 +376,8 @@ def load_version(lm: LoadedModel, store: ReadStore, version, *, t0: float | None
             raise NotFoundError(f"{doc_id} [{label}] changed while it was being loaded (a newer version replaced "
                                 "it and gc reclaimed the old one)", hint="retry the load") from None
         raise
+    if lm.device.type == "cuda":  # host-to-device copies may still be queued: the clock waits for them
+        torch.cuda.synchronize(lm.device)
     ctx.load_s = time.perf_counter() - t
     return ctx
 
@@ -361,11 +465,11 @@ def generate(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], 
     model = lm.model
     logits, cache = forward_suffix(lm, ctx, suffix_ids, last_only=True)
     first_logits = logits[-1]
+    nxt = int(first_logits.argmax())  # the first token, and on a GPU the wait for its logits
     ttft = time.perf_counter() - t0
     stops = stop_ids(lm.tokenizer)
     pos = (ctx.next_position if ctx else 0) + len(suffix_ids)
     out_ids: list[int] = []
-    nxt = int(first_logits.argmax())
     state = AttentionState(bias=dict(ctx.bias) if ctx else {})
     with kdn_attention(model, state):
         while nxt not in stops and len(out_ids) < max_new_tokens:
