@@ -199,6 +199,34 @@ def test_current_entry_pointing_nowhere_is_an_error_not_a_shorter_listing(store_
     assert _snapshot(store_root) == before
 
 
+@pytest.mark.parametrize("part", ["doc_version", "label", "doc_id"])
+def test_a_flipped_version_key_is_damage_not_a_shorter_listing(store_root, part):
+    """A flipped byte in a version record's KEY moves the record out of reach of its
+    (document, doc_version) lookup (seen with random flips: `ls` printed a document with no
+    versions and exit 0). Listings read the wider range and check every key against its record."""
+    import lmdb
+
+    env = lmdb.open(str(store_root / "catalog"), max_dbs=8)
+    with env.begin() as txn:
+        db = env.open_db(b"versions", txn=txn)
+        key = next(k for k, _ in txn.cursor(db=db) if k.startswith(b"doc-4\x00"))
+        raw = txn.get(key, db=db)
+    env.close()
+    doc, dv, label = key.split(b"\x00")
+    moved = {"doc_version": doc + b"\x00" + dv[:-1] + bytes([dv[-1] ^ 1]) + b"\x00" + label,
+             "label": doc + b"\x00" + dv + b"\x00" + label[:-1] + bytes([label[-1] ^ 2]),
+             "doc_id": b"doc-5\x00" + dv + b"\x00" + label}[part]
+    _put_raw(store_root, "versions", key, None)
+    _put_raw(store_root, "versions", moved, raw)
+    proc = run_cli("ls", "--json", store=store_root)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 6 and len(lines) == 1 and "stored under another key" in lines[0], proc.stderr
+    if part != "doc_id":  # one document's own listing reads its whole key range too
+        with Store(store_root, create=False) as st:
+            with pytest.raises(StoreCorruptError, match="another key"):
+                st.list_versions("doc-4")
+
+
 def test_random_byte_flips_in_the_catalog_never_pass_silently(store_root):
     """Each flip: `ls --json` either prints exactly the original listing (the flip hit unused
     bytes) or exits non-zero with one line; never a different listing with exit 0, never a

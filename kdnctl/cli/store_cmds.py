@@ -58,8 +58,14 @@ def ls(store: Optional[Path] = StoreOpt, as_json: bool = JsonOpt) -> None:
     """List documents, their versions, chunks and sizes."""
     st = open_store(store)
     docs = []
-    for d in st.list_documents():
-        vs = st.list_versions(d.doc_id)
+    # one pass over every version record (each key checked against its record): a damaged key
+    # is an error here, not a document listed with fewer versions
+    documents = st.list_documents()
+    by_doc: dict[str, list] = {}
+    for v in st.list_versions():
+        by_doc.setdefault(v.doc_id, []).append(v)
+    for d in documents:
+        vs = by_doc.get(d.doc_id, [])
         per_token = _fp16_per_token(st, vs)
         versions = [_version_dict(v, per_token) for v in vs]
         docs.append({"id": d.doc_id, "doc_version": d.doc_version, "tokens": d.n_tokens, "source": d.source,

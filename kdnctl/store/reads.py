@@ -180,23 +180,33 @@ class CatalogReader:
                 )
             return self._version(vk, raw)
 
+    def _checked_versions(self, txn, *prefix: str) -> list[VersionRecord]:
+        """Every version record under ``prefix`` (a doc id, or nothing for all), each key
+        checked against its record and the keys' order checked. A flipped byte in a key moves
+        its record out of reach of a (doc, doc_version) lookup; reading the wider range turns
+        that into damage reported, never a version silently missing from a listing."""
+        out, prev = [], None
+        for k, v in self._scan(txn, "versions", *prefix):
+            if prev is not None and k <= prev:
+                raise StoreCorruptError("catalog version keys are out of order (damaged index)", hint=CATALOG_HINT)
+            prev = k
+            out.append(self._version(k, v))
+        return out
+
     @catalog_reads
     def list_versions(self, doc_id: str | None = None) -> list[VersionRecord]:
         """Labels of the current document versions (of one document, or of all)."""
         with self._env.begin() as txn:
             ids = [doc_id] if doc_id is not None else [cat.split(k)[0] for k, _ in self._scan(txn, "current")]
-            out = []
-            for d in ids:
-                dv = self._current(txn, d)
-                if dv is not None:
-                    out.extend(self._version(k, v) for k, v in self._scan(txn, "versions", d, dv))
-        return out
+            current = {d: self._current(txn, d) for d in ids}
+            records = self._checked_versions(txn, doc_id) if doc_id is not None else self._checked_versions(txn)
+        return [v for v in records if current.get(v.doc_id) == v.doc_version]
 
     @catalog_reads
     def all_versions(self) -> list[VersionRecord]:
         """Every version record, superseded ones (still in gc's grace period) included."""
         with self._env.begin() as txn:
-            return [self._version(k, v) for k, v in self._scan(txn, "versions")]
+            return self._checked_versions(txn)
 
     @catalog_reads
     def lookup_chunk(self, fingerprint: str, label: str, chain_hash: str) -> tuple[VersionRecord, ChunkRef] | None:
