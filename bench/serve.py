@@ -26,7 +26,9 @@ present (signed links, else X-Accel): a raw download with no check (into one reu
 the transport's ceiling; into a new buffer per object, all kept: what any client that hands
 the bytes on pays), and the verifying
 client (`RemoteStore.fetch_objects`, every byte checked against the BLAKE3 the version
-listing records) at 1 and 4 parallel downloads. The load average is printed with the table.
+listing records) at 1 and 4 parallel downloads: into pooled memory an earlier fetch of the
+process released (a process that loads repeatedly), and with the pool emptied first (fresh
+memory: a process's first fetch). The load average is printed with the table.
 """
 
 from __future__ import annotations
@@ -268,12 +270,18 @@ def raw_fetch(port: int, objects: list[str], workers: int, headers: dict | None,
     return sum(totals) / (time.perf_counter() - t) / 1e6
 
 
-def verified_fetch(url: str, objects: list[str], workers: int, token: str | None) -> float:
+def verified_fetch(url: str, objects: list[str], workers: int, token: str | None, cold: bool = False) -> float:
     """The engine's path: RemoteStore learns each object's BLAKE3 from the version listing (as
-    load_document does), then downloads and checks every byte; all objects kept to the end."""
+    load_document does), then downloads and checks every byte; all objects kept to the end.
+    Downloads land in pooled memory that earlier fetches of this process released
+    (kdnctl/arena.py); ``cold``: the pool emptied first (a process's first fetch: fresh memory)."""
+    from kdnctl.arena import FETCH_POOL
+
     with RemoteStore(url, token=token, max_workers=workers) as remote:
         remote.list_versions()
         remote.fetch_objects(objects[:1])  # connections up, as for the raw rows
+        if cold:
+            FETCH_POOL.clear()
         t = time.perf_counter()
         got = remote.fetch_objects(objects)
         wall = time.perf_counter() - t
@@ -356,6 +364,8 @@ def main() -> None:
                         raw_fetch(port, objects, w, hdr, keep=False, links=lk))
                     client.setdefault(("raw, a new buffer per object, kept (no check)", w), []).append(
                         raw_fetch(port, objects, w, hdr, keep=True, links=lk))
+                    client.setdefault(("RemoteStore.fetch_objects, fresh memory (every byte checked)", w),
+                                      []).append(verified_fetch(f"http://127.0.0.1:{port}", objects, w, tok, cold=True))
                     client.setdefault(("RemoteStore.fetch_objects (every byte checked)", w), []).append(
                         verified_fetch(f"http://127.0.0.1:{port}", objects, w, tok))
         finally:

@@ -10,9 +10,10 @@ dropping the page cache would disturb the other jobs on a shared machine.
 Columns (time to first token, seconds):
 
 * oracle: the question run over a cache already in memory (zero load cost): the floor. Shown
-  twice: ``oracle`` as kdnctl runs the question now (cache with spare room, logits for the last
-  token only) and ``oracle (old)`` as before (``DynamicCache``, whose forward concatenates the
-  whole cache, and logits for every question token).
+  twice: ``oracle`` as kdnctl runs the question now (cache with spare room, kdnctl's attention
+  function with its boolean causal mask, logits for the last token only) and ``oracle (old)`` as
+  before (``DynamicCache``, whose forward concatenates the whole cache, the model's default
+  attention with transformers' masks, and logits for every question token).
 * kdnctl full / b1-int8: ``load_document`` (read, check every byte, decode, dequantize, place
   into the cache) + the question + the first token.
 * torch.load / safetensors: what a user would do without kdnctl: ``torch.load`` of the raw
@@ -29,6 +30,7 @@ forward pass over the same tokens (``bare_prefill_seconds``), with the statistic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import statistics
 import sys
@@ -42,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.corpus import Document  # noqa: E402
+from kdnctl.engine.attention import AttentionState, kdn_attention  # noqa: E402
 from kdnctl.engine.hf import LoadProfile, forward_suffix, full_prefill_generate, generate, load_document  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
 from kdnctl.model import load_model  # noqa: E402
@@ -79,9 +82,14 @@ def oracle_seconds(lm, ctx, question, *, old: bool) -> float:
         cache = cache_over(model.config, [(*prealloc_buffers(k, v, 256), k.shape[2]) for k, v in zip(ctx.keys, ctx.values)])
     ids = torch.tensor([question], device=lm.device)
     pos = torch.arange(ctx.next_position, ctx.next_position + len(question), device=lm.device)[None]
+    # the new forward runs under kdnctl's attention function, as the stored path does
+    # (forward_suffix); the old one under the model's default (sdpa and transformers' masks)
+    attn = contextlib.nullcontext() if old else kdn_attention(model, AttentionState())
     sync(lm)
     t = time.perf_counter()
-    out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=0 if old else 1)
+    with attn:
+        out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+                    logits_to_keep=0 if old else 1)
     int(out.logits[0, -1].argmax())
     return time.perf_counter() - t
 
@@ -157,7 +165,8 @@ def profile_row(lm, store, doc_id, label, question, repeats: int) -> dict:
         pos = torch.arange(ctx.next_position, ctx.next_position + len(question), device=lm.device)[None]
         sync(lm)
         t = time.perf_counter()
-        out = lm.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+        with kdn_attention(lm.model, AttentionState(bias=dict(ctx.bias))):  # as forward_suffix runs it
+            out = lm.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
         sync(lm)
         suffix = time.perf_counter() - t
         t = time.perf_counter()

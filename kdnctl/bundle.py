@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kdnctl.errors import BundleFormatError, ModelMismatchError
-from .tensor_views import tensor_views
+from .tensor_views import tensor_index, tensor_views
 
 FORMAT_VERSION = "1.2"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
 # 1.2: ladder coding "zlib+params" (scales/zeros zlib-coded, stored as uint8)
@@ -247,13 +247,16 @@ def _canonical_header(data: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text + data[8 + n :]
 
 
-def _parse_header(data: bytes) -> dict[str, Any]:
+def _parse_header(data, total: int | None = None) -> dict[str, Any]:
+    """The JSON header of a bundle whose first bytes are ``data`` (the whole bundle, or at least
+    its header when ``total``, the bundle's length, is given)."""
+    total = len(data) if total is None else total
     if len(data) < 8:
         raise BundleFormatError(f"bundle is truncated ({len(data)} bytes, not even a header length)")
     (n,) = struct.unpack_from("<Q", data, 0)
-    if n > _MAX_HEADER or 8 + n > len(data):
+    if n > _MAX_HEADER or 8 + n > total or 8 + n > len(data):
         raise BundleFormatError(
-            f"bundle is truncated or not a safetensors file (header length {n}, {len(data)} bytes)"
+            f"bundle is truncated or not a safetensors file (header length {n}, {total} bytes)"
         )
     try:
         header = json.loads(bytes(data[8 : 8 + n]).decode("utf-8"))
@@ -311,7 +314,24 @@ def decode_bundle(data, *, expect_fingerprint: str | None = None) -> KVBundle:
     # Version first: a future major version may change anything below, including the digest.
     _check_version(meta)
     (n,) = struct.unpack_from("<Q", data, 0)
-    tensors = tensor_views(header, data, n)
+    return finish_decode(meta, meta_json, digest, tensor_views(header, data, n), expect_fingerprint)
+
+
+def parse_head(head, total: int) -> tuple[dict[str, Any], str, str | None, int, list[tuple]]:
+    """A bundle's header from its first bytes ``head`` (at least ``header_size`` of them) and its
+    length ``total``: ``(meta, meta_json, header digest, n_header, tensor index)`` with the
+    same checks ``decode_bundle`` makes before it looks at tensor bytes. A reader that places
+    tensors itself (kdnctl/engine/placed.py) then calls ``finish_decode`` on its tensors."""
+    header = _parse_header(head, total)
+    meta, meta_json, digest = _load_meta(header)
+    _check_version(meta)
+    (n,) = struct.unpack_from("<Q", head, 0)
+    return meta, meta_json, digest, n, tensor_index(header, n, total)
+
+
+def finish_decode(meta: dict[str, Any], meta_json: str, digest: str | None, tensors: dict[str, torch.Tensor],
+                  expect_fingerprint: str | None = None) -> KVBundle:
+    """The checks of ``decode_bundle`` after the tensors exist: header digest, structure, model."""
     try:
         computed = header_digest(meta_json, tensors) if digest is not None else None
     except UnicodeEncodeError:

@@ -1,14 +1,19 @@
 """Reading stored objects at memory speed with every byte still checked (issue 15).
 
 An object is read once into one writable buffer (``readinto``, no intermediate copies) and
-hashed from that same buffer. The sha256 name is checked when nothing faster is known; when
-the catalog recorded the object's BLAKE3 digest at write time (``ChunkRef.blake3``), that is
-checked instead: BLAKE3 runs at several GB/s per core against sha256's ~1 GB/s, and a digest
-from the same catalog that names the object is as trusted as the name itself. Both hashes
-release the GIL on large buffers, so chunks read and hash in parallel threads.
+hashed from that same buffer. Three checks, fastest first, each over every byte:
 
-``blake3`` is an optional dependency at import time: without it writers record nothing and
-readers fall back to sha256.
+* ``xxh3``: XXH3-128 of the object, recorded in the catalog at write time (``ChunkRef.xxh3``).
+  Non-cryptographic, ~30 GB/s on one core here (memory speed): at rest the threat is
+  corruption (a flipped bit, a torn or truncated file), which a 128-bit checksum catches with
+  probability 1 - 2^-128; tampering with a local object needs write access to the catalog that
+  holds the checksum anyway. Used for LOCAL objects only: a remote client checks a
+  cryptographic digest (BLAKE3, else the sha256 name; kdnctl/fetch.py).
+* ``blake3``: the object's BLAKE3, recorded beside its sha256 name (several GB/s per core).
+* the sha256 name itself (~1-2 GB/s): objects written before either digest existed.
+
+``blake3`` and ``xxhash`` are optional at import time: without one, writers record nothing
+for it and readers fall back to the next check.
 """
 
 from __future__ import annotations
@@ -46,6 +51,48 @@ def blake3_hex(data) -> str | None:
     return None if mod is None else mod.blake3(data).hexdigest()
 
 
+_xxhash_mod = _MISSING
+
+
+def _xxhash():
+    global _xxhash_mod
+    if _xxhash_mod is _MISSING:
+        try:
+            import xxhash as mod
+        except ImportError:  # optional: BLAKE3 / sha256 still check every byte
+            mod = None
+        _xxhash_mod = mod
+    return _xxhash_mod
+
+
+def xxh3_hex(data) -> str | None:
+    """XXH3-128 hex digest (32 characters) of ``data`` (None without the xxhash package)."""
+    mod = _xxhash()
+    return None if mod is None else mod.xxh3_128_hexdigest(data)
+
+
+class Verifier:
+    """An incremental check of one object's bytes (fed in file order with ``update``), against
+    the strongest-per-speed digest available: XXH3-128 when ``local`` and recorded, else
+    BLAKE3 when recorded, else the sha256 name. ``finish`` raises StoreCorruptError on a
+    mismatch, naming which check failed."""
+
+    def __init__(self, sha: str, blake3: str | None = None, xxh3: str | None = None, *, local: bool = True):
+        self.sha = sha
+        xx, b3 = _xxhash() if (local and xxh3) else None, _blake3() if blake3 else None
+        if xx is not None:
+            self.kind, self.want, self._h = "XXH3-128 checksum", xxh3, xx.xxh3_128()
+        elif b3 is not None:
+            self.kind, self.want, self._h = "BLAKE3", blake3, b3.blake3()
+        else:
+            self.kind, self.want, self._h = "hash", sha, hashlib.sha256()
+        self.update = self._h.update
+
+    def finish(self) -> None:
+        if self._h.hexdigest() != self.want:
+            raise StoreCorruptError(f"object {self.sha[:12]} is corrupted (its bytes no longer match its {self.kind})")
+
+
 _alloc = None
 
 
@@ -72,15 +119,18 @@ def new_buffer(size: int) -> bytearray:
 
 def read_into(path: Path, alloc=None):
     """The whole file in one preallocated buffer (a single copy out of the page cache):
-    ``alloc(size)`` gives it (default :func:`new_buffer`; the GPU loader passes page-locked
-    memory so the host-to-device copy that follows can run asynchronously at full speed)."""
+    ``alloc(size)`` (a writable buffer of exactly ``size`` bytes; the GPU loader passes page-locked
+    memory so the host-to-device copy that follows can run asynchronously at full speed; None
+    falls back) or a fresh ``bytearray``."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
         raise StoreCorruptError(f"object {path.name[:12]} is missing from {path.parent.parent}") from None
     try:
         size = os.fstat(fd).st_size
-        buf = (alloc or new_buffer)(size)
+        buf = alloc(size) if alloc is not None else None
+        if buf is None:
+            buf = new_buffer(size)
         view = memoryview(buf)
         got = 0
         while got < size:
@@ -95,20 +145,15 @@ def read_into(path: Path, alloc=None):
         os.close(fd)
 
 
-def check_bytes(data, sha: str, blake3: str | None = None) -> None:
-    """Raise StoreCorruptError unless ``data`` hashes to ``blake3`` (when given and the package
-    is installed) or else to the sha256 ``sha``."""
-    if blake3 is not None:
-        got = blake3_hex(data)
-        if got is not None:
-            if got != blake3:
-                raise StoreCorruptError(f"object {sha[:12]} is corrupted (its bytes no longer match its BLAKE3)")
-            return
-    if hashlib.sha256(data).hexdigest() != sha:
-        raise StoreCorruptError(f"object {sha[:12]} is corrupted (its bytes no longer match its hash)")
+def check_bytes(data, sha: str, blake3: str | None = None, xxh3: str | None = None) -> None:
+    """Raise StoreCorruptError unless ``data`` matches ``xxh3`` (when given: local objects
+    only), else ``blake3`` (when given), else the sha256 ``sha`` (see ``Verifier``)."""
+    v = Verifier(sha, blake3, xxh3)
+    v.update(data)
+    v.finish()
 
 
-def read_verified(path: Path, sha: str, blake3: str | None = None) -> bytearray:
+def read_verified(path: Path, sha: str, blake3: str | None = None, xxh3: str | None = None) -> bytearray:
     buf = read_into(path)
-    check_bytes(buf, sha, blake3)
+    check_bytes(buf, sha, blake3, xxh3)
     return buf

@@ -49,24 +49,52 @@ class SurprisalScorer:
     faster than fp32 on AVX512-BF16 CPUs; the statistic moves by a few hundredths of a nat, which
     ranking tokens does not notice, see tests/test_stats_reference.py)."""
 
+    VOCAB_TILE = 8192  # vocabulary rows per projection: a tile's fp32 logits stay in the CPU cache
+
     def __init__(self, lm_head, dtype: torch.dtype | None = None):
         weight = lm_head.weight
         if dtype is None:
             dtype = torch.bfloat16 if native_bf16(weight.device) else torch.float32
         self.weight, self.bias = weight, getattr(lm_head, "bias", None)
-        self.low = weight if dtype == weight.dtype else weight.to(dtype)
+        self.low = weight if dtype == weight.dtype else _low_copy(weight, dtype)
         self.dtype = dtype
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """hidden [m, d] (row i predicts targets[i]) -> surprisal [m] (fp32)."""
         h = hidden.float()
         target = (h * self.weight[targets].float()).sum(-1)
-        logits = torch.nn.functional.linear(hidden.to(self.dtype), self.low)
         if self.bias is not None:
             target = target + self.bias[targets].float()
-            logits = logits + self.bias.to(self.dtype)
-        # -log p(target) = logsumexp(logits) - logit[target]: no log-softmax tensor
-        return torch.logsumexp(logits.float(), dim=-1) - target
+        x = hidden.to(self.dtype)
+        # -log p(target) = logsumexp(logits) - logit[target]: no log-softmax tensor. The
+        # logsumexp runs over vocabulary tiles (then over the tiles' results): the same fp32
+        # logsumexp, without a [m, V] fp32 tensor that leaves the cache between passes.
+        parts = []
+        for s in range(0, self.low.shape[0], self.VOCAB_TILE):
+            logits = torch.nn.functional.linear(x, self.low[s : s + self.VOCAB_TILE])
+            if self.bias is not None:
+                logits = logits + self.bias[s : s + self.VOCAB_TILE].to(self.dtype)
+            parts.append(torch.logsumexp(logits.float(), dim=-1))
+        return torch.logsumexp(torch.stack(parts, dim=-1), dim=-1) - target
+
+
+_LOW: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its version, dtype, low-precision copy)
+
+
+def _low_copy(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``weight.to(dtype)``, converted once per weight (56 MB for SmolLM2's vocabulary
+    projection: converting it per ingest call cost as much as a short document's statistics)
+    and again only if the weight changes in place."""
+    import weakref
+
+    for k in [k for k, v in _LOW.items() if v[0]() is None]:  # weights that no longer exist
+        del _LOW[k]
+    hit = _LOW.get(id(weight))
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version and hit[2] == dtype:
+        return hit[3]
+    low = weight.detach().to(dtype)
+    _LOW[id(weight)] = (weakref.ref(weight), weight._version, dtype, low)
+    return low
 
 
 @dataclass

@@ -26,14 +26,13 @@ def _unreadable(msg: str) -> BundleFormatError:
     return BundleFormatError(f"bundle tensors cannot be read (truncated or corrupted): {msg}")
 
 
-def tensor_views(header: dict[str, Any], buf, n_header: int) -> dict[str, torch.Tensor]:
-    """Tensors of a safetensors buffer as zero-copy views into ``buf`` (a writable buffer).
-
-    As strict as the safetensors reader: known dtypes, non-negative integer shapes, each
-    tensor's byte range exactly its size, ranges contiguous from 0 and covering the whole
-    payload (no gaps, no overlaps, no trailing bytes). Views keep ``buf`` alive."""
-    base = 8 + n_header
-    payload = len(buf) - base
+def tensor_index(header: dict[str, Any], n_header: int, total: int) -> list[tuple]:
+    """The tensor index of a safetensors file of ``total`` bytes whose JSON header is
+    ``n_header`` bytes: ``(begin, end, name, dtype, shape, numel)`` by offset (payload-relative),
+    as strictly checked as the safetensors reader: known dtypes, non-negative integer shapes,
+    each tensor's byte range exactly its size, ranges contiguous from 0 and covering the whole
+    payload (no gaps, no overlaps, no trailing bytes)."""
+    payload = total - (8 + n_header)
     entries = []
     for name, info in header.items():
         if name == "__metadata__":
@@ -47,9 +46,10 @@ def tensor_views(header: dict[str, Any], buf, n_header: int) -> dict[str, torch.
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dt not in _DTYPES:
             raise _unreadable(f"tensor {name!r} has unknown dtype {dt!r}")
-        if not isinstance(shape, list) or not all(_int(x) and x >= 0 for x in shape):
+        if type(shape) is not list or not all(type(x) is int and x >= 0 for x in shape):  # (bool is not int)
             raise _unreadable(f"tensor {name!r} has an invalid shape {shape!r}")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(_int(x) for x in offs) and 0 <= offs[0] <= offs[1]):
+        if not (type(offs) is list and len(offs) == 2 and type(offs[0]) is int and type(offs[1]) is int
+                and 0 <= offs[0] <= offs[1]):
             raise _unreadable(f"tensor {name!r} has invalid data offsets {offs!r}")
         dtype = _DTYPES[dt]
         numel = 1
@@ -68,14 +68,21 @@ def tensor_views(header: dict[str, Any], buf, n_header: int) -> dict[str, torch.
         raise _unreadable(
             f"bundle is truncated or has trailing bytes: the tensor index covers {pos} of {payload} payload bytes"
         )
+    return entries
+
+
+def tensor_views(header: dict[str, Any], buf, n_header: int) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors buffer as zero-copy views into ``buf`` (a writable buffer),
+    after the checks of ``tensor_index``. Views keep ``buf`` alive."""
+    base = 8 + n_header
     tensors: dict[str, torch.Tensor] = {}
-    for begin, _end, name, dtype, shape, numel in entries:
+    for begin, _end, name, dtype, shape, numel in tensor_index(header, n_header, len(buf)):
         off = base + begin
         if numel == 0:
             t = torch.empty(shape, dtype=dtype)
         elif off % dtype.itemsize:  # misaligned for its dtype: one small copy instead of a view
             t = torch.frombuffer(bytearray(buf[off : off + numel * dtype.itemsize]), dtype=dtype).view(shape)
         else:
-            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(shape)
+            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(tuple(shape))
         tensors[name] = t
     return tensors

@@ -47,7 +47,8 @@ def _tamper(root, doc_id: str, other: str, index: int = 2) -> None:
     rec = asdict(v)
     rec["chunks"][index]["object"] = w.chunks[index].object
     rec["chunks"][index]["nbytes"] = w.chunks[index].nbytes
-    rec["chunks"][index]["blake3"] = w.chunks[index].blake3  # the whole reference: its digest too
+    rec["chunks"][index]["blake3"] = w.chunks[index].blake3  # the whole reference: its digests too
+    rec["chunks"][index]["xxh3"] = w.chunks[index].xxh3
     env = lmdb.open(str(root / "catalog"), max_dbs=8, map_size=1 << 30)
     with env.begin(write=True) as txn:
         txn.put(f"{doc_id}\x00{v.doc_version}\x00full".encode(), json.dumps(rec).encode(),

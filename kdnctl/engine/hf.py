@@ -111,36 +111,57 @@ def _default_workers(n: int) -> int:
     return max(1, min(n, os.cpu_count() or 1, 8))
 
 
+def _offsets(lens: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+    """Per-layer totals and each chunk's first token per layer, from per-chunk layer lengths."""
+    starts = [[0] * len(lens[0])]
+    for lb in lens[:-1]:
+        starts.append([s + t for s, t in zip(starts[-1], lb)])
+    return [sum(lb[i] for lb in lens) for i in range(len(lens[0]))], starts
+
+
+def _alloc(lm: LoadedModel, totals: list[int], h_kv: int, d: int, room: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) cache buffers: on CPU from the pooled arena (memory already
+    faulted in by an earlier load, kdnctl/arena.py)."""
+    if lm.device.type == "cpu":
+        from ..arena import kv_buffers
+
+        return kv_buffers(totals, h_kv, d, room, lm.dtype)
+    return [(torch.empty(1, h_kv, n + room, d, device=lm.device, dtype=lm.dtype),
+             torch.empty(1, h_kv, n + room, d, device=lm.device, dtype=lm.dtype)) for n in totals]
+
+
 def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str = "full", doc_id: str | None = None,
-                         room: int = CACHE_ROOM, workers: int = 1, profile: LoadProfile | None = None) -> LoadedContext:
+                         room: int = CACHE_ROOM, workers: int = 1, profile: LoadProfile | None = None,
+                         bufs: list | None = None, placed: bool = False) -> LoadedContext:
     """Chunk bundles (in order) -> one context for ``lm``: each layer's K/V is allocated once
     (context length plus ``room`` spare tokens) and every chunk is copied (cast, dequantized)
-    straight into its slice: no concatenation, no intermediate whole-context tensors."""
+    straight into its slice: no concatenation, no intermediate whole-context tensors. With
+    ``bufs`` (from ``_alloc``) the buffers exist already, and layers a reader placed there
+    directly (kdnctl/engine/placed.py) are not copied again (``placed``: none needs a copy)."""
     if not bundles:
         raise NotFoundError("no chunks to load")
-    device, dtype = lm.device, lm.dtype
     n_layers = bundles[0].n_layers
     lens = [[b.layer_len(i) for i in range(n_layers)] for b in bundles]
     h_kv, d = int(bundles[0].meta["model"]["n_kv_heads"]), int(bundles[0].meta["model"]["head_dim"])
-    bufs, offsets = [], []
-    totals = [sum(lb[i] for lb in lens) for i in range(n_layers)]
+    totals, offsets = _offsets(lens)
     stacked = None
-    if device.type == "cuda" and len(set(totals)) == 1:
-        # one [L, H, T, D] tensor per role, layers as views: a chunk's layers can then be
-        # dequantized in one stacked operation (dequantize_layers_into) instead of one per layer
-        stacked = tuple(torch.empty(n_layers, h_kv, totals[0] + room, d, device=device, dtype=dtype) for _ in "kv")
-    for i in range(n_layers):
-        if stacked is not None:
-            bufs.append((stacked[0][i][None], stacked[1][i][None]))
-            continue
-        bufs.append((torch.empty(1, h_kv, totals[i] + room, d, device=device, dtype=dtype),
-                     torch.empty(1, h_kv, totals[i] + room, d, device=device, dtype=dtype)))
-    starts = [[0] * n_layers]
-    for lb in lens[:-1]:
-        starts.append([s + t for s, t in zip(starts[-1], lb)])
-    offsets = starts
+    # one [L, H, T, D] tensor per role, layers as views, when every layer holds as many tokens:
+    # a chunk's layers are then dequantized in one stacked operation (dequantize_layers_into)
+    # instead of one per layer (kernel launches on a GPU, Python and dispatch on a CPU)
+    if bufs is None and lm.device.type == "cpu":
+        from ..arena import kv_arena
+
+        bufs, stacked = kv_arena(totals, h_kv, d, room, lm.dtype)
+    elif bufs is None and len(set(totals)) == 1:
+        stacked = tuple(torch.empty(n_layers, h_kv, totals[0] + room, d, device=lm.device, dtype=lm.dtype)
+                        for _ in "kv")
+        bufs = [(stacked[0][i][None], stacked[1][i][None]) for i in range(n_layers)]
+    elif bufs is None:
+        bufs = _alloc(lm, totals, h_kv, d, room)
 
     def place(c: int) -> None:
+        if placed:  # the reader wrote every layer straight into its slot (kdnctl/engine/placed.py)
+            return
         b, prof = bundles[c], LoadProfile()
         quant = b.meta.get("quant") or {}
         fast = quant.get("scheme") in FAST_SCHEMES
@@ -153,7 +174,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                                            [tensor_name(i, role) for i in range(n_layers)], quant)
                 prof.add("dequantize", t0)
                 n_done = n_layers
-            elif not quantized[0]:
+            elif not quantized[0] and lm.device.type != "cpu":  # (on a CPU: no gain from the stack's copy)
                 kv = [b.layer_kv(i) for i in range(n_layers)]
                 stacked[0][:, :, s : s + t].copy_(torch.stack([k for k, _ in kv]))
                 stacked[1][:, :, s : s + t].copy_(torch.stack([v for _, v in kv]))
@@ -170,8 +191,9 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
             k, v = b.layer_kv(i)
             if b.is_quantized(i):
                 t0 = prof.add("dequantize", t0)
-            bufs[i][0][0, :, s : s + t].copy_(k)
-            bufs[i][1][0, :, s : s + t].copy_(v)
+            for dst, src in ((bufs[i][0][0, :, s : s + t], k), (bufs[i][1][0, :, s : s + t], v)):
+                if not (src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride() and src.dtype == dst.dtype):
+                    dst.copy_(src)  # else: already in place
             prof.add("place", t0)
         if profile is not None:
             with _PROFILE_LOCK:
@@ -186,7 +208,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
         if any(b.layer(layer, "bias") is not None for b in bundles):
             bs = [b.layer(layer, "bias").float() if b.layer(layer, "bias") is not None
                   else torch.zeros(lm.summary["n_q_heads"], lens[c][layer]) for c, b in enumerate(bundles)]
-            bias[layer] = torch.cat(bs, dim=1).to(device=device, dtype=dtype)
+            bias[layer] = torch.cat(bs, dim=1).to(device=lm.device, dtype=lm.dtype)
     token_ids: list[int] = []
     for b in bundles:
         token_ids.extend(b.token_ids.tolist())
@@ -214,20 +236,29 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
     metadata must match the record that points at it (a record aimed at another document's
     chunk is refused)."""
     checked = isinstance(store, LocalObjects)  # files we can read and check ourselves
+    hits = list(hits)
+    slots: list = [None] * len(hits)
+    if checked and lm.device.type != "cuda":  # pooled memory (faulted in by earlier loads), catalog sizes
+        from ..arena import READ_POOL, byte_slices
 
-    def one(hit):
-        version, ref = hit
+        sizes = [max(0, int(ref.nbytes)) for _, ref in hits]
+        if sum(sizes) <= READ_POOL.max_bytes:  # (a damaged size only costs a fresh buffer)
+            slots = byte_slices(sizes)
+
+    def one(item):
+        slot, (version, ref) = item
         prof = LoadProfile()
         t0 = time.perf_counter()
         if checked:
             from ..fastread import check_bytes, read_into
 
-            alloc = None
-            if lm.device.type == "cuda":
+            if lm.device.type == "cuda":  # page-locked memory: the host-to-device copy runs async
                 from .gpu_transfer import pinned_buffer as alloc
+            else:
+                alloc = lambda n: slot if slot is not None and n == len(slot) else None  # noqa: E731
             data = read_into(store.object_path(ref.object), alloc=alloc)
             t0 = prof.add("read", t0)
-            check_bytes(data, ref.object, getattr(ref, "blake3", None))
+            check_bytes(data, ref.object, getattr(ref, "blake3", None), getattr(ref, "xxh3", None))
             t0 = prof.add("hash", t0)
         else:  # a remote store: its read_object verifies
             data = store.read_object(ref.object)
@@ -251,13 +282,47 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
                 profile.place += prof.place
         return b, len(data)
 
-    out = _run(one, hits, workers)
+    out = _run(one, list(zip(slots, hits)), workers)
     return [b for b, _ in out], sum(n for _, n in out)
+
+
+def _load_placed(lm: LoadedModel, store: ReadStore, hits, profile: LoadProfile | None):
+    """(bundles, buffers, bytes) read straight into a fresh cache (kdnctl/engine/placed.py), or
+    None when some chunk cannot be placed directly (quantized, another dtype, unreadable header)."""
+    from . import placed
+
+    if not hits or lm.device.type != "cpu":
+        return None
+    s = lm.summary
+    t0 = time.perf_counter()
+    plans = []
+    for hit in hits:
+        p = placed.plan(store.object_path(hit[1].object), hit, dtype=lm.dtype, n_layers=s["n_layers"],
+                        h_kv=s["n_kv_heads"], head_dim=s["head_dim"])
+        if p is None:
+            return None
+        plans.append(p)
+    totals, starts = _offsets([p.lens for p in plans])
+    bufs = _alloc(lm, totals, s["n_kv_heads"], s["head_dim"], CACHE_ROOM)
+    views = placed.byte_views(bufs)
+    if profile is not None:
+        profile.decode += time.perf_counter() - t0
+    bundles = []
+    for p, st in zip(plans, starts):
+        b = placed.read_placed(p, bufs, views, st, expect_fingerprint=lm.fingerprint, profile=profile)
+        why = bundle_mismatch(p.hit[0], p.hit[1], b.meta)
+        if why:
+            raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
+                                    hint="run `kdnctl verify`; the version record is damaged or was tampered with")
+        bundles.append(b)
+    return bundles, bufs, sum(p.size for p in plans)
 
 
 def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full", doc_id: str | None = None,
                 workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
-    """(version, chunk) hits -> a context (read + check + decode in parallel, then placement)."""
+    """(version, chunk) hits -> a context (read + check + decode, then placement). Local dense
+    chunks in the model's dtype are read straight into the cache (one pass over the bytes);
+    anything else is read whole, checked, decoded and copied (dequantized) into it."""
     t = time.perf_counter()
     if workers is None:
         # Local objects come from the page cache at memory speed: extra threads only contend
@@ -265,8 +330,14 @@ def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full",
         # 0.075 s with one thread vs 0.114 s with two; int8 0.091 vs 0.204). Remote objects
         # wait on the network: fetch those in parallel.
         workers = 1 if isinstance(store, LocalObjects) else _default_workers(len(hits))
-    bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
-    ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=1, profile=profile)
+    direct = _load_placed(lm, store, hits, profile) if isinstance(store, LocalObjects) else None
+    if direct is not None:
+        bundles, bufs, nbytes = direct
+    else:
+        bufs = None
+        bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
+    ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=1, profile=profile, bufs=bufs,
+                               placed=direct is not None)
     ctx.load_s = time.perf_counter() - t
     ctx.nbytes = nbytes
     if profile is not None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..bundle import header_size, read_meta
-from ..fastread import blake3_hex
+from ..fastread import blake3_hex, xxh3_hex
 from ..errors import BundleFormatError, StoreLockedError, UsageError
 from ..prompting import PromptFormat
 from ..store import ChunkRef, DocumentRecord, Store, VersionRecord, is_sha
@@ -64,7 +64,7 @@ def _scan(objects: Path, report: RebuildReport) -> tuple[dict, list[str]]:
             continue  # independent chunks name no document
         try:
             key = (meta["doc_id"], meta["doc_version"], meta["label"])
-            groups.setdefault(key, {})[int(meta["chunk_index"])] = (p.name, meta, len(data), blake3_hex(data))
+            groups.setdefault(key, {})[int(meta["chunk_index"])] = (p.name, meta, len(data), blake3_hex(data), xxh3_hex(data))
         except (KeyError, TypeError, ValueError):
             report.skipped.append(f"bundle {p.name[:12]} lacks its document fields")
     return groups, others
@@ -78,10 +78,10 @@ def _ingest_recipe(recipe) -> dict | None:
 
 
 def _version(key: tuple, chunks: dict) -> VersionRecord:
-    metas = [m for _, m, _, _ in chunks.values()]
+    metas = [m for _, m, *_ in chunks.values()]
     first = chunks[min(chunks)][1]
-    refs = [ChunkRef(i, sha, m["token_start"], m["token_end"], m["chain_hash"], n, b3)
-            for i, (sha, m, n, b3) in sorted(chunks.items())]
+    refs = [ChunkRef(i, sha, m["token_start"], m["token_end"], m["chain_hash"], n, b3, xx)
+            for i, (sha, m, n, b3, xx) in sorted(chunks.items())]
     return VersionRecord(key[0], key[1], key[2], first.get("parent"), first["recipe"], first["model_fingerprint"],
                          refs, max(float(m.get("created", 0.0)) for m in metas), max(m["token_end"] for m in metas),
                          "prefix")
@@ -118,7 +118,7 @@ def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = F
         groups, others = _scan(root / "objects", report)
         complete = {}
         for key, chunks in groups.items():
-            n = {m.get("n_chunks") for _, m, _, _ in chunks.values()}
+            n = {m.get("n_chunks") for _, m, *_ in chunks.values()}
             if len(n) != 1 or set(chunks) != set(range(n.pop() or 0)):
                 report.skipped.append(f"{key[0]}@{key[1]}/{key[2]}: chunks missing; version not rebuilt")
             else:

@@ -46,6 +46,7 @@ class Store(CatalogReader, Maintenance):
         self._lock_fd: int | None = None
         self._lock_depth = 0
         self._blake3_of: dict[str, str] = {}  # sha256 -> BLAKE3 of objects written by this process
+        self._xxh3_of: dict[str, str] = {}  # sha256 -> XXH3-128 of the same (local reads check it)
         self._closed = True
         if not (self.catalog_dir / "data.mdb").exists():
             self._create_or_refuse(create)
@@ -171,19 +172,23 @@ class Store(CatalogReader, Maintenance):
         return sha
 
     def _remember_blake3(self, sha: str, data: bytes) -> None:
-        from ..fastread import blake3_hex
+        """Record the fast-read digests (BLAKE3, XXH3-128) of an object this process wrote."""
+        from ..fastread import blake3_hex, xxh3_hex
 
         digest = blake3_hex(data)
         if digest is not None:
             self._blake3_of[sha] = digest
+        digest = xxh3_hex(data)
+        if digest is not None:
+            self._xxh3_of[sha] = digest
 
-    def read_object_checked(self, sha: str, blake3: str | None = None) -> bytearray:
+    def read_object_checked(self, sha: str, blake3: str | None = None, xxh3: str | None = None) -> bytearray:
         """The object's bytes in one writable buffer (zero-copy tensor views can point into
-        it), every byte checked before return: against ``blake3`` when the catalog recorded it
-        (several GB/s), else against the sha256 name (kdnctl/fastread.py)."""
+        it), every byte checked before return: against ``xxh3`` / ``blake3`` when the catalog
+        recorded them, else against the sha256 name (kdnctl/fastread.py)."""
         from ..fastread import read_verified
 
-        return read_verified(self.object_path(sha), sha, blake3)
+        return read_verified(self.object_path(sha), sha, blake3, xxh3)
 
     def read_object(self, sha: str, *, verify: bool = True) -> bytes:
         path = self.object_path(sha)
@@ -227,6 +232,8 @@ class Store(CatalogReader, Maintenance):
         for c in v.chunks:  # fast-read digests of objects this process wrote (kdnctl/fastread.py)
             if c.blake3 is None:
                 c.blake3 = self._blake3_of.get(c.object)
+            if c.xxh3 is None:
+                c.xxh3 = self._xxh3_of.get(c.object)
         txn.put(vkey, seal_record(v), db=self._db["versions"])
         for c in v.chunks:
             pkey = cat.key(v.fingerprint, v.label, c.chain_hash, v.doc_id, v.doc_version)
@@ -323,6 +330,7 @@ class ObjectDir:
     def __init__(self, objects_dir: str | os.PathLike, tmp_dir: str | os.PathLike):
         self.objects_dir, self.tmp_dir = Path(objects_dir), Path(tmp_dir)
         self._blake3_of: dict[str, str] = {}
+        self._xxh3_of: dict[str, str] = {}
         if not self.objects_dir.is_dir():
             raise NotFoundError(f"object directory {self.objects_dir} does not exist on this host",
                                 hint="every worker must mount the store's objects/ at the same path")
@@ -333,3 +341,5 @@ class ObjectDir:
         for c in chunks:
             if getattr(c, "blake3", None) is None:
                 c.blake3 = self._blake3_of.get(c.object)
+            if getattr(c, "xxh3", None) is None:
+                c.xxh3 = self._xxh3_of.get(c.object)

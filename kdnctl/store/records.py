@@ -17,6 +17,7 @@ from typing import Any
 from kdnctl.errors import StoreCorruptError, UsageError
 
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+XXH3_RE = re.compile(r"^[0-9a-f]{32}$")
 SEP = "\x00"  # catalog key separator; ids are checked not to contain it
 MAX_ID_BYTES = {"doc_id": 200, "doc_version": 64, "label": 64}  # LMDB keys are <= 511 bytes
 MAX_FINGERPRINT = 128
@@ -68,6 +69,9 @@ class ChunkRef:
     # BLAKE3 of the object's bytes, recorded at write time beside its sha256 name (issue 15): a
     # reader that has it checks every byte at BLAKE3 speed; older catalogs simply lack it.
     blake3: str | None = None
+    # XXH3-128 of the object's bytes (32 hex), recorded at write time: the at-rest check of LOCAL
+    # reads (kdnctl/fastread.py; corruption, not tampering: remote clients check BLAKE3/sha256).
+    xxh3: str | None = None
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "chunk") -> "ChunkRef":
@@ -78,7 +82,10 @@ class ChunkRef:
         b3 = d.get("blake3")
         if b3 is not None and not is_sha(b3):  # 32-byte digest: 64 lowercase hex, like a sha256
             f.bad("blake3", b3, "null or 64 lowercase hex characters")
-        return cls(index, f.sha("object"), start, end, f.sha("chain_hash"), f.int("nbytes"), b3)
+        xx = d.get("xxh3")
+        if xx is not None and not (isinstance(xx, str) and XXH3_RE.match(xx)):
+            f.bad("xxh3", xx, "null or 32 lowercase hex characters")
+        return cls(index, f.sha("object"), start, end, f.sha("chain_hash"), f.int("nbytes"), b3, xx)
 
 
 @dataclass
