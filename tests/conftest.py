@@ -67,11 +67,20 @@ def tiny_lm(tiny_model_dir):
 def run_cli(*args, store=None, env=None, timeout=600, check=False, own_process=False):
     """Run the real `kdnctl` entry point (argument parsing, error table, exit codes) on ``args``;
     returns a CompletedProcess. In-process on the session's models by default; ``own_process``
-    runs it as a subprocess, for tests where the process boundary is the point."""
+    runs it as a subprocess (``python -m kdnctl.cli.app``), for tests where the process boundary
+    is the point; ``own_process="fork"`` runs it in a forked child of this process: its own
+    address space, so a crash (SIGBUS, SIGSEGV) is the child's exit status (negative, as
+    subprocess reports it), without an interpreter start and its imports for every call."""
     argv = [*map(str, args)] + (["--store", str(store)] if store is not None else [])
     # KDNCTL_TEST_CLI=subprocess runs every CLI test in its own process (to compare timings)
-    own_process = own_process or os.environ.get("KDNCTL_TEST_CLI") == "subprocess"
-    proc = _run_subprocess(argv, env, timeout) if own_process else _run_in_process(argv, env)
+    if os.environ.get("KDNCTL_TEST_CLI") == "subprocess":
+        own_process = True
+    if own_process == "fork":
+        proc = _run_forked(argv, env, timeout)
+    elif own_process:
+        proc = _run_subprocess(argv, env, timeout)
+    else:
+        proc = _run_in_process(argv, env)
     if check and proc.returncode != 0:
         raise AssertionError(f"kdnctl {args} failed ({proc.returncode}): {proc.stderr}")
     return proc
@@ -83,6 +92,58 @@ def _run_subprocess(argv, env, timeout):
     full_env.update(env or {})
     cmd = [sys.executable, "-m", "kdnctl.cli.app", *argv]
     return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+
+
+def _run_forked(argv, env, timeout):
+    import tempfile
+    import time
+
+    from kdnctl.cli.app import app
+    from kdnctl.cli.common import run_cli as entry
+    from kdnctl.model import use_loaded_models
+
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 70
+            try:
+                os.dup2(out.fileno(), 1)
+                os.dup2(err.fileno(), 2)
+                sys.stdout = open(1, "w", closefd=False)
+                sys.stderr = open(2, "w", closefd=False)
+                os.environ.pop("KDNCTL_DEBUG", None)
+                os.environ.update(env or {})
+                with use_loaded_models(*_SESSION_MODELS):
+                    try:
+                        entry(app, argv)
+                        code = 0
+                    except SystemExit as exc:
+                        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            except BaseException:
+                import traceback
+
+                traceback.print_exc()
+                code = 70
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                raise subprocess.TimeoutExpired(["kdnctl", *argv], timeout)
+            time.sleep(0.005)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode()
+    return subprocess.CompletedProcess(["kdnctl", *argv], os.waitstatus_to_exitcode(status), stdout, stderr)
 
 
 def _run_in_process(argv, env):
