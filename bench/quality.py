@@ -1,6 +1,7 @@
 """Quality vs stored bytes of compress recipes on the real-text task set, all in one run.
 
     python bench/quality.py [--store DIR] [--tasks realtext] [--limit N] [--threads 1]
+                            [--device cpu|cuda] [--dtype float32|float16|bfloat16]
                             [--recipe "--budget 1 --quant int8"]... [--no-default-recipes]
                             [--versions L,...] [--out bench/results/quality.json] [--plot PNG]
 
@@ -13,7 +14,11 @@
    bytes per token, K/V bytes as a fraction of fp16) and write the results JSON (+ plot).
 
 Torch runs on ``--threads`` threads (default 1): on a shared 2-core machine two spinning
-threads per process cost 5-10x the wall time of one.
+threads per process cost 5-10x the wall time of one. ``--device``/``--dtype`` (default cpu,
+float32: the CPU tables in the docs) choose where and in which dtype the model runs for every
+step: ingest, the scorers of compress (passed to ``kdnctl compress --device --dtype``) and the
+evaluation; e.g. ``--device cuda --dtype float32`` runs the whole set on a GPU with the numerics
+of the CPU tables (float16 is faster and changes the numbers slightly).
 """
 
 from __future__ import annotations
@@ -48,15 +53,19 @@ def compress_options() -> set[str]:
     return {o for p in cmd.params for o in getattr(p, "opts", [])}
 
 
-def run_compress(args: list[str], store: Path, tasks: list[str]) -> dict:
-    """``kdnctl compress ARGS TASK_IDS --store S --json`` in this process; returns its JSON."""
+def run_compress(args: list[str], store: Path, tasks: list[str], device: str | None = None,
+                 dtype: str | None = None) -> dict:
+    """``kdnctl compress ARGS TASK_IDS --store S --json [--device D --dtype T]`` in this
+    process; returns its JSON. The model the scorers need is loaded once per (device, dtype) and
+    shared with the caller's (``load_model`` keeps it in memory)."""
     from typer.main import get_command
 
     from kdnctl.cli.app import app
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        get_command(app).main(["compress", *args, *tasks, "--store", str(store), "--json"],
+        extra = [*(["--device", device] if device else []), *(["--dtype", dtype] if dtype else [])]
+        get_command(app).main(["compress", *args, *tasks, "--store", str(store), "--json", *extra],
                               prog_name="kdnctl", standalone_mode=False)
     return json.loads(out.getvalue())
 
@@ -153,6 +162,10 @@ def main() -> None:
     ap.add_argument("--versions", default="", help="extra labels already in the store to evaluate")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu (default: the CPU tables) or cuda: where the model runs for "
+                    "ingest, compress scorers and evaluation")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                    help="model dtype for every step (default float32)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality.json"))
     ap.add_argument("--plot", default=None, help="quality-vs-bytes PNG")
     ap.add_argument("--compress-only", action="store_true", help="ingest and compress, no evaluation")
@@ -176,7 +189,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tasks = load_tasks(args.tasks, kinds=args.kinds.split(",") if args.kinds else None, limit=args.limit)
-    lm = load_model()
+    lm = load_model(device=args.device, dtype=args.dtype)
     store_dir = Path(args.store)
     store = Store(store_dir)
     if args.interleave:
@@ -208,7 +221,7 @@ def main() -> None:
             t0, before = time.perf_counter(), recon["seconds"]
             tm = timings[spec]
             try:
-                out = run_compress(shlex.split(spec), store_dir, [t.id for t in batch])
+                out = run_compress(shlex.split(spec), store_dir, [t.id for t in batch], args.device, args.dtype)
             except KdnError as exc:  # one bad recipe must not cost the rest of the run
                 print(f"compress {spec!r} failed: {exc.one_line()}", file=sys.stderr, flush=True)
                 tm["error"] = exc.one_line()
@@ -232,7 +245,7 @@ def main() -> None:
         return {"recipes": [{**t, "seconds": round(t["seconds"], 2), "reconstruct_seconds": round(t["reconstruct_seconds"], 2),
                              "statuses": sorted(t["statuses"])} for t in timings.values()],
                 "ingest_seconds": round(ingest_s, 2), "threads": args.threads, "task_file": args.tasks,
-                "limit": args.limit, "interleave": args.interleave, "per_task": args.per_task, "deadline": args.deadline,
+                "limit": args.limit, "device": args.device, "dtype": args.dtype, "interleave": args.interleave, "per_task": args.per_task, "deadline": args.deadline,
                 "eval_seconds": round(time.perf_counter() - t_start - prep_s(), 2)}
 
     def prep_s() -> float:

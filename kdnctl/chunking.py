@@ -44,14 +44,19 @@ _INT32_MAX = 2**31 - 1
 _INDEPENDENT_DOMAIN = b"kdnctl/independent-chunk/v1\x00"
 
 
-def _check_chunk_tokens(chunk_tokens: Any) -> int:
+def _whole_number(value: Any, what: str, minimum: int, unit: str = "") -> int:
+    """``value`` as an int >= ``minimum``; a float or a string is refused (``operator.index``)."""
     try:
-        value = operator.index(chunk_tokens)
+        n = operator.index(value)
     except TypeError:
-        raise UsageError(f"chunk size must be an integer, got {chunk_tokens!r}") from None
-    if value < 1:
-        raise UsageError(f"chunk size must be >= 1 token, got {value}")
-    return value
+        raise UsageError(f"{what} must be an integer, got {value!r}") from None
+    if n < minimum:
+        raise UsageError(f"{what} must be >= {minimum}{unit}, got {n}")
+    return n
+
+
+def _check_chunk_tokens(chunk_tokens: Any) -> int:
+    return _whole_number(chunk_tokens, "chunk size", 1, " token")
 
 
 def _as_int32_bytes_source(token_ids: Sequence[int] | Any) -> np.ndarray:
@@ -76,12 +81,7 @@ def _as_int32_bytes_source(token_ids: Sequence[int] | Any) -> np.ndarray:
 def chunk_bounds(n_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` (end exclusive) covering ``n_tokens``; the last may be partial."""
     size = _check_chunk_tokens(chunk_tokens)
-    try:
-        n = operator.index(n_tokens)
-    except TypeError:
-        raise UsageError(f"token count must be an integer, got {n_tokens!r}") from None
-    if n < 0:
-        raise UsageError(f"token count must be >= 0, got {n}")
+    n = _whole_number(n_tokens, "token count", 0)
     return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 

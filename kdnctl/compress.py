@@ -40,7 +40,7 @@ from .presses.document import select_document
 from .registry import method_fields
 from .quant import get_quantizer
 from .quant.ladder import LadderQuantizer
-from .scoring import DEFAULT_SCORER, NEEDS_MODEL, compute_importance
+from .scoring import DEFAULT_SCORER, NEEDS_MODEL, SCORERS, compute_importance
 from .store import Store
 from .versions import child_recipe, commit, existing_version, write_derived
 
@@ -60,7 +60,7 @@ class CompressRecipe:
 
     budget: float | None = 0.25
     method: str = "kvcrush"
-    scorer: str = DEFAULT_SCORER
+    scorer: str | None = None  # None: DEFAULT_SCORER, or what ``--quant auto`` chose for the budget
     quant: str | None = None
     group_size: int = 32
     seed: int = 0
@@ -70,19 +70,32 @@ class CompressRecipe:
     keep: float = 1.0
     coding: str = sizing.CODING  # size budget: lossless coding of codes (+ scales/zeros)
     protect: int = 0  # size budget: the last N tokens (and the prompt header) are never evicted and lifted first
+    lift: str | None = None  # size budget: a second scorer whose top tokens are also lifted first (max of the ranks)
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
+        if not isinstance(self.protect, int) or isinstance(self.protect, bool) or self.protect < 0:
+            raise UsageError(f"protect must be a whole number of tokens >= 0, got {self.protect!r}", param="protect")
+        if self.lift is not None and self.lift not in SCORERS:
+            raise UsageError(f"unknown scorer {self.lift!r} to lift by", hint=f"choose one of {', '.join(SCORERS)}", param="lift")
         if self.coding not in ("zlib", "zlib+params"):
             raise UsageError(f"unknown coding {self.coding!r}", hint="zlib or zlib+params", param="coding")
         if self.budget is not None:
             self.budget = validate_budget(self.budget)
             if self.quant in (None, "auto"):
-                self.quant, keep, protect = sizing.auto_quant(self.budget, self.group_size)
-                self.keep, self.protect = min(self.keep, keep), max(self.protect, protect)
+                auto = sizing.auto_quant(self.budget, self.group_size)
+                self.quant, self.keep, self.protect = auto.quant, min(self.keep, auto.keep), max(self.protect, auto.protect)
+                if self.scorer is None and auto.scorer is not None:
+                    self.scorer = auto.scorer
+                # the sentences scorer is the same in every head: KVCrush's head-behaviour
+                # representatives would be arbitrary, so the auto recipe keeps by importance alone
+                if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":
+                    self.method_options = {"ratio": auto.ratio, **self.method_options}
             sizing.ladder_for(self.quant)
         elif self.quant is None:
             self.quant = "none"
+        if self.scorer is None:
+            self.scorer = DEFAULT_SCORER
         wrapper, _, inner = str(self.method).partition(":")
         if wrapper in _LEGACY_WRAPPED:
             opts = dict(self.method_options)
@@ -101,6 +114,8 @@ class CompressRecipe:
             d["coding"] = self.coding  # versions made before params were coded ("zlib") match
         if self.protect:
             d["protect"] = self.protect
+        if self.lift:
+            d["lift"] = self.lift
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -118,6 +133,8 @@ class CompressRecipe:
                 label += f"-k{self.keep:g}"
             if self.protect:
                 label += f"-p{self.protect}"
+            if self.lift:
+                label += f"-l{self.lift}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if (self.keep < 1 or self.sized) and self.allocator != DEFAULT_ALLOCATOR:
@@ -154,7 +171,8 @@ class CompressRecipe:
 
     @property
     def needs_model(self) -> bool:
-        return (self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer
+        return ((self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer) or \
+            (self.sized and self.lift in NEEDS_MODEL)
 
 
 @dataclass
@@ -254,6 +272,7 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
     n_heads = keys[0].shape[0]
     score_s = 0.0
     picks, ctx, press, allocator = None, None, None, None
+    lift_w = None
     if recipe.keep < 1 or recipe.sized:
         stats = _cat_stats(bundles)
         press = recipe.build_press(int(bundles[0].meta.get("header_tokens", 0)))
@@ -265,6 +284,10 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
         importance = compute_importance(recipe.scorer, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
                                         n_layers=n_layers, n_heads=n_heads) if recipe.uses_scorer \
             else torch.zeros(n_layers, n_heads, len(token_ids))
+        if recipe.sized and recipe.lift:  # upgrade weights: the better rank of the two scorers
+            lifted = compute_importance(recipe.lift, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
+                                        n_layers=n_layers, n_heads=n_heads)
+            lift_w = torch.maximum(sizing.rank01(importance), sizing.rank01(lifted))
         score_s = time.perf_counter() - t_score
         ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
         try:
@@ -283,7 +306,8 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
     fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
     if recipe.sized:
         new_tensors, metas, kept, mix = _sized(src, label, step, recipe, bundles, dense, keys, values,
-                                               importance, press, allocator, ctx, local_bounds, fp16)
+                                               importance if lift_w is None else lift_w, press, allocator, ctx,
+                                               local_bounds, fp16)
         record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
         return (record, score_s, (fp16, kept, mix)) if with_sizes else (record, score_s)
     quantizer = get_quantizer(recipe.quant, group_size=recipe.group_size) if recipe.quant != "none" else None

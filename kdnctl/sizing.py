@@ -16,6 +16,8 @@ Planning a document (:func:`plan_tiers`):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .allocate.tiers import solve_greedy
@@ -72,19 +74,41 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
 
 FLOOR_KEEP = 0.95  # the default floor recipe gives the 5% least important tokens' bytes to upgrades
 FLOOR_PROTECT = 64  # ... and never evicts the last 64 tokens (nor the prompt header), lifting them first
+EVICT_TIER = "int4"  # below the int3 floor: kept tokens at int4, the cap evicts the rest by sentence
+EVICT_SCORER = "sentences"
 
 
-def auto_quant(budget: float, group: int, head_dim: int = 64) -> tuple[str, float, int]:
-    """``--quant auto`` (the default with a budget) -> (quant, keep, protect). Where the best
-    single tier is int3 (budgets ~0.24-0.29): ``floor`` keeping 95% of the tokens, i.e. every
-    kept row at int3 and the bytes of the 5% least important tokens (KVCrush, hybrid scorer)
-    lift rows to int4: first the prompt header and the last 64 tokens (never evicted), then the
-    most important rows (measured better than int3 for every token on needle answer NLL at the
-    same continuation NLL, docs/compression.md). Elsewhere ``uniform``: the best single tier,
-    eviction only if forced."""
+@dataclass(frozen=True)
+class AutoRecipe:
+    """What ``--quant auto`` resolves to for one budget (``scorer``/``ratio`` None: unchanged)."""
+
+    quant: str
+    keep: float = 1.0
+    protect: int = 0
+    scorer: str | None = None
+    ratio: float | None = None  # KVCrush's share of representatives
+
+
+def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
+    """``--quant auto`` (the default with a budget), from what was measured (docs/compression.md):
+
+    * where the best single tier that holds every token is int3 (budgets ~0.24-0.29, so the
+      default 0.25): ``floor`` keeping 95% of the tokens, i.e. every kept row at int3 and the
+      bytes of the 5% least important tokens (KVCrush, hybrid scorer) lift rows to int4: first
+      the prompt header and the last 64 tokens (never evicted), then the most important rows;
+    * where not even int3 holds every token (below ~0.24, e.g. 0.083): every kept token at int4
+      and the cap evicts the rest, whole sentences by their mean surprisal (``sentences``
+      scorer, no KVCrush representatives), the prompt header and the last 64 tokens kept. At
+      0.083 it kept 6/6 needles where int2 + KVCrush eviction kept 1/6 (int3 + the same
+      eviction 4/6);
+    * elsewhere ``uniform``: the most precise single tier that holds every token."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
     best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
-    return ("floor", FLOOR_KEEP, FLOOR_PROTECT) if best == "int3" else ("uniform", 1.0, 0)
+    if best == "int3":
+        return AutoRecipe("floor", FLOOR_KEEP, FLOOR_PROTECT)
+    if best in ("int2", None):
+        return AutoRecipe(EVICT_TIER, 1.0, FLOOR_PROTECT, EVICT_SCORER, 0.0)
+    return AutoRecipe("uniform")
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:
@@ -99,14 +123,14 @@ def fp16_bytes(n_tokens: int, n_layers: int, n_heads: int, head_dim: int) -> int
     return 2 * 2 * n_tokens * n_layers * n_heads * head_dim
 
 
-def _rank01(x: torch.Tensor) -> torch.Tensor:
+def rank01(x: torch.Tensor) -> torch.Tensor:
     t = x.shape[-1]
     return x.float().argsort(-1).argsort(-1).float() / max(t - 1, 1)
 
 
 def weights(importance: torch.Tensor) -> torch.Tensor:
     """``[L, H, T]`` importance -> damage weights (rank-based, so any scorer's scale works)."""
-    return _rank01(importance) ** SHARPNESS + FLOOR
+    return rank01(importance) ** SHARPNESS + FLOOR
 
 
 def forced_keep(avail: float, n_tokens: int, n_layers: int, n_heads: int, head_dim: int, group: int,

@@ -74,6 +74,17 @@ def env(tmp_path_factory, lm):
     st.close()
 
 
+def own_state(runner, env, doc_id: str, kv_type: str = "f16", *, ctx_ids=None):
+    """llama.cpp's own state of the whole document (its own prefill, saved with its own
+    ``llama_state_seq_save_file``): made once per document and KV type, then reused."""
+    path = env["tmp"] / f"{doc_id}.full.{kv_type}.own.bin"
+    if not path.exists():
+        ctx_ids = ctx_ids or read_document_kv(env["store"], doc_id, "full").token_ids
+        runner.prefill(ctx_ids)
+        runner.save_state(path, ctx_ids)
+    return path
+
+
 def _answers(runner, env, lm, label, *, own: bool, kv_type: str = "f16", docs=None):
     """Per question: (answer ids, first logits, correct, text) after loading the exported state
     (own=False) or llama.cpp's own saved prefill of the same context (own=True)."""
@@ -81,11 +92,10 @@ def _answers(runner, env, lm, label, *, own: bool, kv_type: str = "f16", docs=No
     tok = lm.tokenizer
     for doc_id in docs or sorted({i.doc for i in env["qa"]}):
         ctx_ids = read_document_kv(env["store"], doc_id, "full").token_ids
-        path = env["tmp"] / f"{doc_id}.{label}.{kv_type}.{'own' if own else 'kdn'}.bin"
         if own:
-            runner.prefill(ctx_ids)
-            runner.save_state(path, ctx_ids)
+            path = own_state(runner, env, doc_id, kv_type, ctx_ids=ctx_ids)
         else:
+            path = env["tmp"] / f"{doc_id}.{label}.{kv_type}.kdn.bin"
             export_llamacpp(env["store"], doc_id, path, label=label, gguf=default_gguf_path(),
                             fingerprint=lm.fingerprint, kv_type=kv_type)
         for item in (i for i in env["qa"] if i.doc == doc_id):
@@ -166,15 +176,12 @@ def test_export_refuses_a_selection_without_the_last_token():
     assert kept_positions(doc).tolist() == [0, 1, 3, 7]
 
 
-def test_state_layout_equals_llamacpps_own_and_keys_need_the_permutation(env, lm, tmp_path):
+def test_state_layout_equals_llamacpps_own_and_keys_need_the_permutation(env, lm, runner, tmp_path):
     doc_id = env["qa"][0].doc
     doc = read_document_kv(env["store"], doc_id, "full")
     ours = tmp_path / "ours.bin"
     export_llamacpp(env["store"], doc_id, ours, gguf=default_gguf_path())
-    theirs = tmp_path / "theirs.bin"
-    with LlamaCppRunner(default_gguf_path(), n_ctx=N_CTX) as runner:
-        runner.prefill(doc.token_ids)
-        runner.save_state(theirs, doc.token_ids)
+    theirs = own_state(runner, env, doc_id, ctx_ids=doc.token_ids)  # llama.cpp's own prefill, saved
     a, b = ours.read_bytes(), theirs.read_bytes()
     assert len(a) == len(b)
     n_tok = len(doc.token_ids)
@@ -212,10 +219,8 @@ def test_q8_0_export_is_hadamard_rotated_and_answers_like_llamacpp_q8_0_prefill(
         res = export_llamacpp(env["store"], item.doc, path, kv_type="q8_0", gguf=default_gguf_path(), kv_rotation=rot)
         assert res.info["flash_attn"] is True and res.info["kv_rotation"] == ({"k": 64, "v": 64} if rot else
                                                                              {"k": 0, "v": 0})
-    theirs = env["tmp"] / "q8.own.bin"
     with LlamaCppRunner(default_gguf_path(), n_ctx=N_CTX, kv_type="q8_0") as runner:
-        runner.prefill(doc.token_ids)
-        runner.save_state(theirs, doc.token_ids)
+        theirs = own_state(runner, env, item.doc, "q8_0", ctx_ids=doc.token_ids)  # also the answers' baseline
         assert runner.load_state(paths[True]) == n
         # one document's questions (8): a llama.cpp pass over all 40 takes many minutes on 2 cores
         own = _answers(runner, env, lm, "full", own=True, kv_type="q8_0", docs=[item.doc])

@@ -176,8 +176,16 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert d.needs_model and d.as_dict()["protect"] == 64 and d.build_press(24).recent_tokens == 64
     u = CompressRecipe(budget=0.25, quant="uniform")  # one tier that fits every token: no scores needed
     assert u.default_label() == "uniform-b0.25" and not u.needs_model and u.keep == 1.0
-    assert CompressRecipe(budget=0.083).quant == "uniform" and CompressRecipe(budget=0.6).quant == "uniform"
-    assert CompressRecipe(budget=0.083).needs_model  # int2 does not fit: the press evicts by importance
+    assert CompressRecipe(budget=0.6).quant == "uniform"
+    # below the int3 floor: int4 for every kept token, whole sentences evicted by mean surprisal
+    low = CompressRecipe(budget=0.083)
+    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("int4", 1.0, 64, "sentences", {"ratio": 0.0})
+    assert low.default_label() == "int4-b0.083-p64-sentences"
+    assert low.needs_model  # the tokenizer splits sentences; the cap evicts by importance
+    assert CompressRecipe(budget=0.083, method_options={"ratio": 0.5}).method_options == {"ratio": 0.5}
+    mine = CompressRecipe(budget=0.083, scorer="hybrid")  # a scorer of one's own keeps KVCrush's representatives
+    assert mine.scorer == "hybrid" and mine.method_options == {}
+    assert CompressRecipe(budget=0.25).scorer == "hybrid"
     assert CompressRecipe(budget=0.25, quant="ladder").needs_model
     q8 = CompressRecipe(budget=1.0, quant="int8")  # fits everywhere: nothing to rank, no model pass
     assert q8.default_label() == "int8-b1" and not q8.needs_model

@@ -47,6 +47,8 @@ def store(tmp_path_factory, lm):
                 compress_document(st, doc, CompressRecipe(budget=b, quant="ladder", scorer="surprisal"))
             for b in (0.25, 0.083):
                 compress_document(st, doc, CompressRecipe(budget=b, quant="floor", scorer="surprisal"))
+            for b in (0.083, 0.15):  # the default below the int3 floor
+                compress_document(st, doc, CompressRecipe(budget=b), lm=lm)
     yield st
     st.close()
 
@@ -95,6 +97,39 @@ def test_floor_fills_the_cap_with_upgrades_not_evictions(store, doc, budget):
     else:
         assert sum(b.kept_tokens for b in bundles) < sum(b.n_tokens for b in bundles)
         assert set(mix["keys"]) | set(mix["values"]) <= {"int2", "int3"}
+
+
+@pytest.mark.parametrize("budget", [0.083, 0.15])
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_default_below_int3_keeps_whole_sentences_at_int4(store, lm, doc, budget):
+    """``--budget 0.083`` (auto): every kept row int4, the cap evicts the rest by sentence, the
+    prompt header and then the last 64 tokens always kept (as far as the quota reaches: these
+    short documents keep only ~75 tokens at 0.083); the cap holds with everything included."""
+    from kdnctl.sentence_scores import sentence_bounds, token_texts
+
+    v = store.get_version(doc, f"int4-b{budget:g}-p64-sentences")
+    stored = sum(len(store.read_object(c.object)) for c in v.chunks)
+    cap = budget * _fp16(store, doc)
+    assert 0.85 * cap <= stored <= cap
+    bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
+    mix = bundles[0].meta["quant"]["mix"]
+    assert set(mix["keys"]) == {"int4"} and set(mix["values"]) == {"int4"}
+    n = sum(b.n_tokens for b in bundles)
+    header = int(bundles[0].meta.get("header_tokens", 0))
+    ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
+    for i in range(bundles[0].n_layers):
+        pos = torch.cat([b.tensors[f"layers.{i}.positions"].long() for b in bundles], dim=1)  # [H, kept]
+        assert pos.shape[1] < n  # the cap forced eviction
+        assert all(torch.equal(pos[0], pos[h]) for h in range(pos.shape[0]))  # one score for every head
+        kept = set(pos[0].tolist())
+        tail = min(64, len(kept) - header)
+        assert set(range(header)) <= kept and set(range(n - tail, n)) <= kept
+    # whole sentences: at most one sentence (where the quota ran out) is kept in part
+    partial = [1 for a, b in sentence_bounds(token_texts(lm.tokenizer, ids)) if 0 < len(kept & set(range(a, b))) < b - a
+               and not (a < header or b > n - tail)]
+    assert len(partial) <= 1
+    if budget == 0.15:  # room beyond the header and the tail: whole sentences fill it
+        assert len(kept) > header + 64 + 10
 
 
 def test_eviction_only_when_forced(store):

@@ -18,17 +18,21 @@ def compress(
     method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`)."),
     allocator: str = typer.Option("uniform", "--allocator", help="Per-layer budget split: uniform | pyramid | adaptive (pyramid:METHOD as --method also works)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: auto (default: floor + 5% eviction where int3 is the best single tier, else uniform) | uniform (the best single tier that fits) | floor (that tier + one-tier upgrades) | ladder (per-token tiers) | int8 | int4 | int3 | int2 | fp16 (eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
-    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid."),
+    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid | sentences."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
     kvcrush_ratio: Optional[float] = typer.Option(None, "--kvcrush-ratio", help="Share of the budget for KVCrush representatives."),
     anchor: Optional[str] = typer.Option(None, "--anchor", help="KVCrush anchor: random | mean | alternate."),
     page_size: Optional[int] = typer.Option(None, "--page-size", help="KVCrush page size (1 = token level)."),
+    protect: Optional[int] = typer.Option(None, "--protect", help="With --budget: the last N tokens (and the prompt header) are never evicted and get precision first."),
+    lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder: a second scorer whose top tokens also get precision first (e.g. sentences)."),
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
     label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),
     recipe_file: Optional[Path] = typer.Option(None, "--recipe", help="TOML recipe with a \\[compress] step."),
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = ModelOpt,
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="Model dtype for scorers that run it: float32 (CPU default), float16, bfloat16."),
+    device: Optional[str] = typer.Option(None, "--device", help="Where scorers run the model: cpu or cuda (default: cuda when available)."),
     ray: Optional[str] = RayOpt,
     workers: Optional[int] = WorkersOpt,
     batch: int = BatchOpt,
@@ -36,7 +40,6 @@ def compress(
 ) -> None:
     """Compress stored KV into a new version: a size budget filled by precision first (default), or token eviction (--keep)."""
     from ..compress import CompressRecipe, compress_document
-    from ..scoring import DEFAULT_SCORER
 
     if recipe_file is not None:
         from ..recipes import load_recipe
@@ -48,8 +51,8 @@ def compress(
         if budget is None and keep is None:
             budget = 0.25  # the default: a size budget filled by precision first
         recipe = CompressRecipe(budget=budget, keep=keep if keep is not None else 1.0, method=method,
-                                scorer=scorer or DEFAULT_SCORER, quant=quant, group_size=group_size, seed=seed,
-                                method_options=opts, allocator=allocator)
+                                scorer=scorer, quant=quant, group_size=group_size, seed=seed,
+                                method_options=opts, allocator=allocator, protect=protect or 0, lift=lift)
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)
@@ -69,7 +72,7 @@ def compress(
         # h2o / adaptive budgets read `accum`, which ingest records only with --stats all; with the
         # model at hand compress computes it when a version lacks it.
         accum_press = recipe.scorer == "accum" or (recipe.budget < 1 and (recipe.method == "h2o" or recipe.allocator == "adaptive"))
-        lm = load_lm(model) if recipe.needs_model or accum_press else None
+        lm = load_lm(model, dtype=dtype, device=device) if recipe.needs_model or accum_press else None
         fingerprint = lm.fingerprint if lm is not None else None
         results = []
         with st.writer(), progress_bar(len(doc_ids), "compress", unit="doc") as bar:

@@ -87,6 +87,17 @@ def _nll_kl(logp: torch.Tensor, ref: torch.Tensor | None, target_ids: list[int])
     return nll, kl
 
 
+def _score_vs_full(lm: LoadedModel, ctx: LoadedContext, prompt_ids: list[int], target_ids: list[int], label: str,
+                   refs: list[torch.Tensor], j: int) -> tuple[float, float]:
+    """NLL of ``target_ids`` after ``prompt_ids``, and KL vs the ``full`` version's distribution
+    for the same prompt (``refs[j]``; the ``full`` version, evaluated first, appends it)."""
+    logp = _scored_logits(lm, ctx, prompt_ids, target_ids)
+    if label == "full":
+        refs.append(logp)
+        return _nll_kl(logp, None, target_ids)
+    return _nll_kl(logp, refs[j], target_ids)
+
+
 @dataclass
 class VersionScore:
     label: str
@@ -142,10 +153,7 @@ def evaluate(lm: LoadedModel, store, labels: list[str], *, qa: list[QAItem] | No
                 sc.correct += is_correct(answer, item)
                 sc.n += 1
                 target = tok(item.answer, add_special_tokens=False).input_ids
-                logp = _scored_logits(lm, ctx, suffix, target)
-                if label == "full":
-                    ref_q.append(logp)
-                nll, kl = _nll_kl(logp, ref_q[j] if label != "full" else None, target)
+                nll, kl = _score_vs_full(lm, ctx, suffix, target, label, ref_q, j)
                 sc.nll.append(nll)
                 sc.kl.append(kl)
                 if on_step:
@@ -153,10 +161,7 @@ def evaluate(lm: LoadedModel, store, labels: list[str], *, qa: list[QAItem] | No
             for j, (head, tail) in enumerate(probes):
                 prompt = fmt.question_ids(tok, PROBE_TEMPLATE.format(head=head))
                 target = tok(tail, add_special_tokens=False).input_ids
-                logp = _scored_logits(lm, ctx, prompt, target)
-                if label == "full":
-                    ref_p.append(logp)
-                nll, kl = _nll_kl(logp, ref_p[j] if label != "full" else None, target)
+                nll, kl = _score_vs_full(lm, ctx, prompt, target, label, ref_p, j)
                 sc.probe_nll.append(nll)
                 sc.probe_kl.append(kl)
     full_bytes = scores["full"].bytes

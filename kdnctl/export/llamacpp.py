@@ -36,8 +36,10 @@ NeoX RoPE in llama.cpp (qwen2, ...) are not permuted.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +69,18 @@ class GGUFInfo:
 
 
 def read_gguf_info(path: str | Path) -> GGUFInfo:
+    """The model facts an export checks, read once per file state (path, size, mtime, inode):
+    ``GGUFReader`` walks every metadata field, the tokenizer's ~49k strings included, which
+    takes seconds, and exporting a corpus reads the same GGUF once per document."""
+    st = os.stat(path)
+    return _gguf_info(str(Path(path).resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_info(path: str, size: int, mtime_ns: int, inode: int) -> GGUFInfo:
     from gguf import GGUFReader, GGUFValueType
 
-    reader = GGUFReader(str(path))
+    reader = GGUFReader(path)
 
     def field(name: str):
         f = reader.fields.get(name)
