@@ -18,7 +18,7 @@ LAYERS = [
     ("errors",),
     ("registry", "versions", "bundle", "store", "model", "chunking", "corpus", "prompting", "durable", "fastread",
      "tensor_views", "arena"),
-    ("prefill", "scoring", "presses", "allocate", "quant", "kernels", "sizing"),
+    ("prefill", "scoring", "sentence_scores", "presses", "allocate", "quant", "kernels", "sizing"),
     ("ingest", "compress", "steer", "engine", "server", "nginx", "client", "fetch", "retrieval", "export"),
     ("evaluation", "recipes", "distributed"),
     ("cli",),

@@ -216,3 +216,23 @@ def test_statistics_only_as_asked_and_equal_to_reference(lm):
     for a, b in zip(full.keys, only.keys):
         assert torch.allclose(a, b, atol=1e-4)
     assert prefill(lm.model, ids[:40], stats=False).stats == {}
+
+
+def test_bundle_to_device_moves_layer_tensors_and_leaves_entropy_coded_tiers(lm, small):
+    """The GPU loader's transfer (run here onto the CPU, the same code path): layer tensors of
+    a dense or int8 bundle become views of ONE copied buffer with the same values; bookkeeping
+    tensors stay; a scheme that is not a plain groupwise one is returned untouched (the ladder's
+    zlib-coded codes must be decoded on the host)."""
+    from kdnctl.bundle import KVBundle
+    from kdnctl.engine.gpu_transfer import bundle_to_device
+
+    store = small[None]
+    ref = store.get_version(DOC, "b1-int8").chunks[0]
+    data = store.read_object_checked(ref.object, getattr(ref, "blake3", None))
+    b = decode_bundle(data)
+    moved = bundle_to_device(b, data, torch.device("cpu"))
+    layer_names = [n for n in b.tensors if n.startswith("layers.")]
+    assert layer_names and all(torch.equal(moved.tensors[n], b.tensors[n]) for n in b.tensors)
+    assert moved.tensors["token_ids"] is b.tensors["token_ids"]
+    ladder = KVBundle(meta={**b.meta, "quant": {"scheme": "ladder"}}, tensors=b.tensors)
+    assert bundle_to_device(ladder, data, torch.device("cpu")) is ladder

@@ -26,6 +26,9 @@ def pinned_buffer(size: int) -> memoryview:
 def bundle_to_device(bundle: KVBundle, data, device: torch.device) -> KVBundle:
     """``bundle`` with its ``layers.*`` tensors on ``device``; ``data`` is the buffer its views
     point into (tensors that do not, or are misaligned for a typed view, are copied alone)."""
+    scheme = (bundle.meta.get("quant") or {}).get("scheme")
+    if scheme is not None and scheme not in ("int8", "int4", "fp8"):
+        return bundle  # entropy-coded tiers (ladder) decode on the host; placement copies the result
     host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     dev = host.to(device, non_blocking=True)  # asynchronous from pinned memory; the loader syncs
     base, end = host.data_ptr(), host.data_ptr() + host.numel()

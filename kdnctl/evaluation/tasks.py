@@ -165,7 +165,7 @@ def run_task(lm: LoadedModel, ctx, task: Task, fmt: PromptFormat, max_new_tokens
         ids = tok(task.continuation, add_special_tokens=False).input_ids[: CONTINUATION_TOKENS + 1]
         logits, _ = forward_suffix(lm, ctx, ids)
         logp = torch.log_softmax(logits[:-1], dim=-1)
-        nll = -logp.gather(1, torch.tensor(ids[1:])[:, None]).mean().item()
+        nll = -logp.gather(1, torch.tensor(ids[1:], device=logp.device)[:, None]).mean().item()
         return {"nll": round(nll, 5), "n_scored": len(ids) - 1}
     suffix = fmt.question_ids(tok, task.question)
     answer = generate(lm, ctx, suffix, max_new_tokens=max_new_tokens).answer
@@ -173,7 +173,7 @@ def run_task(lm: LoadedModel, ctx, task: Task, fmt: PromptFormat, max_new_tokens
     logits, _ = forward_suffix(lm, ctx, suffix + target)
     start = len(suffix) - 1
     logp = torch.log_softmax(logits[start : start + len(target)], dim=-1)
-    nll = -logp.gather(1, torch.tensor(target)[:, None]).mean().item()
+    nll = -logp.gather(1, torch.tensor(target, device=logp.device)[:, None]).mean().item()
     return {"answer": answer, "correct": number_in(answer, task.answer),
             "distracted": any(number_in(answer, d) for d in task.distractors), "nll": round(nll, 5)}
 
