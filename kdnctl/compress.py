@@ -71,11 +71,15 @@ class CompressRecipe:
     coding: str = sizing.CODING  # size budget: lossless coding of codes (+ scales/zeros)
     protect: int = 0  # size budget: the last N tokens (and the prompt header) are never evicted and lifted first
     lift: str | None = None  # size budget: a second scorer whose top tokens are also lifted first (max of the ranks)
+    key_weight: float = sizing.KEY_WEIGHT  # size budget: a key row's damage relative to a value row's (solver)
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
         if not isinstance(self.protect, int) or isinstance(self.protect, bool) or self.protect < 0:
             raise UsageError(f"protect must be a whole number of tokens >= 0, got {self.protect!r}", param="protect")
+        if isinstance(self.key_weight, bool) or not isinstance(self.key_weight, (int, float)) or not self.key_weight > 0:
+            raise UsageError(f"key_weight must be a number > 0, got {self.key_weight!r}", param="key_weight")
+        self.key_weight = float(self.key_weight)
         if self.lift is not None and self.lift not in SCORERS:
             raise UsageError(f"unknown scorer {self.lift!r} to lift by", hint=f"choose one of {', '.join(SCORERS)}", param="lift")
         if self.coding not in ("zlib", "zlib+params"):
@@ -116,6 +120,8 @@ class CompressRecipe:
             d["protect"] = self.protect
         if self.lift:
             d["lift"] = self.lift
+        if self.key_weight != sizing.KEY_WEIGHT:
+            d["key_weight"] = self.key_weight
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -135,6 +141,8 @@ class CompressRecipe:
                 label += f"-p{self.protect}"
             if self.lift:
                 label += f"-l{self.lift}"
+            if self.key_weight != sizing.KEY_WEIGHT:
+                label += f"-kw{self.key_weight:g}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if (self.keep < 1 or self.sized) and self.allocator != DEFAULT_ALLOCATOR:
@@ -403,7 +411,8 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
             imp = [w[i].gather(1, r) for i, r in enumerate(rows)]
             errors, last_keep = None, keep
         pos_bytes = sum(p.numel() for p in pos) * sizing.POSITION_BYTES if picks is not None else 0
-        maps, errors = sizing.plan_tiers(q, kk, vv, pos, imp, tiers, cap - fixed - margin - pos_bytes, errors)
+        maps, errors = sizing.plan_tiers(q, kk, vv, pos, imp, tiers, cap - fixed - margin - pos_bytes, errors,
+                                         key_weight=recipe.key_weight)
         if maps is None:  # even the lowest tier does not fit what is left: evict a little more
             fixed, margin = fixed + max(margin, 0.05 * fixed), 0.0
             continue

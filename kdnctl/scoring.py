@@ -13,8 +13,6 @@ At compress time the question is unknown. Each scorer returns ``[L, H_kv, T]`` (
                   are the ones answers are made of. Costs about one extra prefill.
 * ``sentences``   every token scores the mean surprisal of its sentence (``sentence_scores``):
                   a planted fact is kept whole, its value with the words a question matches.
-* ``facts``       per sentence the better rank of its mean surprisal in context and alone
-                  (a fact repeating an earlier one's template is predictable only in context).
 * ``hybrid``      (default) equal-weight rank-average of ``reconstruct`` and ``surprisal``: the
                   two offline signals. Measured with ``kdnctl eval`` (``bench/compress.py``)
                   against each scorer alone and against an earlier mix that also used
@@ -38,9 +36,9 @@ import torch
 from .errors import UsageError
 
 REPEAT_PROMPT = "\n\nRepeat the document above exactly, word for word.\n"
-SCORERS = ("window", "accum", "surprisal", "reconstruct", "hybrid", "sentences", "facts")
+SCORERS = ("window", "accum", "surprisal", "reconstruct", "hybrid", "sentences")
 DEFAULT_SCORER = "hybrid"
-NEEDS_MODEL = {"reconstruct", "hybrid", "sentences", "facts"}  # sentences: the tokenizer only
+NEEDS_MODEL = {"reconstruct", "hybrid", "sentences"}  # sentences: the tokenizer only
 
 
 def _rank01(x: torch.Tensor) -> torch.Tensor:
@@ -129,7 +127,7 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
     if name not in SCORERS:
         raise UsageError(f"unknown scorer {name!r}", hint=f"choose one of {', '.join(SCORERS)}", param="scorer")
     if name in ("window", "accum", "surprisal") or name in NEEDS_MODEL:
-        missing = [s for s in ("window", "accum", "surprisal") if s not in stats and (s == name or (name in ("hybrid", "sentences", "facts") and s == "surprisal"))]
+        missing = [s for s in ("window", "accum", "surprisal") if s not in stats and (s == name or (name in ("hybrid", "sentences") and s == "surprisal"))]
         if missing:
             raise UsageError(
                 f"scorer {name!r} needs ingest statistics {missing} that this version lacks",
@@ -145,11 +143,6 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
         from .sentence_scores import sentence_surprisal, token_texts
 
         score = sentence_surprisal(stats["surprisal"], token_texts(lm.tokenizer, token_ids))
-        return score.expand(n_layers, n_heads, -1).clone()
-    if name == "facts" and lm is not None:
-        from .sentence_scores import facts_scores, token_texts
-
-        score = facts_scores(stats["surprisal"], lm, token_ids, token_texts(lm.tokenizer, token_ids))
         return score.expand(n_layers, n_heads, -1).clone()
     if lm is None:
         needs = "the tokenizer (sentence bounds)" if name == "sentences" else "the model"

@@ -46,48 +46,6 @@ def sentence_surprisal(surprisal: torch.Tensor, token_texts: list[str]) -> torch
     return out
 
 
-ISOLATED_MAX_TOKENS = 64  # a sentence scored alone: its first 64 tokens
-
-
-def isolated_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, int]],
-                                batch: int = 64) -> torch.Tensor:
-    """``[T]``: each token gets the mean -log p of its sentence's tokens (from the second, up to
-    ``ISOLATED_MAX_TOKENS``) with NOTHING before the sentence. In context, a fact that repeats a
-    template ("The locker code of the juniper group is 9793." after three others) is predictable
-    and scores like prose; alone it is as surprising as the first one. Sentences are batched by
-    length (padding on the right, causal attention: padding never reaches a real token)."""
-    out = torch.zeros(len(token_ids))
-    segs = [((a, min(b, a + ISOLATED_MAX_TOKENS)), (a, b)) for a, b in bounds if b - a >= 2]
-    segs.sort(key=lambda s: s[0][1] - s[0][0])
-    for i in range(0, len(segs), batch):
-        part = segs[i:i + batch]
-        n = max(b - a for (a, b), _ in part)
-        x = torch.zeros(len(part), n, dtype=torch.long)
-        for r, ((a, b), _) in enumerate(part):
-            x[r, :b - a] = torch.tensor(token_ids[a:b])
-        with torch.inference_mode():
-            logits = lm.model(input_ids=x.to(lm.device)).logits.float().cpu()
-        nll = -torch.log_softmax(logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
-        for r, ((a, b), (fa, fb)) in enumerate(part):
-            out[fa:fb] = nll[r, :b - a - 1].mean()
-    return out
-
-
-def facts_scores(surprisal: torch.Tensor, lm, token_ids: list[int], texts: list[str]) -> torch.Tensor:
-    """The ``facts`` scorer: per sentence, the better of two ranks: the mean surprisal in context
-    (:func:`sentence_surprisal`) and alone (:func:`isolated_sentence_surprisal`); ties break
-    by the token's own surprisal rank."""
-    bounds = sentence_bounds(texts)
-    ctx = sentence_surprisal(surprisal, texts)
-    iso = isolated_sentence_surprisal(lm, token_ids, bounds)
-    t = len(token_ids)
-
-    def rank(x: torch.Tensor) -> torch.Tensor:
-        return x.argsort().argsort().float() / max(t - 1, 1)
-
-    return torch.maximum(rank(ctx), rank(iso)) + 1e-3 * rank(surprisal.float().reshape(-1))
-
-
 def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
     """Each token decoded alone (byte-level pieces that are not whole characters decode to a
     replacement character, which never ends a sentence)."""

@@ -142,7 +142,7 @@ def forced_keep(avail: float, n_tokens: int, n_layers: int, n_heads: int, head_d
 
 def plan_tiers(q: LadderQuantizer, keys: list[torch.Tensor], values: list[torch.Tensor],
                positions: list[torch.Tensor], importance: list[torch.Tensor], tiers: tuple[str, ...],
-               cap: float, errors: list[torch.Tensor] | None = None):
+               cap: float, errors: list[torch.Tensor] | None = None, key_weight: float = KEY_WEIGHT):
     """Tier maps for the kept rows: per layer (key tiers [H, T_i], value tiers [H, T_i]) as
     indices into ``ladder.TIERS``; None if even the cheapest tier exceeds ``cap`` bytes.
 
@@ -157,7 +157,7 @@ def plan_tiers(q: LadderQuantizer, keys: list[torch.Tensor], values: list[torch.
         return [(torch.full(k.shape[:2], tid, dtype=torch.long),) * 2 for k in keys], errors
     if errors is None:
         errors = [tier_errors(q, k, v, p, list(tiers)) for k, v, p in zip(keys, values, positions)]
-    role_w = torch.tensor([KEY_WEIGHT, 1.0])[:, None, None, None]
+    role_w = torch.tensor([float(key_weight), 1.0])[:, None, None, None]
     dmg = torch.cat([(e * role_w * w[None, None]).permute(0, 2, 3, 1).reshape(-1, len(tiers))
                      for e, w in zip(errors, importance)])
     choice = solve_greedy(dmg, cost, cap)

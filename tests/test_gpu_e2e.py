@@ -121,3 +121,20 @@ def test_gpu_load_still_checks_every_byte(gpu_lm, tmp_path):
             load_document(gpu_lm, st, DOC)
     finally:
         st.close()
+
+
+@pytest.mark.parametrize("budget", [0.25, 0.083])
+def test_gpu_loads_size_budgeted_versions_like_the_cpu_decoder(gpu_lm, gpu_store, budget):
+    """Size-budgeted (ladder, zlib-coded) versions made with the model on the GPU load onto it:
+    the coded tensors are decoded on the host and the dense K/V land on the device equal to the
+    CPU decoder's (what bench/quality.py --device cuda evaluates)."""
+    with gpu_store.writer():
+        label = compress_document(gpu_store, DOC, CompressRecipe(budget=budget), lm=gpu_lm).label
+    ctx = load_document(gpu_lm, gpu_store, DOC, label, workers=1)
+    assert ctx.keys[0].is_cuda
+    bundles = [decode_bundle(gpu_store.read_object(c.object)) for c in gpu_store.get_version(DOC, label).chunks]
+    for layer in (0, 29):
+        for role, got in ((0, ctx.keys[layer]), (1, ctx.values[layer])):
+            want = torch.cat([b.layer_kv(layer)[role] for b in bundles], dim=1)
+            torch.testing.assert_close(got[0].cpu(), want, rtol=1e-5, atol=1e-5)
+    assert generate(gpu_lm, ctx, _question(gpu_lm), max_new_tokens=8).token_ids

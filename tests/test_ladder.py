@@ -214,3 +214,37 @@ def test_shipped_size_recipes_are_the_cli_defaults():
         r = load_recipe(root / name)
         assert r.compress_recipe().as_dict() == CompressRecipe(budget=budget).as_dict(), name
         assert r.label == CompressRecipe(budget=budget).default_label()
+
+
+def test_key_weight_and_lift_are_recipe_options():
+    from kdnctl.compress import CompressRecipe
+    from kdnctl.errors import UsageError
+
+    base = CompressRecipe(budget=0.25)
+    assert CompressRecipe(budget=0.25, key_weight=1).as_dict() == base.as_dict()  # old versions still match
+    kw = CompressRecipe(budget=0.25, key_weight=4, lift="sentences")
+    assert kw.default_label() == "floor-b0.25-k0.95-p64-lsentences-kw4"
+    assert kw.as_dict()["key_weight"] == 4.0 and kw.as_dict()["lift"] == "sentences" and kw.needs_model
+    for bad in ({"key_weight": 0}, {"key_weight": True}, {"lift": "nope"}, {"protect": -1}):
+        with pytest.raises(UsageError):
+            CompressRecipe(budget=0.25, **bad)
+
+
+def test_key_weight_moves_upgrades_to_keys():
+    from kdnctl.quant.ladder import TIERS, LadderQuantizer, row_bytes
+    from kdnctl.sizing import plan_tiers
+
+    g = torch.Generator().manual_seed(3)
+    keys = [torch.randn(2, 64, 64, generator=g) * 2]
+    values = [torch.randn(2, 64, 64, generator=g)]
+    pos = [torch.arange(64).expand(2, 64)]
+    imp = [torch.ones(2, 64)]
+    q = LadderQuantizer(group_size=32)
+    rows = 2 * 64
+    cap = rows * 2 * row_bytes("int3", 64, 32) + rows * 0.5 * (row_bytes("int4", 64, 32) - row_bytes("int3", 64, 32))
+    ups = {}
+    for kw in (1.0, 20.0):
+        maps, _ = plan_tiers(q, keys, values, pos, imp, ("int4", "int3"), cap, key_weight=kw)
+        kt, vt = maps[0]
+        ups[kw] = int((kt == TIERS.index("int4")).sum()), int((vt == TIERS.index("int4")).sum())
+    assert ups[20.0][0] > ups[1.0][0] and ups[20.0][1] < ups[1.0][1]

@@ -55,29 +55,3 @@ def test_scorer_on_the_real_tokenizer(lm):
     assert "36964" in "".join(texts[start:end]).replace(" ", "")
     assert float((imp[0, 0, start:end] - imp[0, 0, start]).abs().max()) < 1.1e-3  # one sentence, one score
 
-
-def test_facts_scores_lift_a_repeated_template_fact(lm):
-    """In context a fact repeating an earlier one's template is predictable; scored alone it is
-    not: ``facts`` ranks it at least as high as ``sentences`` does, and isolated scores use no
-    context (the same sentence scores the same wherever it stands)."""
-    from kdnctl.sentence_scores import facts_scores, isolated_sentence_surprisal
-
-    prose = "ls lists information about the files in the current directory by default.\n"
-    text = ("NAME\nls - list directory contents\n" + "The locker code of the meadow group is 7129.\n" + prose * 3
-            + "The locker code of the juniper group is 9793.\n" + prose)
-    ids = lm.tokenizer(text, add_special_tokens=False).input_ids
-    texts = token_texts(lm.tokenizer, ids)
-    bounds = sentence_bounds(texts)
-    with torch.inference_mode():
-        logits = lm.model(input_ids=torch.tensor([ids])).logits[0].float()
-    surprisal = torch.cat([torch.zeros(1), -torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]])
-    iso = isolated_sentence_surprisal(lm, ids, bounds, batch=2)
-    prose_bounds = [(a, b) for a, b in bounds if "".join(texts[a:b]).strip() == prose.strip()]
-    assert len(prose_bounds) == 4
-    assert len({round(float(iso[a]), 4) for a, _ in prose_bounds}) == 1  # no context: same sentence, same score
-    facts = facts_scores(surprisal, lm, ids, texts)
-    ctx = sentence_surprisal(surprisal, texts)
-    later = next(a for a, b in bounds if "juniper" in "".join(texts[a:b]))
-    rank = lambda x: int((x > x[later]).sum())  # noqa: E731  sentences ahead of the later fact
-    assert rank(facts) <= rank(ctx)
-    assert float(facts.max()) <= 1.0 + 1.1e-3 and float(facts.min()) >= 0

@@ -17,14 +17,15 @@ def compress(
     keep: Optional[float] = typer.Option(None, "--keep", "-k", help="Token eviction: fraction of tokens kept per layer and KV head, 0 < K <= 1."),
     method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`)."),
     allocator: str = typer.Option("uniform", "--allocator", help="Per-layer budget split: uniform | pyramid | adaptive (pyramid:METHOD as --method also works)."),
-    quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: auto (default: floor + 5% eviction where int3 is the best single tier, else uniform) | uniform (the best single tier that fits) | floor (that tier + one-tier upgrades) | ladder (per-token tiers) | int8 | int4 | int3 | int2 | fp16 (eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
-    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid | sentences."),
+    quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: auto (default: floor + 5% eviction where int3 is the best single tier; below it int4 + eviction of whole sentences by mean surprisal; else uniform) | uniform (the best single tier that fits) | floor (that tier + one-tier upgrades) | ladder (per-token tiers) | int8 | int4 | int3 | int2 | fp16 (eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
+    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid | sentences (default hybrid; sentences below the int3 floor with --quant auto)."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
     kvcrush_ratio: Optional[float] = typer.Option(None, "--kvcrush-ratio", help="Share of the budget for KVCrush representatives."),
     anchor: Optional[str] = typer.Option(None, "--anchor", help="KVCrush anchor: random | mean | alternate."),
     page_size: Optional[int] = typer.Option(None, "--page-size", help="KVCrush page size (1 = token level)."),
     protect: Optional[int] = typer.Option(None, "--protect", help="With --budget: the last N tokens (and the prompt header) are never evicted and get precision first."),
     lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder: a second scorer whose top tokens also get precision first (e.g. sentences)."),
+    key_weight: Optional[float] = typer.Option(None, "--key-weight", help="With --budget floor/ladder: a key row's damage relative to a value row's when the solver picks upgrades (default 1)."),
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
     label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),
@@ -52,7 +53,8 @@ def compress(
             budget = 0.25  # the default: a size budget filled by precision first
         recipe = CompressRecipe(budget=budget, keep=keep if keep is not None else 1.0, method=method,
                                 scorer=scorer, quant=quant, group_size=group_size, seed=seed,
-                                method_options=opts, allocator=allocator, protect=protect or 0, lift=lift)
+                                method_options=opts, allocator=allocator, protect=protect or 0, lift=lift,
+                                **({"key_weight": key_weight} if key_weight is not None else {}))
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)

@@ -164,6 +164,10 @@ class LadderQuantizer(Quantizer):
 
         layer, role = prefix.rsplit(".", 1)
         tiers = need(tensors, f"{layer}.tiers")
+        # zlib runs on the host: a bundle placed on a GPU (engine.gpu_transfer) is decoded from
+        # host copies of its (small, coded) tensors and the dense result goes back to its device
+        device = tiers.device
+        tiers = tiers.cpu()
         d = quant_meta.get("head_dim")
         if tiers.dtype != torch.uint8 or tiers.dim() != 2 or not isinstance(d, int) or d < 1:
             raise BundleFormatError(f"{layer}.tiers must be uint8 [H, T] and meta needs head_dim")
@@ -173,7 +177,7 @@ class LadderQuantizer(Quantizer):
             raise BundleFormatError(f"{layer}.tiers holds an unknown tier {int(ids.max())}")
         layout = (quant_meta.get("layouts") or {}).get(role, "channel" if role == "keys" else "token")
         g = group_size_of(quant_meta)
-        codes, params = need(tensors, f"{prefix}.codes"), need(tensors, f"{prefix}.params")
+        codes, params = need(tensors, f"{prefix}.codes").cpu(), need(tensors, f"{prefix}.params").cpu()
         coding = quant_meta.get("coding")
         if coding not in CODINGS:
             raise BundleFormatError(f"unknown code coding {coding!r} in bundle meta")
@@ -217,8 +221,8 @@ class LadderQuantizer(Quantizer):
             out = tf.rotate(out)
         theta = quant_meta.get("key_rope_theta")
         if role == "keys" and theta:
-            out = tf.rope(out, _positions(tensors, layer, h), float(theta))
-        return out
+            out = tf.rope(out, _positions(tensors, layer, h).cpu(), float(theta))
+        return out.to(device)
 
 
 def tier_errors(q: LadderQuantizer, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
