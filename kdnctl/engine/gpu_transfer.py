@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..bundle import KVBundle
+from .dequant import FAST_SCHEMES
 
 
 def pinned_buffer(size: int) -> memoryview:
@@ -27,7 +28,7 @@ def bundle_to_device(bundle: KVBundle, data, device: torch.device) -> KVBundle:
     """``bundle`` with its ``layers.*`` tensors on ``device``; ``data`` is the buffer its views
     point into (tensors that do not, or are misaligned for a typed view, are copied alone)."""
     scheme = (bundle.meta.get("quant") or {}).get("scheme")
-    if scheme is not None and scheme not in ("int8", "int4", "fp8"):
+    if scheme is not None and scheme not in FAST_SCHEMES:
         return bundle  # entropy-coded tiers (ladder) decode on the host; placement copies the result
     host = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
     dev = host.to(device, non_blocking=True)  # asynchronous from pinned memory; the loader syncs
