@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kdnctl.errors import BundleFormatError, ModelMismatchError
+from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
 FORMAT_VERSION = "1.2"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
@@ -309,6 +310,10 @@ def decode_bundle(data, *, expect_fingerprint: str | None = None) -> KVBundle:
         data = bytearray(data)
     if not isinstance(data, (bytearray, memoryview)):
         raise BundleFormatError(f"bundle data must be bytes, got {type(data).__name__}")
+    fast = parse_head_cached(data, len(data))  # a tensor index seen before: its checks are cached
+    if fast is not None:
+        meta, meta_json, digest, n, layout = fast
+        return finish_decode(meta, meta_json, digest, layout_views(layout, data, n), expect_fingerprint, layout)
     header = _parse_header(data)
     meta, meta_json, digest = _load_meta(header)
     # Version first: a future major version may change anything below, including the digest.
@@ -330,15 +335,20 @@ def parse_head(head, total: int) -> tuple[dict[str, Any], str, str | None, int, 
 
 
 def finish_decode(meta: dict[str, Any], meta_json: str, digest: str | None, tensors: dict[str, torch.Tensor],
-                  expect_fingerprint: str | None = None) -> KVBundle:
-    """The checks of ``decode_bundle`` after the tensors exist: header digest, structure, model."""
+                  expect_fingerprint: str | None = None, layout=None) -> KVBundle:
+    """The checks of ``decode_bundle`` after the tensors exist: header digest, structure, model
+    (with ``layout``, kdnctl/bundle_layout.py, the same checks with their index-only parts cached)."""
     try:
-        computed = header_digest(meta_json, tensors) if digest is not None else None
+        computed = None if digest is None else layout.digest(meta_json) if layout is not None \
+            else header_digest(meta_json, tensors)
     except UnicodeEncodeError:
         raise BundleFormatError("bundle metadata is not valid UTF-8 (corrupted?)") from None
     if digest is not None and digest != computed:
         raise BundleFormatError("bundle header checksum mismatch (corrupted metadata or tensor index)")
-    _validate(meta, tensors)
+    if layout is not None:
+        layout.validate(meta, tensors)
+    else:
+        _validate(meta, tensors)
     fp = meta["model_fingerprint"]
     if expect_fingerprint is not None and fp != expect_fingerprint:
         raise ModelMismatchError(

@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..bundle import finish_decode, header_size, parse_head, tensor_name
+from ..bundle import finish_decode, header_size, tensor_name
+from ..bundle_layout import parse_head_cached
 from ..errors import BundleFormatError, StoreCorruptError
 from ..fastread import Verifier, new_buffer
 
@@ -53,9 +54,25 @@ class Plan:
     meta_json: str
     digest: str | None
     n_header: int
-    entries: list[tuple]
+    layout: object  # kdnctl/bundle_layout.py Layout: the tensor index, parsed and checked once
+    recipe: _Recipe
+
+    @property
+    def lens(self) -> list[int]:
+        return self.recipe.lens
+
+
+@dataclass
+class _Recipe:
+    """How a tensor index is placed (derived once per index and model shape): each layer's
+    token count, the entries in file order as ``("kv", layer, role, T)`` or ``("small", name,
+    scratch offset, bytes)``, the scratch size, and the K/V entries' shape-and-dtype stand-ins."""
+
     lens: list[int]
-    kv: dict  # tensor name -> (layer, 0 keys / 1 values) for every layer's dense K/V
+    order: list[tuple]
+    scratch: int
+    small: list[tuple]  # (name, scratch offset, dtype, shape, numel)
+    stand_ins: dict
 
 
 def _read_head(path) -> tuple[bytes, int]:
@@ -83,14 +100,27 @@ def plan(path, hit, *, dtype: torch.dtype, n_layers: int, h_kv: int, head_dim: i
     general path reads, checks and reports it)."""
     head, size = _read_head(path)
     try:
-        meta, meta_json, digest, n, entries = parse_head(head, size)
+        parsed = parse_head_cached(head, size)
     except BundleFormatError:
         return None
+    if parsed is None:
+        return None
+    meta, meta_json, digest, n, layout = parsed
     model = meta.get("model")
     if meta.get("quant") or not isinstance(model, dict) or model.get("n_layers") != n_layers \
             or model.get("n_kv_heads") != h_kv or model.get("head_dim") != head_dim:
         return None
-    shapes = {name: (dt, shape) for _b, _e, name, dt, shape, _n in entries}
+    key = ("placed", dtype, n_layers, h_kv, head_dim)
+    if key not in layout.memo:
+        layout.memo[key] = _recipe(layout, dtype, n_layers, h_kv, head_dim)
+    recipe = layout.memo[key]
+    if recipe is None:
+        return None
+    return Plan(hit, str(path), size, head[: 8 + n], meta, meta_json, digest, n, layout, recipe)
+
+
+def _recipe(layout, dtype, n_layers: int, h_kv: int, head_dim: int) -> _Recipe | None:
+    shapes = layout.shapes
     kv = {name: lr for name in shapes if (lr := _is_kv(name)) is not None}
     if any(lr[0] >= n_layers for lr in kv.values()):
         return None
@@ -101,7 +131,17 @@ def plan(path, hit, *, dtype: torch.dtype, n_layers: int, h_kv: int, head_dim: i
                 or k[1][0] != h_kv or k[1][2] != head_dim:
             return None
         lens.append(k[1][1])
-    return Plan(hit, str(path), size, head[: 8 + n], meta, meta_json, digest, n, entries, lens, kv)
+    order, small, stand_ins, at = [], [], {}, 0
+    for begin, end, name, dt, shape, numel in layout.entries:
+        if name in kv:
+            i, r = kv[name]
+            stand_ins[name] = torch.empty(shape, dtype=dt, device="meta")
+            order.append(("kv", i, r, shape[1]))
+        else:
+            small.append((name, at, dt, tuple(shape), numel))
+            order.append(("small", name, at, end - begin))
+            at += (end - begin + 7) // 8 * 8
+    return _Recipe(lens, order, at, small, stand_ins)
 
 
 def byte_views(bufs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[memoryview, memoryview]]:
@@ -121,39 +161,27 @@ def read_placed(p: Plan, bufs, views, starts: list[int], *, expect_fingerprint: 
     t0 = time.perf_counter()
     check.update(p.head)
     base = 8 + p.n_header
-    small = [e for e in p.entries if e[2] not in p.kv]
-    offs, at = {}, 0
-    for e in small:
-        offs[e[2]] = at
-        at += (e[1] - e[0] + 7) // 8 * 8
-    scratch = new_buffer(at)
+    rc = p.recipe
+    scratch = new_buffer(rc.scratch)
     smv = memoryview(scratch)
-    tensors: dict[str, torch.Tensor] = {}
+    # the bytes of K/V go straight into the cache; the decoder's checks (header digest, shapes,
+    # dtypes) see stand-ins of the same shape and dtype that hold no memory
+    tensors: dict[str, torch.Tensor] = dict(rc.stand_ins)
+    for name, o, dtype, shape, numel in rc.small:
+        tensors[name] = (torch.frombuffer(scratch, dtype=dtype, count=numel, offset=o).view(shape)
+                         if numel else torch.empty(shape, dtype=dtype))
     segs: list[memoryview] = []
-    stand_in: dict[tuple, torch.Tensor] = {}
-    for begin, end, name, dtype, shape, numel in p.entries:
-        layer_role = p.kv.get(name)
-        if layer_role:
-            # the bytes go straight into the cache; the decoder's checks (header digest, shapes,
-            # dtypes) see a stand-in of the same shape and dtype that holds no memory
-            i, r = layer_role
-            key = (dtype, *shape)
-            if key not in stand_in:
-                stand_in[key] = torch.empty(shape, dtype=dtype, device="meta")
-            tensors[name] = stand_in[key]
-            s, t = starts[i], shape[1]
+    for item in rc.order:
+        if item[0] == "kv":
+            _, i, r, t = item
             if t:
-                row = t * shape[2] * dtype.itemsize
-                step = bufs[i][r].shape[2] * shape[2] * dtype.itemsize
-                first = s * shape[2] * dtype.itemsize
+                buf = bufs[i][r]
+                h_kv, cap, d, esz = buf.shape[1], buf.shape[2], buf.shape[3], buf.element_size()
+                row, step, first = t * d * esz, cap * d * esz, starts[i] * d * esz
                 mv = views[i][r]
-                segs.extend(mv[h * step + first : h * step + first + row] for h in range(shape[0]))
-        else:
-            o = offs[name]
-            tensors[name] = (torch.frombuffer(scratch, dtype=dtype, count=numel, offset=o).view(tuple(shape))
-                             if numel else torch.empty(shape, dtype=dtype))
-            if end > begin:
-                segs.append(smv[o : o + end - begin])
+                segs.extend(mv[h * step + first : h * step + first + row] for h in range(h_kv))
+        elif item[3]:
+            segs.append(smv[item[2] : item[2] + item[3]])
     t_read = t_hash = 0.0
     pos, i = base, 0
     fd = os.open(p.path, os.O_RDONLY)
@@ -179,7 +207,7 @@ def read_placed(p: Plan, bufs, views, starts: list[int], *, expect_fingerprint: 
     check.finish()
     t_hash += time.perf_counter() - t1
     t1 = time.perf_counter()
-    bundle = finish_decode(p.meta, p.meta_json, p.digest, tensors, expect_fingerprint)
+    bundle = finish_decode(p.meta, p.meta_json, p.digest, tensors, expect_fingerprint, p.layout)
     if profile is not None:
         profile.read += t_read
         profile.hash += t_hash
