@@ -49,6 +49,7 @@ class Layout:
         self.names = frozenset(e[2] for e in entries)
         self.digest_text = "".join(f"\n{e[2]}|{e[3]}|{list(e[4])}" for e in sorted(entries, key=lambda e: e[2])).encode()
         self.shapes = {e[2]: (e[3], tuple(e[4])) for e in entries}
+        self.strides = {e[2]: (tuple(e[4]), _contiguous_strides(e[4])) for e in entries}
         self._passed: dict[tuple, list] = {}  # meta signature -> content checks still due per chunk
         self.memo: dict = {}  # per-consumer derived facts (kdnctl/engine/placed.py)
 
@@ -92,6 +93,14 @@ class Layout:
                 if f"{base}.q" in self.names and f"{base}.shape" in self.names:
                     plan.append(("shape", f"{base}.shape", [h_kv, t_i, d]))
         return plan
+
+
+def _contiguous_strides(shape) -> tuple:
+    strides, step = [], 1
+    for x in reversed(shape):
+        strides.append(step)
+        step *= max(x, 1)
+    return tuple(reversed(strides))
 
 
 def _meta_sig(meta: dict[str, Any]) -> tuple | None:
@@ -164,18 +173,26 @@ def parse_head_cached(head, total: int):
 
 
 def layout_views(layout: Layout, buf, n_header: int) -> dict[str, torch.Tensor]:
-    """``tensor_views`` of ``buf`` (a writable buffer holding a bundle with this index)."""
+    """``tensor_views`` of ``buf`` (a writable buffer holding a bundle with this index): one
+    typed view of the buffer per dtype, each tensor a strided view of it."""
     base = 8 + n_header
+    typed: dict[torch.dtype, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
     for begin, _end, name, dtype, shape, numel in layout.entries:
-        off = base + begin
+        off, size = base + begin, dtype.itemsize
         if numel == 0:
-            t = torch.empty(shape, dtype=dtype)
-        elif off % dtype.itemsize:
-            t = torch.frombuffer(bytearray(buf[off : off + numel * dtype.itemsize]), dtype=dtype).view(shape)
+            tensors[name] = torch.empty(shape, dtype=dtype)
+        elif off % size:  # misaligned for its dtype: one small copy instead of a view
+            tensors[name] = torch.frombuffer(bytearray(buf[off : off + numel * size]), dtype=dtype).view(shape)
         else:
-            t = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(tuple(shape))
-        tensors[name] = t
+            whole = typed.get(dtype)
+            if whole is None:
+                whole = typed[dtype] = torch.frombuffer(buf, dtype=dtype, count=(len(buf) - base) // size,
+                                                        offset=base) if base % size == 0 else None
+            if whole is None:
+                tensors[name] = torch.frombuffer(buf, dtype=dtype, count=numel, offset=off).view(tuple(shape))
+            else:
+                tensors[name] = whole.as_strided(layout.strides[name][0], layout.strides[name][1], begin // size)
     return tensors
 
 

@@ -63,16 +63,40 @@ def dequantize_layers_into(out: torch.Tensor, tensors, names: list[str], quant_m
     layers x 2 roles x 32 chunks dominates a load; stacking the codes first makes it a
     handful per chunk. Every tensor is checked exactly as :func:`dequantize_into` checks it."""
     fmt, g, layout = _quant_params(names[0], quant_meta)
-    parts = [_checked(tensors, n, fmt, g, layout) for n in names]
     if any(_quant_params(n, quant_meta) != (fmt, g, layout) for n in names):
         raise BundleFormatError(f"{names[0]}..: layers differ in format; load them one by one")
-    shape = parts[0][3]
-    if any(tuple(p[3]) != tuple(shape) for p in parts) or tuple(out.shape) != (len(names), *shape):
-        raise BundleFormatError(f"{names[0]}..: shapes {[list(p[3]) for p in parts]} do not fit {list(out.shape)}")
+    if _uniform(tensors, names):
+        # every layer's tensors have one set of dtypes and shapes, and one stored shape: the
+        # first layer's full check holds for all of them
+        shapes = [_checked(tensors, names[0], fmt, g, layout)[3]] * len(names)
+    else:
+        shapes = [_checked(tensors, n, fmt, g, layout)[3] for n in names]
+    if any(tuple(s) != tuple(shapes[0]) for s in shapes) or tuple(out.shape) != (len(names), *shapes[0]):
+        raise BundleFormatError(f"{names[0]}..: shapes {[list(s) for s in shapes]} do not fit {list(out.shape)}")
     if out.numel() == 0:
         return
-    q, s, z = (torch.stack([p[i] for p in parts]).to(out.device, non_blocking=True) for i in range(3))
+    q, s, z = (torch.stack([tensors[f"{n}.{part}"] for n in names]).to(out.device, non_blocking=True)
+               for part in ("q", "scale", "zero"))
     _decode_groups(out, q, s, z, fmt, g, layout)
+
+
+def _uniform(tensors, names: list[str]) -> bool:
+    """All of ``names`` have q/scale/zero of one dtype and shape each, and one stored shape."""
+    try:
+        seen = {tuple((t.dtype, tuple(t.shape)) for t in (tensors[f"{n}.q"], tensors[f"{n}.scale"], tensors[f"{n}.zero"]))
+                for n in names}
+        has_shape = {f"{n}.shape" in tensors for n in names}
+    except KeyError:
+        return False
+    if len(seen) != 1 or len(has_shape) != 1:
+        return False
+    if has_shape.pop():
+        shapes = [tensors[f"{n}.shape"] for n in names]
+        if len({(t.dtype, tuple(t.shape)) for t in shapes}) != 1 or shapes[0].dim() != 1:
+            return False
+        if len({tuple(r) for r in torch.stack(shapes).tolist()}) != 1:
+            return False
+    return True
 
 
 def _decode_groups(out: torch.Tensor, q, s, z, fmt: str, g: int, layout: str) -> None:

@@ -140,7 +140,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     directly (kdnctl/engine/placed.py) are not copied again (``placed``: none needs a copy)."""
     if not bundles:
         raise NotFoundError("no chunks to load")
-    n_layers = bundles[0].n_layers
+    n_layers, device = bundles[0].n_layers, lm.device
     lens = [[b.layer_len(i) for i in range(n_layers)] for b in bundles]
     h_kv, d = int(bundles[0].meta["model"]["n_kv_heads"]), int(bundles[0].meta["model"]["head_dim"])
     totals, offsets = _offsets(lens)
@@ -148,12 +148,12 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     # one [L, H, T, D] tensor per role, layers as views, when every layer holds as many tokens:
     # a chunk's layers are then dequantized in one stacked operation (dequantize_layers_into)
     # instead of one per layer (kernel launches on a GPU, Python and dispatch on a CPU)
-    if bufs is None and lm.device.type == "cpu":
+    if bufs is None and device.type == "cpu":
         from ..arena import kv_arena
 
         bufs, stacked = kv_arena(totals, h_kv, d, room, lm.dtype)
     elif bufs is None and len(set(totals)) == 1:
-        stacked = tuple(torch.empty(n_layers, h_kv, totals[0] + room, d, device=lm.device, dtype=lm.dtype)
+        stacked = tuple(torch.empty(n_layers, h_kv, totals[0] + room, d, device=device, dtype=lm.dtype)
                         for _ in "kv")
         bufs = [(stacked[0][i][None], stacked[1][i][None]) for i in range(n_layers)]
     elif bufs is None:
@@ -174,7 +174,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                                            [tensor_name(i, role) for i in range(n_layers)], quant)
                 prof.add("dequantize", t0)
                 n_done = n_layers
-            elif not quantized[0] and lm.device.type != "cpu":  # (on a CPU: no gain from the stack's copy)
+            elif not quantized[0] and device.type != "cpu":  # (on a CPU: no gain from the stack's copy)
                 kv = [b.layer_kv(i) for i in range(n_layers)]
                 stacked[0][:, :, s : s + t].copy_(torch.stack([k for k, _ in kv]))
                 stacked[1][:, :, s : s + t].copy_(torch.stack([v for _, v in kv]))
@@ -208,7 +208,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
         if any(b.layer(layer, "bias") is not None for b in bundles):
             bs = [b.layer(layer, "bias").float() if b.layer(layer, "bias") is not None
                   else torch.zeros(lm.summary["n_q_heads"], lens[c][layer]) for c, b in enumerate(bundles)]
-            bias[layer] = torch.cat(bs, dim=1).to(device=lm.device, dtype=lm.dtype)
+            bias[layer] = torch.cat(bs, dim=1).to(device=device, dtype=lm.dtype)
     token_ids: list[int] = []
     for b in bundles:
         token_ids.extend(b.token_ids.tolist())
@@ -237,8 +237,9 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
     chunk is refused)."""
     checked = isinstance(store, LocalObjects)  # files we can read and check ourselves
     hits = list(hits)
+    device = lm.device  # (a property that walks the model's parameters: read it once)
     slots: list = [None] * len(hits)
-    if checked and lm.device.type != "cuda":  # pooled memory (faulted in by earlier loads), catalog sizes
+    if checked and device.type != "cuda":  # pooled memory (faulted in by earlier loads), catalog sizes
         from ..arena import READ_POOL, byte_slices
 
         sizes = [max(0, int(ref.nbytes)) for _, ref in hits]
@@ -252,7 +253,7 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
         if checked:
             from ..fastread import check_bytes, read_into
 
-            if lm.device.type == "cuda":  # page-locked memory: the host-to-device copy runs async
+            if device.type == "cuda":  # page-locked memory: the host-to-device copy runs async
                 from .gpu_transfer import pinned_buffer as alloc
             else:
                 alloc = lambda n: slot if slot is not None and n == len(slot) else None  # noqa: E731
@@ -269,10 +270,10 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
             raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
                                     hint="run `kdnctl verify`; the version record is damaged or was tampered with")
         t0 = prof.add("decode", t0)
-        if lm.device.type == "cuda":  # one transfer per object; placement is then on the device
+        if device.type == "cuda":  # one transfer per object; placement is then on the device
             from .gpu_transfer import bundle_to_device
 
-            b = bundle_to_device(b, data, lm.device)
+            b = bundle_to_device(b, data, device)
             prof.add("place", t0)
         if profile is not None:
             with _PROFILE_LOCK:
@@ -293,11 +294,11 @@ def _load_placed(lm: LoadedModel, store: ReadStore, hits, profile: LoadProfile |
 
     if not hits or lm.device.type != "cpu":
         return None
-    s = lm.summary
+    s, dtype = lm.summary, lm.dtype
     t0 = time.perf_counter()
     plans = []
     for hit in hits:
-        p = placed.plan(store.object_path(hit[1].object), hit, dtype=lm.dtype, n_layers=s["n_layers"],
+        p = placed.plan(store.object_path(hit[1].object), hit, dtype=dtype, n_layers=s["n_layers"],
                         h_kv=s["n_kv_heads"], head_dim=s["head_dim"])
         if p is None:
             return None
