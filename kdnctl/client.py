@@ -280,40 +280,43 @@ class RemoteStore:
             if self.on_block is not None:
                 self.on_block(sha, part.got)
 
-        for attempt in range(self.retries + 1):
-            self._count("requests")
-            resumed = part.got > 0
-            try:
+        try:
+            for attempt in range(self.retries + 1):
+                self._count("requests")
+                resumed = part.got > 0
                 try:
-                    fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
+                    try:
+                        fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
+                    except Refused as exc:
+                        if path == plain or exc.status not in (403, 410):
+                            raise
+                        self._links.pop(sha, None)  # expired, or the server restarted with a new secret
+                        path = plain
+                        fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
+                    if resumed and part.stitched:
+                        self._count("resumed")
+                    got = part.hasher.hexdigest()
+                    if new_hasher is not hashlib.sha256:  # BLAKE3 checked: report it as the name
+                        got = sha if got == b3 else f"blake3:{got}"
+                    return part.buf, got, part.stitched
+                except WrongSize as exc:
+                    raise StoreCorruptError(f"object {sha[:12]} from {self.url}: {exc}; refused",
+                                            hint="check the served store with `kdnctl verify`") from None
                 except Refused as exc:
-                    if path == plain or exc.status not in (403, 410):
-                        raise
-                    self._links.pop(sha, None)  # expired, or the server restarted with a new secret
-                    path = plain
-                    fetch_once(self._pool, path, self._headers, f'"{sha}"', part, on_bytes)
-                if resumed and part.stitched:
-                    self._count("resumed")
-                got = part.hasher.hexdigest()
-                if new_hasher is not hashlib.sha256:  # BLAKE3 checked: report it as the name
-                    got = sha if got == b3 else f"blake3:{got}"
-                return part.buf, got, part.stitched
-            except WrongSize as exc:
-                raise StoreCorruptError(f"object {sha[:12]} from {self.url}: {exc}; refused",
-                                        hint="check the served store with `kdnctl verify`") from None
-            except Refused as exc:
-                if exc.status == 404:
-                    raise NotFoundError(f"object {sha[:12]} is not on {self.url} (missing there, "
-                                        "or not visible to this token)") from None
-                self._refused(exc.status, exc.reason, exc.body, f"object {sha[:12]}")
-            except (OSError, http.client.HTTPException, Retry) as exc:
-                err = f"{type(exc).__name__}: {exc}"
-            if attempt == self.retries:
-                raise RemoteError(f"download of object {sha[:12]} from {self.url} failed after "
-                                  f"{attempt + 1} attempt(s): {err}")
-            self._count("retries")
-            self._backoff(attempt)
-        raise AssertionError("unreachable")
+                    if exc.status == 404:
+                        raise NotFoundError(f"object {sha[:12]} is not on {self.url} (missing there, "
+                                            "or not visible to this token)") from None
+                    self._refused(exc.status, exc.reason, exc.body, f"object {sha[:12]}")
+                except (OSError, http.client.HTTPException, Retry) as exc:
+                    err = f"{type(exc).__name__}: {exc}"
+                if attempt == self.retries:
+                    raise RemoteError(f"download of object {sha[:12]} from {self.url} failed after "
+                                      f"{attempt + 1} attempt(s): {err}")
+                self._count("retries")
+                self._backoff(attempt)
+            raise AssertionError("unreachable")
+        finally:
+            part.close()  # (a failed download's hash lane stops too)
 
     def read_object(self, sha: str, *, verify: bool = True) -> bytearray:
         """The verified bytes of object ``sha``, in a writable ``bytearray`` (the decoder makes

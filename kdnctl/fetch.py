@@ -20,6 +20,7 @@ environment (``HTTP_PROXY``, ``HTTPS_PROXY``, ``NO_PROXY``) is honoured like htt
 from __future__ import annotations
 
 import http.client
+import queue
 import re
 import threading
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ from urllib.request import getproxies, proxy_bypass
 
 from .fastread import new_buffer
 
-SLICE_BYTES = 4 << 20  # received, hashed and reported (on_block) per slice
+SLICE_BYTES = 2 << 20  # received, hashed (on the hash lane, while the next one arrives) and reported per slice
+LANE_MIN_BYTES = 2 * SLICE_BYTES  # smaller objects are hashed inline (a thread costs more than it saves)
 MAX_OBJECT_BYTES = 1 << 40  # a Content-Length beyond this is a broken or hostile server
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
@@ -99,6 +101,44 @@ class ConnectionPool:
             conn.close()
 
 
+class HashLane:
+    """A hasher fed on a thread of its own: ``update`` queues a slice and returns at once, so
+    the caller receives the next slice while this one is hashed (the socket read and the BLAKE3
+    / sha256 update both release the GIL: on two cores they run side by side). Slices are hashed
+    in the order given; ``hexdigest`` waits for every queued slice first, so nothing is reported
+    (or handed to the caller) before every byte has been hashed. The queued slices are views of
+    the download buffer, which therefore stays referenced (out of the pool) until then."""
+
+    def __init__(self, hasher):
+        self._hasher, self._error = hasher, None
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kdn-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._hasher.update(item)
+                except BaseException as exc:  # (reported by hexdigest, on the caller's thread)
+                    self._error = exc
+
+    def update(self, data) -> None:
+        self._queue.put(data)
+
+    def close(self) -> None:
+        """Wait for the queued slices (idempotent)."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def hexdigest(self) -> str:
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self._hasher.hexdigest()
+
+
 @dataclass
 class Partial:
     """A download in progress: the buffer (sized from the first answer), bytes received and
@@ -111,12 +151,18 @@ class Partial:
     stitched: bool = False
     hasher: object = field(default=None)
 
+    def close(self) -> None:
+        if isinstance(self.hasher, HashLane):
+            self.hasher.close()
+
     def restart(self, size: int) -> None:
         from .arena import FETCH_POOL
 
-        self.buf = None  # (a retry's old buffer goes back first)
+        self.close()  # (the old lane's slices view the old buffer)
+        self.buf = self.hasher = None  # (a retry's old buffer goes back first)
         self.buf = FETCH_POOL.take(size, exact=True) if size else new_buffer(0)
-        self.got, self.hasher = 0, self.new_hasher()
+        self.got = 0
+        self.hasher = HashLane(self.new_hasher()) if size >= LANE_MIN_BYTES else self.new_hasher()
 
 
 def _content_length(resp: http.client.HTTPResponse) -> int:

@@ -20,7 +20,7 @@ from kdnctl.errors import NotFoundError, RemoteError, StoreCorruptError
 from kdnctl.fastread import blake3_hex, new_buffer
 from kdnctl.store import ChunkRef, VersionRecord
 
-SIZE = 5 * (1 << 20) + 12345  # more than one 4 MB slice, and an odd length
+SIZE = 5 * (1 << 20) + 12345  # several slices (hashed on the hash lane), and an odd length
 
 
 class Origin:
@@ -194,3 +194,25 @@ def test_the_proxy_environment_applies_to_downloads_too(origin, monkeypatch):
         monkeypatch.setenv(name, "kdn.invalid")
     with RemoteStore("http://kdn.invalid:8700", retries=0) as remote, pytest.raises(RemoteError):
         remote.read_object(sha)  # not proxied: the name does not resolve
+
+
+def test_the_hash_lane_hashes_every_slice_in_order_before_answering():
+    from kdnctl.fetch import LANE_MIN_BYTES, HashLane
+
+    assert SIZE >= LANE_MIN_BYTES  # the downloads above go through the lane
+    data = os.urandom(3 << 20)
+    lane = HashLane(hashlib.sha256())
+    view = memoryview(data)
+    for at in range(0, len(data), 100_003):  # uneven slices, queued faster than hashed
+        lane.update(view[at : at + 100_003])
+    assert lane.hexdigest() == hashlib.sha256(data).hexdigest()
+    lane.close()  # idempotent once answered
+
+    class Broken:
+        def update(self, _):
+            raise ValueError("hasher failed")
+
+    bad = HashLane(Broken())
+    bad.update(b"x")
+    with pytest.raises(ValueError, match="hasher failed"):
+        bad.hexdigest()
