@@ -63,7 +63,8 @@ def dequantize_layers_into(out: torch.Tensor, tensors, names: list[str], quant_m
     layers x 2 roles x 32 chunks dominates a load; stacking the codes first makes it a
     handful per chunk. Every tensor is checked exactly as :func:`dequantize_into` checks it."""
     fmt, g, layout = _quant_params(names[0], quant_meta)
-    if any(_quant_params(n, quant_meta) != (fmt, g, layout) for n in names):
+    role = names[0].rsplit(".", 1)[-1]  # (the parameters depend on the name only through its role)
+    if any(n.rsplit(".", 1)[-1] != role for n in names):
         raise BundleFormatError(f"{names[0]}..: layers differ in format; load them one by one")
     if _uniform(tensors, names):
         # every layer's tensors have one set of dtypes and shapes, and one stored shape: the
@@ -83,12 +84,13 @@ def dequantize_layers_into(out: torch.Tensor, tensors, names: list[str], quant_m
 def _uniform(tensors, names: list[str]) -> bool:
     """All of ``names`` have q/scale/zero of one dtype and shape each, and one stored shape."""
     try:
-        seen = {tuple((t.dtype, tuple(t.shape)) for t in (tensors[f"{n}.q"], tensors[f"{n}.scale"], tensors[f"{n}.zero"]))
-                for n in names}
-        has_shape = {f"{n}.shape" in tensors for n in names}
+        parts = [(tensors[f"{n}.q"], tensors[f"{n}.scale"], tensors[f"{n}.zero"]) for n in names]
     except KeyError:
         return False
-    if len(seen) != 1 or len(has_shape) != 1:
+    if len({(q.dtype, s.dtype, z.dtype, q.shape, s.shape, z.shape) for q, s, z in parts}) != 1:
+        return False
+    has_shape = {f"{n}.shape" in tensors for n in names}
+    if len(has_shape) != 1:
         return False
     if has_shape.pop():
         shapes = [tensors[f"{n}.shape"] for n in names]
@@ -122,7 +124,16 @@ def _decode_groups(out: torch.Tensor, q, s, z, fmt: str, g: int, layout: str) ->
             codes = q[..., lo:hi].unflatten(-1, (ng, glen))
             sc, ze = s[..., gs, None], z[..., gs, None]
         # same arithmetic as the reference: float32 code * float32 scale + float32 zero
-        if out.dtype == torch.float32:  # in place in the cache: no temporaries
+        if out.dtype == torch.float32 and out.device.type == "cpu" and axis == -2:
+            # in place in the cache, two passes: the codes, then zero + code * scale in one
+            # (the CPU addcmul rounds the product, then the sum, like the reference:
+            # tests/test_load_path.py checks the results are equal bit for bit). Measured per
+            # 256-token chunk of 30 layers: 0.25 ms against 0.5 for three passes when groups run
+            # along tokens (keys); with groups along the head dimension (values) the broadcast is
+            # innermost and addcmul is slower (1.0 ms against 0.25): three passes there.
+            dst.copy_(codes)
+            torch.addcmul(ze.float(), dst, sc.float(), out=dst)
+        elif out.dtype == torch.float32:  # in place in the cache: no temporaries
             dst.copy_(codes)
             dst.mul_(sc)
             dst.add_(ze)
