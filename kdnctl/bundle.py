@@ -20,20 +20,15 @@ from typing import Any
 import torch
 
 from kdnctl.errors import BundleFormatError, ModelMismatchError
+from .bundle_header import (  # noqa: F401  (re-exported: the header format's names live there)
+    ALLOWED_METADATA_KEYS as _ALLOWED_METADATA_KEYS, DIGEST_KEY, MAX_HEADER as _MAX_HEADER, META_KEY, SUPPORTED_MAJOR,
+    check_version as _check_version, header_size, load_meta as _load_meta, parse_header as _parse_header, read_meta,
+)
 from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
 FORMAT_VERSION = "1.2"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
 # 1.2: ladder coding "zlib+params" (scales/zeros zlib-coded, stored as uint8)
-SUPPORTED_MAJOR = 1
-
-# safetensors __metadata__ keys kdnctl writes. The header digest guards the metadata and the
-# tensor index (names, dtypes, shapes): a single flipped byte in the header could otherwise
-# change a doc id or a dtype and still parse. Payload bytes are guarded by the content
-# address of the object in the store.
-META_KEY = "kdnctl"
-DIGEST_KEY = "kdnctl_sha256"
-_ALLOWED_METADATA_KEYS = {META_KEY, DIGEST_KEY}
 
 REQUIRED_META_KEYS = (
     "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",
@@ -43,9 +38,6 @@ REQUIRED_META_KEYS = (
 REQUIRED_MODEL_KEYS = ("n_layers", "n_kv_heads", "head_dim")
 QUANT_SUFFIXES = (".q", ".scale", ".zero")
 
-# A header larger than this is certainly a corrupted length field, not a real bundle
-# (a 30-layer bundle header is a few KB); refusing early avoids a huge allocation.
-_MAX_HEADER = 64 << 20
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
 
 # Ingest statistics are stored as float16 except ``surprisal`` (one float32 per token).
@@ -248,55 +240,6 @@ def _canonical_header(data: bytes) -> bytes:
     return struct.pack("<Q", len(text)) + text + data[8 + n :]
 
 
-def _parse_header(data, total: int | None = None) -> dict[str, Any]:
-    """The JSON header of a bundle whose first bytes are ``data`` (the whole bundle, or at least
-    its header when ``total``, the bundle's length, is given)."""
-    total = len(data) if total is None else total
-    if len(data) < 8:
-        raise BundleFormatError(f"bundle is truncated ({len(data)} bytes, not even a header length)")
-    (n,) = struct.unpack_from("<Q", data, 0)
-    if n > _MAX_HEADER or 8 + n > total or 8 + n > len(data):
-        raise BundleFormatError(
-            f"bundle is truncated or not a safetensors file (header length {n}, {total} bytes)"
-        )
-    try:
-        header = json.loads(bytes(data[8 : 8 + n]).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise BundleFormatError("bundle header is not valid safetensors JSON (corrupted?)") from None
-    if not isinstance(header, dict):
-        raise BundleFormatError("bundle header is not a JSON object (corrupted?)")
-    return header
-
-
-def _load_meta(header: dict[str, Any]) -> tuple[dict[str, Any], str, str | None]:
-    md = header.get("__metadata__")
-    if not isinstance(md, dict) or META_KEY not in md:
-        raise BundleFormatError("not a kdnctl bundle: safetensors metadata has no 'kdnctl' entry")
-    unknown = sorted(set(md) - _ALLOWED_METADATA_KEYS)
-    if unknown:
-        raise BundleFormatError(f"unexpected safetensors metadata key(s) {unknown} (corrupted?)")
-    meta_json = md[META_KEY]
-    try:
-        meta = json.loads(meta_json)
-    except (TypeError, ValueError, RecursionError):
-        raise BundleFormatError("bundle metadata 'kdnctl' is not valid JSON (corrupted?)") from None
-    if not isinstance(meta, dict):
-        raise BundleFormatError("bundle metadata 'kdnctl' is not a JSON object")
-    return meta, meta_json, md.get(DIGEST_KEY)
-
-
-def _check_version(meta: dict[str, Any]) -> None:
-    v = meta.get("format_version")
-    m = re.fullmatch(r"(\d{1,9})\.(\d{1,9})", v) if isinstance(v, str) else None
-    if m is None:
-        raise BundleFormatError(f"bundle format_version {v!r} is not 'major.minor'")
-    if int(m.group(1)) != SUPPORTED_MAJOR:
-        raise BundleFormatError(
-            f"bundle format version {v} is not supported (this reader supports "
-            f"{SUPPORTED_MAJOR}.x); upgrade kdnctl or re-ingest"
-        )
-
-
 def decode_bundle(data, *, expect_fingerprint: str | None = None) -> KVBundle:
     """Parse and validate bundle bytes. Malformed -> BundleFormatError; other model ->
     ModelMismatchError (only when expect_fingerprint is given).
@@ -346,7 +289,7 @@ def finish_decode(meta: dict[str, Any], meta_json: str, digest: str | None, tens
     if digest is not None and digest != computed:
         raise BundleFormatError("bundle header checksum mismatch (corrupted metadata or tensor index)")
     if layout is not None:
-        layout.validate(meta, tensors)
+        layout.validate(meta, tensors, _validate)
     else:
         _validate(meta, tensors)
     fp = meta["model_fingerprint"]
@@ -480,22 +423,3 @@ def _validate_bias(tensors, i: int, model: dict, t_i: int) -> None:
         raise BundleFormatError(
             f"layers.{i}.bias must be float [H_q={h_q}, T_i={t_i}], got {bias.dtype} {list(bias.shape)}"
         )
-
-
-def header_size(first8: bytes) -> int:
-    """Bytes a bundle's header occupies (8-byte length + JSON), from its first 8 bytes."""
-    if len(first8) < 8:
-        raise BundleFormatError(f"bundle is truncated ({len(first8)} bytes, not even a header length)")
-    (n,) = struct.unpack("<Q", first8[:8])
-    if n > _MAX_HEADER:
-        raise BundleFormatError(f"bundle header length {n} is not plausible (corrupted?)")
-    return 8 + n
-
-
-def read_meta(head: bytes) -> dict[str, Any]:
-    """A bundle's kdnctl metadata from its first ``header_size`` bytes, tensors unread.
-
-    Only as trustworthy as the bytes: use it on verified objects (the store's content address)."""
-    meta, _, _ = _load_meta(_parse_header(bytes(head)))
-    _check_version(meta)
-    return meta

@@ -3,7 +3,7 @@
 A document's chunks share one tensor index: the same names, dtypes, shapes and offsets, chunk
 after chunk (a quantized 30-layer chunk holds 242 small tensors). Turning that index into
 tensor views, checking it as strictly as the safetensors reader (``tensor_index``), formatting
-it for the header digest and checking the structure against the meta (``bundle._validate``)
+it for the header digest and checking the structure against the meta (the decoder's structure check)
 cost about a millisecond per chunk in Python. Here that work is done once per distinct index
 and reused; per chunk there remain the JSON parse of the chunk's own metadata, the sha256
 header digest over that metadata plus the cached index text, and the checks of the few tensor
@@ -31,6 +31,10 @@ from typing import Any
 
 import torch
 
+from .bundle_header import MAX_HEADER, check_version, load_meta
+from .errors import BundleFormatError
+from .tensor_views import tensor_index
+
 _PREFIX = '{"__metadata__":'
 _DECODER = json.JSONDecoder()
 _MAX_LAYOUTS = 64
@@ -57,23 +61,23 @@ class Layout:
         """``bundle.header_digest`` of a bundle with this index (same bytes hashed)."""
         return hashlib.sha256(meta_json.encode("utf-8") + self.digest_text).hexdigest()
 
-    def validate(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """``bundle._validate(meta, tensors)`` for tensors laid out as this index says."""
-        from .bundle import _validate
-
+    def validate(self, meta: dict[str, Any], tensors: dict[str, torch.Tensor], full_check) -> None:
+        """``full_check(meta, tensors)`` (the bundle decoder's structure check) for tensors laid
+        out as this index says: run in full once per meta signature, then only its checks of
+        tensor contents."""
         sig = _meta_sig(meta)
         due = self._passed.get(sig) if sig is not None else None
         if due is not None:
             if _contents_ok(tensors, due):
                 return
-            _validate(meta, tensors)  # raises the general check's own error
+            full_check(meta, tensors)  # raises the general check's own error
             return
-        _validate(meta, tensors)
+        full_check(meta, tensors)
         if sig is not None and len(self._passed) < _MAX_SIGS:
             self._passed[sig] = self._content_plan(meta)
 
     def _content_plan(self, meta: dict[str, Any]) -> list:
-        """The checks of tensor contents ``_validate`` made for this index and meta signature."""
+        """The checks of tensor contents the structure check made for this index and meta signature."""
         from .bundle import tensor_name
 
         model = meta["model"]
@@ -104,7 +108,7 @@ def _contiguous_strides(shape) -> tuple:
 
 
 def _meta_sig(meta: dict[str, Any]) -> tuple | None:
-    """Exactly the meta fields ``bundle._validate`` reads (types included: ``True`` is not 1),
+    """Exactly the meta fields the structure check (``bundle``) reads (types included: ``True`` is not 1),
     or None when they are unusual enough to always take the full check."""
     from .bundle import REQUIRED_META_KEYS, REQUIRED_MODEL_KEYS
 
@@ -132,14 +136,11 @@ def _contents_ok(tensors: dict[str, torch.Tensor], plan: list) -> bool:
 def parse_head_cached(head, total: int):
     """``bundle.parse_head(head, total)`` through the layout cache: ``(meta, meta_json, digest,
     n_header, layout)``, or None when the general path must parse (and judge) this header."""
-    from .bundle import _MAX_HEADER, _check_version, _load_meta
-    from .errors import BundleFormatError
-    from .tensor_views import tensor_index
 
     if len(head) < 8:
         return None
     (n,) = struct.unpack_from("<Q", head, 0)
-    if n > _MAX_HEADER or 8 + n > total or 8 + n > len(head):
+    if n > MAX_HEADER or 8 + n > total or 8 + n > len(head):
         return None
     try:
         text = bytes(head[8 : 8 + n]).decode("utf-8")
@@ -167,8 +168,8 @@ def parse_head_cached(head, total: int):
                 _CACHE.popitem(last=False)
     if layout.payload != total - 8 - n:
         return None
-    meta, meta_json, digest = _load_meta({"__metadata__": md})
-    _check_version(meta)
+    meta, meta_json, digest = load_meta({"__metadata__": md})
+    check_version(meta)
     return meta, meta_json, digest, n, layout
 
 
