@@ -23,7 +23,9 @@ Columns (time to first token, seconds):
 * full prefill: document + question from scratch.
 
 A second table compares load alone (no question): kdnctl's load of the ``full`` version against
-``torch.load`` / ``load_file`` of the same tensors. The third: ingest tokens/s against a bare
+``torch.load`` / ``load_file`` of the same tensors, in wall time and in the process's CPU time
+(both loads run on one thread: on a machine shared with other jobs, CPU time is what the load
+itself costs, wall time adds however long it waited for a core). The third: ingest tokens/s against a bare
 forward pass over the same tokens (``bare_prefill_seconds``), with the statistics' cost.
 ``--profile`` adds the per-step breakdown of the stored path (one worker, so steps add up).
 """
@@ -65,11 +67,13 @@ def corpus_text(tokenizer, n_tokens: int) -> str:
     return tokenizer.decode(ids[: n_tokens - 30])
 
 
-def _timed(fn, lm) -> float:
-    t = time.perf_counter()
+def _timed_cpu(fn, lm) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process): on a machine shared with other jobs the wall
+    time of a memory-bound load swings with whatever else runs; its CPU time much less."""
+    c, t = time.process_time(), time.perf_counter()
     fn()
     sync(lm)
-    return time.perf_counter() - t
+    return time.perf_counter() - t, time.process_time() - c
 
 
 def med(fn, n: int) -> float:
@@ -250,17 +254,20 @@ def main() -> None:
             # load alone: each loader's repetitions back to back after one untimed warm-up, so each
             # reuses the memory its previous call freed (glibc for torch.load / load_file, the
             # buffer pool for kdnctl): every loader in its own steady state
-            load_alone = {}
+            load_alone, load_cpu = {}, {}
             for name, fn in (("tl", torch_loader(pt, lm.device)), ("sl", st_loader(st, n_layers, lm.device)),
                              ("kd", lambda: load_document(lm, store, doc.doc_id)),
                              ("i8", lambda: load_document(lm, store, doc.doc_id, "b1-int8"))):
                 fn()
-                load_alone[name] = med(lambda: _timed(fn, lm), reps)
+                both = [_timed_cpu(fn, lm) for _ in range(reps)]
+                load_alone[name] = statistics.median(w for w, _ in both)
+                load_cpu[name] = statistics.median(c for _, c in both)
             kd_load, i8_load = load_alone["kd"], load_alone["i8"]
             full = med(lambda: full_prefill_generate(lm, ctx.token_ids, question, max_new_tokens=1).ttft_s, slow_reps)
             m = statistics.median
             rows.append((len(ids), oracle, oracle_old, full_kv, int8_kv, m(x[1] for x in tl), m(x[1] for x in sl), full))
-            loads.append((len(ids), ctx.nbytes / 1e6, kd_load, i8_load, load_alone["tl"], load_alone["sl"]))
+            loads.append((len(ids), ctx.nbytes / 1e6, kd_load, i8_load, load_alone["tl"], load_alone["sl"],
+                          load_cpu["kd"], load_cpu["tl"]))
             ingests.append((len(ids), len(ids) / ingest_s, len(ids) / bare, report))
             if args.profile:
                 for label in ("full", "b1-int8"):
@@ -281,10 +288,12 @@ def main() -> None:
         print(f"| {n} | {o:.3f} | {oo:.3f} | {f:.3f} | {i8:.3f} | {tl:.3f} | {sl:.3f} | {pf:.3f} | {pf / f:.1f}x | "
               f"{f / o:.2f}, {i8 / o:.2f} |")
     print("\nLoad alone (no question), seconds:\n")
-    print("| context tokens | MB (full) | kdnctl load full | kdnctl load b1-int8 | torch.load | safetensors load_file | kdnctl full / torch.load |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for n, mb, kd, i8, tl, sl in loads:
-        print(f"| {n} | {mb:.0f} | {kd:.3f} | {i8:.3f} | {tl:.3f} | {sl:.3f} | {kd / tl:.2f} |")
+    print("| context tokens | MB (full) | kdnctl load full | kdnctl load b1-int8 | torch.load | safetensors load_file | "
+          "kdnctl full / torch.load | CPU s: kdnctl full, torch.load | kdnctl full / torch.load (CPU) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, mb, kd, i8, tl, sl, kd_cpu, tl_cpu in loads:
+        print(f"| {n} | {mb:.0f} | {kd:.3f} | {i8:.3f} | {tl:.3f} | {sl:.3f} | {kd / tl:.2f} | "
+              f"{kd_cpu:.3f}, {tl_cpu:.3f} | {kd_cpu / max(tl_cpu, 1e-9):.2f} |")
     print("\nIngest vs bare prefill:\n")
     print("| context tokens | ingest tok/s | bare prefill tok/s | ingest/bare | prefill + statistics s | "
           "statistics s (vs bare) | write s |")
