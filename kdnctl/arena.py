@@ -128,6 +128,6 @@ def kv_arena(totals: list[int], h_kv: int, head_dim: int, room: int, dtype: torc
 
 
 def _address(buf: bytearray) -> int:
-    import numpy as np
+    import ctypes
 
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data) if len(buf) else 0
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf)) if len(buf) else 0

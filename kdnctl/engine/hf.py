@@ -141,7 +141,9 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     if not bundles:
         raise NotFoundError("no chunks to load")
     n_layers, device = bundles[0].n_layers, lm.device
-    lens = [[b.layer_len(i) for i in range(n_layers)] for b in bundles]
+    names = set().union(*(b.tensors.keys() for b in bundles))  # every tensor name of any chunk
+    per_layer = any(tensor_name(i, "positions") in names for i in range(n_layers))
+    lens = [[b.layer_len(i) for i in range(n_layers)] if per_layer else [b.n_tokens] * n_layers for b in bundles]
     h_kv, d = int(bundles[0].meta["model"]["n_kv_heads"]), int(bundles[0].meta["model"]["head_dim"])
     totals, offsets = _offsets(lens)
     stacked = None
@@ -205,7 +207,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
     bias = {}
     for layer in range(n_layers):
-        if any(b.layer(layer, "bias") is not None for b in bundles):
+        if tensor_name(layer, "bias") in names:
             bs = [b.layer(layer, "bias").float() if b.layer(layer, "bias") is not None
                   else torch.zeros(lm.summary["n_q_heads"], lens[c][layer]) for c, b in enumerate(bundles)]
             bias[layer] = torch.cat(bs, dim=1).to(device=device, dtype=lm.dtype)
