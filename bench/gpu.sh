@@ -55,6 +55,8 @@ for s in "$@"; do
         n=${SHARDS:-12}
         echo "=== qshards: $n processes: ${QUALITY_ARGS:-}" | tee -a "$OUT/summary.txt"
         t=$SECONDS
+        # convert the GGUF once, before N processes would race to
+        python3 -c "from kdnctl.model import load_model; load_model(device='cuda')" || rc=1
         for i in $(seq 0 $((n - 1))); do
             python3 bench/quality.py --device cuda --shard "$i/$n" --store "/tmp/bq$i" --out "$OUT/q$i.json" \
                 ${QUALITY_ARGS:-} > "$OUT/q$i.log" 2>&1 &
