@@ -6,8 +6,9 @@ twice. Here, for a load whose chunks are all dense and stored in the cache's dty
 cross it once:
 
 1. ``plan``: read each object's header only (a few KB) and run every check ``decode_bundle``
-   makes before it looks at tensor bytes (``bundle.parse_head``); the header gives each
-   layer's token count, so the cache is allocated before any payload is read.
+   makes before it looks at tensor bytes (``bundle_layout.parse_head_cached``: a tensor index
+   seen before is not parsed again; the placement derived from it is kept with it); the header
+   gives each layer's token count, so the cache is allocated before any payload is read.
 2. ``read_placed``: one ``preadv`` per layer scatters the object's bytes, in file order,
    straight into their final places: each head's keys/values into its slice of the cache
    buffer (a contiguous run of ``T * D`` elements), the small tensors (token ids, positions,
