@@ -6,7 +6,9 @@ and a final ``bytes(buf)`` copy) held it near 250 MB/s on loopback. Here one kee
 ``http.client`` connection per concurrent download receives the body straight into one
 preallocated ``bytearray`` of the announced size (``readinto`` on big slices: the socket read
 releases the GIL and fills each slice in one call), and each slice is hashed as soon as it has
-arrived, from the same buffer (BLAKE3 when the catalog recorded it, else sha256). The caller
+arrived, from the same buffer (BLAKE3 when the catalog recorded it, else sha256), on a hash lane
+of its own (``HashLane``) while the next slice is received; the buffer is handed back only after
+the last slice is hashed. The caller
 gets that buffer: no copy between the socket and the decoder. Buffers come from a pool
 (kdnctl/arena.py) of exact-size bytearrays that nothing references any more: writing into fresh
 memory (first-touch page faults) bounded downloads at ~0.7 GB/s here, into memory a previous
