@@ -8,6 +8,8 @@
 #   ttft       bench/ttft.py --device cuda --profile (the README's GPU table)
 #   kbench     bench/kernels.py (Triton vs torch reference timings on the GPU)
 #   quality    bench/quality.py on CUDA with $QUALITY_ARGS
+#   qshards    the same split over $SHARDS processes (--shard I/N, one store each; the host CPU,
+#              where compress runs, is the limit), then --merge into $OUT/quality.json
 # Logs go to $OUT (the device tool's folder) or ./gpu-out. The model travels as two halves
 # because one call carries at most 64 MiB; its sha256 is checked after joining.
 set -u
@@ -49,6 +51,18 @@ for s in "$@"; do
     ttft) stage ttft python3 bench/ttft.py --device cuda --profile --sizes "${TTFT_SIZES:-1024,2048,4096,8000}" --repeats 5 ;;
     kbench) stage kbench python3 bench/kernels.py ;;
     quality) stage quality python3 bench/quality.py --device cuda ${QUALITY_ARGS:-} ;;
+    qshards)
+        n=${SHARDS:-12}
+        echo "=== qshards: $n processes: ${QUALITY_ARGS:-}" | tee -a "$OUT/summary.txt"
+        t=$SECONDS
+        for i in $(seq 0 $((n - 1))); do
+            python3 bench/quality.py --device cuda --shard "$i/$n" --store "/tmp/bq$i" --out "$OUT/q$i.json" \
+                ${QUALITY_ARGS:-} > "$OUT/q$i.log" 2>&1 &
+        done
+        wait
+        echo "=== qshards: done in $((SECONDS - t)) s" | tee -a "$OUT/summary.txt"
+        stage merge python3 bench/quality.py --merge "$OUT"/q[0-9]*.json --out "$OUT/quality.json" --plot "$OUT/quality.png"
+        ;;
     *) echo "unknown stage $s" >&2; rc=2 ;;
     esac
 done

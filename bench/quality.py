@@ -175,10 +175,19 @@ def main() -> None:
     ap.add_argument("--per-task", action="store_true",
                     help="ingest and compress each task's document right before evaluating it (with --deadline "
                          "a cut-off run spent no time on documents it did not evaluate)")
+    ap.add_argument("--shard", default=None, metavar="I/N",
+                    help="evaluate only every N-th task from the I-th (0-based), after --interleave: N processes "
+                         "with their own --store and --out split one run; --merge joins their results")
+    ap.add_argument("--skip-done", nargs="*", default=[], metavar="JSON",
+                    help="leave out the tasks already evaluated in these results files (resume a cut-off run)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="no evaluation: join the results files of shards of one run into --out and print the table")
     ap.add_argument("--deadline", default=None,
                     help="HH:MM (machine clock) or +SECONDS: start no new task after it; the results JSON is rewritten "
                          "after every task, so a cut-off run still reports the tasks it finished")
     args = ap.parse_args()
+    if args.merge:
+        return merge(args)
 
     import torch
 
@@ -194,6 +203,11 @@ def main() -> None:
     store = Store(store_dir)
     if args.interleave:
         tasks = interleave(tasks)
+    done = {t["id"] for f in args.skip_done for t in json.loads(Path(f).read_text())["tasks"]}
+    tasks = [t for t in tasks if t.id not in done]
+    if args.shard:
+        i, n = (int(x) for x in args.shard.split("/"))
+        tasks = tasks[i::n]
     recon = cache_reconstruct_scores(store_dir / "bench-cache" / "reconstruct")
     recipes = ([] if args.no_default_recipes else default_recipes(compress_options())) + args.recipe
     timings = {spec: {"recipe": spec, "seconds": 0.0, "reconstruct_seconds": 0.0, "statuses": set()} for spec in recipes}
@@ -271,6 +285,33 @@ def main() -> None:
     per = {v["label"]: v.get("eval_seconds") for v in result["versions"]}
     print(f"\neval: {eval_s:.1f}s for {len(tasks)} tasks x {len(result['versions'])} versions "
           f"(per version: {', '.join(f'{k} {s:.0f}s' for k, s in per.items() if s is not None)}); results: {out_path}")
+    if args.plot:
+        from kdnctl.evaluation.plot import plot_quality_vs_bytes
+
+        print(f"plot: {plot_quality_vs_bytes(result, args.plot)}")
+
+
+def merge(args) -> None:
+    """``--merge A.json B.json ...``: one table over the union of the shards' tasks (every ratio
+    recomputed over the union, tasks in the interleaved order of the task file)."""
+    from kdnctl.evaluation.tasks import load_tasks, merge_results
+
+    parts = [json.loads(Path(f).read_text()) for f in args.merge]
+    tasks = load_tasks(parts[0].get("task_file") or args.tasks)
+    order = [t.id for t in (interleave(tasks) if parts[0].get("interleave") else tasks)]
+    result = merge_results(parts, order)
+    keep = ("task_file", "device", "dtype", "interleave", "per_task", "threads")
+    result.update({k: parts[0].get(k) for k in keep})
+    result["recipes"] = [r for p in parts[:1] for r in p.get("recipes", [])]
+    result["shards"] = [{"file": f, "n_tasks": p["n_tasks"], "deadline": p.get("deadline"),
+                         "eval_seconds": p.get("eval_seconds"), "ingest_seconds": p.get("ingest_seconds"),
+                         "compress_seconds": round(sum(r["seconds"] for r in p.get("recipes", [])), 2)}
+                        for f, p in zip(args.merge, parts)]
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(out_path, result)
+    print(markdown(result))
+    print(f"\nmerged {len(parts)} parts: {result['n_tasks']} tasks; results: {out_path}")
     if args.plot:
         from kdnctl.evaluation.plot import plot_quality_vs_bytes
 

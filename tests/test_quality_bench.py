@@ -8,6 +8,8 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
+
 from conftest import REPO
 
 SET = REPO / "examples" / "eval" / "realtext.jsonl"
@@ -61,3 +63,33 @@ def test_per_task_run_stops_at_the_deadline_with_results_written(tmp_path):
         st.close()
     rec = {r["recipe"]: r for r in result["recipes"]}["--budget 1 --quant int8"]
     assert rec["label"] == "int8-b1" and rec["statuses"] == ["compressed"]
+
+
+def test_merged_shards_score_like_one_run():
+    """Shards of one run, merged, give the same scores, ratios and byte fractions as the whole
+    set scored at once (per-task records pooled, nothing averaged twice)."""
+    from kdnctl.evaluation.tasks import Task, _result, merge_results
+
+    tasks = [Task(id=f"t{i}", kind=("needle", "multifact", "continuation")[i % 3], text="", answer=str(i))
+             for i in range(11)]
+    labels = ["full", "x"]
+
+    def rec(t, label):
+        if t.kind == "continuation":
+            return {"nll": 2.0 + 0.1 * int(t.answer) + (0.3 if label == "x" else 0)}
+        return {"answer": "a", "correct": (int(t.answer) + (label == "x")) % 2 == 0, "distracted": False,
+                "nll": 1.0 + 0.05 * int(t.answer)}
+
+    def run(ts):
+        results = {l: {t.id: rec(t, l) for t in ts} for l in labels}
+        sizes = {l: {"stored": 1000 * len(ts) * (1 if l == "full" else 0.25), "kv": 900 * len(ts), "tokens": 10 * len(ts),
+                     "seconds": 0.5 * len(ts), "recipe": {"step": l}} for l in labels}
+        return _result(labels, results, sizes, ts, 100)
+
+    whole = run(tasks)
+    merged = merge_results([run(tasks[0::3]), run(tasks[1::3]), run(tasks[2::3])], order=[t.id for t in tasks])
+    assert [t["id"] for t in merged["tasks"]] == [t.id for t in tasks]
+    assert merged["versions"] == whole["versions"]
+    assert merged["versions"][1]["ratio_vs_full"]["continuation"] > 1  # not trivially equal
+    with pytest.raises(ValueError, match="more than one part"):
+        merge_results([run(tasks[:3]), run(tasks[2:5])])

@@ -257,7 +257,38 @@ def summarise(label: str, res: dict, full: dict, tasks: list[Task], size: dict, 
     out["kv_bytes_per_token"] = round(size["kv"] / tokens, 1) if tokens else None
     out["fp16_fraction"] = round(size["kv"] / (tokens * per_token_fp16), 4) if tokens else None
     out["stored_fp16_fraction"] = round(size["stored"] / (tokens * per_token_fp16), 4) if tokens else None
+    out["totals"] = {k: size[k] for k in ("stored", "kv", "tokens", "seconds")}  # what merge_results sums
     return out
+
+
+def merge_results(parts: list[dict], order: list[str] | None = None) -> dict:
+    """One result from several ``evaluate_tasks`` results over disjoint task sets (shards of one
+    run, e.g. ``bench/quality.py --shard I/N`` on separate processes): per-task records are
+    pooled and every score and ratio is recomputed over the union, as if one process had run it.
+    ``order`` (task ids) fixes the order of the merged tasks."""
+    if not parts:
+        raise ValueError("nothing to merge")
+    labels = list(dict.fromkeys(v["label"] for p in parts for v in p["versions"]))
+    results: dict[str, dict[str, dict]] = {l: {} for l in labels}
+    sizes = {l: {"stored": 0, "kv": 0, "tokens": 0, "seconds": 0.0, "recipe": {}} for l in labels}
+    tasks: dict[str, Task] = {}
+    for p in parts:
+        for t in p["tasks"]:
+            if t["id"] in tasks:
+                raise ValueError(f"task {t['id']} is in more than one part")
+            tasks[t["id"]] = Task(id=t["id"], kind=t["kind"], text="", answer=t["answer"])
+            for l, rec in t["by_version"].items():
+                results[l][t["id"]] = rec
+        for v in p["versions"]:
+            if "totals" not in v:
+                raise ValueError(f"part without byte totals for {v['label']} (written by an older bench/quality.py)")
+            s = sizes[v["label"]]
+            for k in ("stored", "kv", "tokens", "seconds"):
+                s[k] += v["totals"][k]
+            s["recipe"] = v["recipe"]
+    rank = {tid: i for i, tid in enumerate(order or [])}
+    ordered = sorted(tasks.values(), key=lambda t: (rank.get(t.id, len(rank)), t.id))
+    return _result(labels, results, sizes, ordered, parts[0]["fp16_bytes_per_token"])
 
 
 def format_table(result: dict) -> str:
