@@ -158,6 +158,8 @@ def main() -> None:
     ap.add_argument("--kinds", default=None, help="comma-separated: needle,multifact,continuation")
     ap.add_argument("--limit", type=int, default=None, help="first N tasks of each kind")
     ap.add_argument("--recipe", action="append", default=[], help='kdnctl compress arguments, e.g. "--budget 1 --quant int4"')
+    ap.add_argument("--recipe-file", default=None, help="more recipes, one kdnctl compress argument list per line "
+                    "(# comments)")
     ap.add_argument("--no-default-recipes", action="store_true")
     ap.add_argument("--versions", default="", help="extra labels already in the store to evaluate")
     ap.add_argument("--max-new-tokens", type=int, default=24)
@@ -209,7 +211,9 @@ def main() -> None:
         i, n = (int(x) for x in args.shard.split("/"))
         tasks = tasks[i::n]
     recon = cache_reconstruct_scores(store_dir / "bench-cache" / "reconstruct")
-    recipes = ([] if args.no_default_recipes else default_recipes(compress_options())) + args.recipe
+    from_file = [l.split("#")[0].strip() for l in Path(args.recipe_file).read_text().splitlines()] if args.recipe_file else []
+    recipes = (([] if args.no_default_recipes else default_recipes(compress_options())) + args.recipe
+               + [r for r in from_file if r])
     timings = {spec: {"recipe": spec, "seconds": 0.0, "reconstruct_seconds": 0.0, "statuses": set()} for spec in recipes}
     label_of: dict[str, str] = {}  # recipe -> label
     ingest_s = 0.0
