@@ -92,7 +92,7 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
     """``--quant auto`` (the default with a budget), from what was measured (docs/compression.md,
     ``bench/results/gpu-h100/quality-acceptance``: 125 real-text tasks, one run):
 
-    * where int4 does not hold every token (below ~0.31: the default 0.25 and 0.083): every
+    * where int4 does not hold every token (below ~0.32: the default 0.25 and 0.083): every
       kept token at int4 and the cap evicts the rest, whole sentences by their mean surprisal
       (``sentences`` scorer, no KVCrush representatives), the prompt header and the last 64
       tokens kept. At 0.25 it kept 56/58 needles and 20/38 facts (full 58/58, 20/38) at +1.6%
