@@ -55,15 +55,18 @@ for s in "$@"; do
         n=${SHARDS:-12}
         echo "=== qshards: $n processes: ${QUALITY_ARGS:-}" | tee -a "$OUT/summary.txt"
         t=$SECONDS
+        mkdir -p /tmp/qs
         # convert the GGUF once, before N processes would race to
         python3 -c "from kdnctl.model import load_model; load_model(device='cuda')" || rc=1
         for i in $(seq 0 $((n - 1))); do
-            python3 bench/quality.py --device cuda --shard "$i/$n" --store "/tmp/bq$i" --out "$OUT/q$i.json" \
-                ${QUALITY_ARGS:-} > "$OUT/q$i.log" 2>&1 &
+            python3 bench/quality.py --device cuda --shard "$i/$n" --store "/tmp/bq$i" --out "/tmp/qs/q$i.json" \
+                ${QUALITY_ARGS:-} > "/tmp/qs/q$i.log" 2>&1 &
         done
         wait
         echo "=== qshards: done in $((SECONDS - t)) s" | tee -a "$OUT/summary.txt"
-        stage merge python3 bench/quality.py --merge "$OUT"/q[0-9]*.json --out "$OUT/quality.json" --plot "$OUT/quality.png"
+        # the device tool brings back at most 8 files: the shards travel as one archive
+        tar czf "$OUT/shards.tgz" -C /tmp/qs .
+        stage merge python3 bench/quality.py --merge /tmp/qs/q[0-9]*.json --out "$OUT/quality.json" --plot "$OUT/quality.png"
         ;;
     *) echo "unknown stage $s" >&2; rc=2 ;;
     esac

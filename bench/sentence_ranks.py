@@ -5,7 +5,7 @@ sentences by mean surprisal (``kdnctl.sentence_scores``). No model forward: surp
 from the stored ingest statistics (``--reconstruct`` adds the offline reconstruction scorer,
 cached like ``bench/quality.py`` does).
 
-    python bench/sentence_ranks.py --store .bench-quality --limit 11 [--keep 0.25] [--reconstruct]
+    python bench/sentence_ranks.py --store .bench-quality --limit 11 [--keep 0.25] [--reconstruct] [--local 64,128]
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None)
     ap.add_argument("--keep", type=float, default=0.25)
     ap.add_argument("--reconstruct", action="store_true")
+    ap.add_argument("--local", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="windows W of the sentences-local scorer to compare, e.g. 64,128")
     ap.add_argument("--isolated", action="store_true", help="also: each sentence's mean surprisal with no document "
                     "before it (one batched forward over the sentences)")
     args = ap.parse_args()
@@ -36,7 +38,7 @@ def main() -> None:
     from kdnctl.evaluation.tasks import load_tasks
     from kdnctl.model import load_model
     from kdnctl.scoring import _rank01, compute_importance
-    from kdnctl.sentence_scores import sentence_bounds, sentence_surprisal, token_texts
+    from kdnctl.sentence_scores import local_sentence_scores, sentence_bounds, sentence_surprisal, token_texts
     from kdnctl.store import Store
 
     torch.set_num_threads(1)
@@ -59,6 +61,8 @@ def main() -> None:
         texts = token_texts(lm.tokenizer, ids)
         s = stats["surprisal"].float().reshape(-1)
         scores = {"token surprisal": s, "sentence mean surprisal": sentence_surprisal(s, texts)}
+        for w in args.local:
+            scores[f"sentences-local W={w}"] = local_sentence_scores(lm, s, ids, window=w)
         if args.reconstruct:
             n_layers = bundles[0].n_layers
             dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]

@@ -1,7 +1,7 @@
 """Recipes: a TOML file naming a pipeline's steps and their settings.
 
     name = "size-0.25"
-    label = "floor-b0.25-k0.95-p64"      # optional: label of the final version
+    label = "int4-b0.25-p64-sentences"   # optional: label of the final version
     [ingest]
     chunk_tokens = 256
     window = 32

@@ -50,3 +50,76 @@ def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
     """Each token decoded alone (byte-level pieces that are not whole characters decode to a
     replacement character, which never ends a sentence)."""
     return [tokenizer.decode([int(i)]) for i in token_ids]
+
+
+LOCAL_WINDOW = 64  # tokens of context before each sentence for the local surprisal
+
+
+def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, int]], window: int = LOCAL_WINDOW,
+                             batch_tokens: int = 8192) -> torch.Tensor:
+    """``[S]`` per sentence: the mean -log p of its tokens given only the ``window`` tokens before
+    it (one padded forward per batch of sentences, logits only where a sentence token is
+    predicted). A fact stated in a repeated template ("The locker code of the juniper group is
+    9793.") is predictable given the whole document once the template has been seen, but not
+    given its neighbourhood: this is the surprisal of a fact where it stands."""
+    rows = [(max(0, a - window), a, b) for a, b in bounds]
+    out = torch.zeros(len(rows))
+    order = sorted(range(len(rows)), key=lambda r: rows[r][2] - rows[r][0])
+    batch: list[int] = []
+
+    def run(idx: list[int]) -> None:
+        n = max(rows[r][2] - rows[r][0] for r in idx)
+        x = torch.zeros(len(idx), n, dtype=torch.long)
+        mask = torch.zeros(len(idx), n, dtype=torch.long)
+        scored = torch.zeros(len(idx), n, dtype=torch.bool)  # position j predicts token j+1
+        for i, r in enumerate(idx):
+            c, a, b = rows[r]
+            x[i, :b - c] = torch.tensor(token_ids[c:b])
+            mask[i, :b - c] = 1
+            scored[i, max(a - c - 1, 0):b - c - 1] = True
+        dev = lm.device
+        with torch.inference_mode():
+            hidden = lm.model.model(input_ids=x.to(dev), attention_mask=mask.to(dev)).last_hidden_state
+            sel = scored.to(dev)
+            logits = lm.model.lm_head(hidden[sel]).float()
+            target = x.to(dev)[:, 1:][sel[:, :-1]] if n > 1 else x.new_zeros(0).to(dev)
+            nll = (torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None])[:, 0]).cpu()
+        per_row = scored.sum(1).tolist()
+        for i, (r, k) in enumerate(zip(idx, per_row)):
+            start = sum(per_row[:i])
+            out[r] = nll[start:start + k].mean() if k else 0.0
+
+    for r in order:
+        c, a, b = rows[r]
+        if batch and (len(batch) + 1) * (b - c) > batch_tokens:
+            run(batch)
+            batch = []
+        batch.append(r)
+    if batch:
+        run(batch)
+    return out
+
+
+def local_sentence_scores(lm, surprisal: torch.Tensor, token_ids: list[int], window: int = LOCAL_WINDOW) -> torch.Tensor:
+    """``[T]`` scores of the ``sentences-local`` scorer: per sentence the better of two ranks (in
+    [0, 1] over the document's sentences), its mean surprisal given the whole document (as
+    ``sentences``: a needle that does not belong where it stands) and given only the ``window``
+    tokens before it (``local_sentence_surprisal``: facts in a repeated template); ties break
+    by the token's own surprisal as in ``sentence_surprisal``."""
+    s = surprisal.float().reshape(-1)
+    t = s.shape[0]
+    bounds = sentence_bounds(token_texts(lm.tokenizer, token_ids))
+    whole = torch.tensor([float(s[a:b].mean()) for a, b in bounds])
+    local = local_sentence_surprisal(lm, token_ids, bounds, window)
+    best = torch.maximum(_ranks(whole), _ranks(local))
+    out = torch.zeros(t)
+    for (a, b), v in zip(bounds, best.tolist()):
+        out[a:b] = v
+    if t > 1:
+        out += 1e-3 * s.argsort().argsort().float() / (t - 1)
+    return out
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    n = x.shape[0]
+    return x.argsort().argsort().float() / max(n - 1, 1)

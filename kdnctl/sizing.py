@@ -72,9 +72,8 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
     return (TIERS[-1],)
 
 
-FLOOR_KEEP = 0.95  # the default floor recipe gives the 5% least important tokens' bytes to upgrades
-FLOOR_PROTECT = 64  # ... and never evicts the last 64 tokens (nor the prompt header), lifting them first
-EVICT_TIER = "int4"  # below the int3 floor: kept tokens at int4, the cap evicts the rest by sentence
+FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the prompt header)
+EVICT_TIER = "int4"  # where int4 does not hold every token: kept tokens at int4, the cap evicts the rest by sentence
 EVICT_SCORER = "sentences"
 
 
@@ -90,23 +89,20 @@ class AutoRecipe:
 
 
 def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
-    """``--quant auto`` (the default with a budget), from what was measured (docs/compression.md):
+    """``--quant auto`` (the default with a budget), from what was measured (docs/compression.md,
+    ``bench/results/gpu-h100/quality-acceptance``: 125 real-text tasks, one run):
 
-    * where the best single tier that holds every token is int3 (budgets ~0.24-0.29, so the
-      default 0.25): ``floor`` keeping 95% of the tokens, i.e. every kept row at int3 and the
-      bytes of the 5% least important tokens (KVCrush, hybrid scorer) lift rows to int4: first
-      the prompt header and the last 64 tokens (never evicted), then the most important rows;
-    * where not even int3 holds every token (below ~0.24, e.g. 0.083): every kept token at int4
-      and the cap evicts the rest, whole sentences by their mean surprisal (``sentences``
-      scorer, no KVCrush representatives), the prompt header and the last 64 tokens kept. At
-      0.083 it kept 6/6 needles where int2 + KVCrush eviction kept 1/6 (int3 + the same
-      eviction 4/6);
+    * where int4 does not hold every token (below ~0.32: the default 0.25 and 0.083): every
+      kept token at int4 and the cap evicts the rest, whole sentences by their mean surprisal
+      (``sentences`` scorer, no KVCrush representatives), the prompt header and the last 64
+      tokens kept. At 0.25 it kept 56/58 needles and 20/38 facts (full 58/58, 20/38) at +1.6%
+      continuation NLL, where the earlier default (every row at int3, the 5% least important
+      tokens' bytes lifting rows to int4) kept 55/58 and 18/38 and int3 for every token 56/58
+      and 11/38: a missing token costs fewer answers than a third bit lost on every token;
     * elsewhere ``uniform``: the most precise single tier that holds every token."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
     best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
-    if best == "int3":
-        return AutoRecipe("floor", FLOOR_KEEP, FLOOR_PROTECT)
-    if best in ("int2", None):
+    if best is None or TIERS.index(best) > TIERS.index(EVICT_TIER):
         return AutoRecipe(EVICT_TIER, 1.0, FLOOR_PROTECT, EVICT_SCORER, 0.0)
     return AutoRecipe("uniform")
 

@@ -16,6 +16,22 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples" / "corpus"
 
+# Torch intra-op threads for the whole run, and through OMP_NUM_THREADS for every subprocess
+# and Ray worker it starts: KDNCTL_TEST_THREADS (default 1; 0 = torch's own default). The suite
+# is mostly small ops (decode steps, short prefills, per-layer statistics); on a shared 2-core
+# machine a second spinning thread per process made them 3-5x slower, not faster
+# (bench/threads.py; bench/quality.py runs on one thread for the same reason).
+TEST_THREADS = int(os.environ.get("KDNCTL_TEST_THREADS", "1"))
+if TEST_THREADS > 0:
+    os.environ.setdefault("OMP_NUM_THREADS", str(TEST_THREADS))
+
+
+def pytest_configure(config):
+    if TEST_THREADS > 0:
+        import torch
+
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 # Models loaded once per session; in-process CLI runs get them through the library's
 # injection point (kdnctl.model.use_loaded_models) instead of loading their own.

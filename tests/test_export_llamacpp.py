@@ -70,16 +70,18 @@ def env(tmp_path_factory, lm):
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     tok = lm.tokenizer
     stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
-    yield {"store": st, "qa": qa, "fmt": fmt, "stops": stops, "tmp": tmp_path_factory.mktemp("states")}
+    # each document's stored tokens, read once (reading a whole version for them costs a second)
+    ids = {d.doc_id: read_document_kv(st, d.doc_id, "full").token_ids for d in docs}
+    yield {"store": st, "qa": qa, "fmt": fmt, "stops": stops, "ids": ids, "tmp": tmp_path_factory.mktemp("states")}
     st.close()
 
 
-def own_state(runner, env, doc_id: str, kv_type: str = "f16", *, ctx_ids=None):
+def own_state(runner, env, doc_id: str, kv_type: str = "f16"):
     """llama.cpp's own state of the whole document (its own prefill, saved with its own
     ``llama_state_seq_save_file``): made once per document and KV type, then reused."""
     path = env["tmp"] / f"{doc_id}.full.{kv_type}.own.bin"
     if not path.exists():
-        ctx_ids = ctx_ids or read_document_kv(env["store"], doc_id, "full").token_ids
+        ctx_ids = env["ids"][doc_id]
         runner.prefill(ctx_ids)
         runner.save_state(path, ctx_ids)
     return path
@@ -91,9 +93,9 @@ def _answers(runner, env, lm, label, *, own: bool, kv_type: str = "f16", docs=No
     out = []
     tok = lm.tokenizer
     for doc_id in docs or sorted({i.doc for i in env["qa"]}):
-        ctx_ids = read_document_kv(env["store"], doc_id, "full").token_ids
+        ctx_ids = env["ids"][doc_id]
         if own:
-            path = own_state(runner, env, doc_id, kv_type, ctx_ids=ctx_ids)
+            path = own_state(runner, env, doc_id, kv_type)
         else:
             path = env["tmp"] / f"{doc_id}.{label}.{kv_type}.kdn.bin"
             export_llamacpp(env["store"], doc_id, path, label=label, gguf=default_gguf_path(),
@@ -181,7 +183,8 @@ def test_state_layout_equals_llamacpps_own_and_keys_need_the_permutation(env, lm
     doc = read_document_kv(env["store"], doc_id, "full")
     ours = tmp_path / "ours.bin"
     export_llamacpp(env["store"], doc_id, ours, gguf=default_gguf_path())
-    theirs = own_state(runner, env, doc_id, ctx_ids=doc.token_ids)  # llama.cpp's own prefill, saved
+    assert doc.token_ids == env["ids"][doc_id]
+    theirs = own_state(runner, env, doc_id)  # llama.cpp's own prefill, saved
     a, b = ours.read_bytes(), theirs.read_bytes()
     assert len(a) == len(b)
     n_tok = len(doc.token_ids)
@@ -220,7 +223,7 @@ def test_q8_0_export_is_hadamard_rotated_and_answers_like_llamacpp_q8_0_prefill(
         assert res.info["flash_attn"] is True and res.info["kv_rotation"] == ({"k": 64, "v": 64} if rot else
                                                                              {"k": 0, "v": 0})
     with LlamaCppRunner(default_gguf_path(), n_ctx=N_CTX, kv_type="q8_0") as runner:
-        theirs = own_state(runner, env, item.doc, "q8_0", ctx_ids=doc.token_ids)  # also the answers' baseline
+        theirs = own_state(runner, env, item.doc, "q8_0")  # also the answers' baseline
         assert runner.load_state(paths[True]) == n
         # one document's questions (8): a llama.cpp pass over all 40 takes many minutes on 2 cores
         own = _answers(runner, env, lm, "full", own=True, kv_type="q8_0", docs=[item.doc])

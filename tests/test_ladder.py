@@ -170,14 +170,17 @@ def test_floor_lifts_rows_one_tier_above_the_uniform_one():
 def test_recipe_labels_and_when_scores_are_needed():
     from kdnctl.compress import CompressRecipe
 
-    # the default at 0.25: int3 floor, the 5% least important tokens' bytes lift rows to int4 (scored)
+    # the default at 0.25: int4 for every kept token, whole sentences evicted by mean surprisal
     d = CompressRecipe()
-    assert (d.quant, d.keep, d.protect, d.default_label()) == ("floor", 0.95, 64, "floor-b0.25-k0.95-p64")
+    assert (d.quant, d.keep, d.protect, d.scorer, d.default_label()) == ("int4", 1.0, 64, "sentences", "int4-b0.25-p64-sentences")
     assert d.needs_model and d.as_dict()["protect"] == 64 and d.build_press(24).recent_tokens == 64
+    full4 = CompressRecipe(budget=0.31)  # int4 holds every token: one tier, nothing evicted, no scores
+    assert (full4.quant, full4.keep, full4.needs_model) == ("uniform", 1.0, False)
+    assert CompressRecipe(budget=0.25, quant="floor", keep=0.95, protect=64).default_label() == "floor-b0.25-k0.95-p64"
     u = CompressRecipe(budget=0.25, quant="uniform")  # one tier that fits every token: no scores needed
     assert u.default_label() == "uniform-b0.25" and not u.needs_model and u.keep == 1.0
     assert CompressRecipe(budget=0.6).quant == "uniform"
-    # below the int3 floor: int4 for every kept token, whole sentences evicted by mean surprisal
+    # the same rule at 0.083
     low = CompressRecipe(budget=0.083)
     assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("int4", 1.0, 64, "sentences", {"ratio": 0.0})
     assert low.default_label() == "int4-b0.083-p64-sentences"
@@ -185,7 +188,7 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(budget=0.083, method_options={"ratio": 0.5}).method_options == {"ratio": 0.5}
     mine = CompressRecipe(budget=0.083, scorer="hybrid")  # a scorer of one's own keeps KVCrush's representatives
     assert mine.scorer == "hybrid" and mine.method_options == {}
-    assert CompressRecipe(budget=0.25).scorer == "hybrid"
+    assert CompressRecipe(budget=0.25, quant="floor").scorer == "hybrid"
     assert CompressRecipe(budget=0.25, quant="ladder").needs_model
     q8 = CompressRecipe(budget=1.0, quant="int8")  # fits everywhere: nothing to rank, no model pass
     assert q8.default_label() == "int8-b1" and not q8.needs_model
@@ -220,9 +223,9 @@ def test_key_weight_and_lift_are_recipe_options():
     from kdnctl.compress import CompressRecipe
     from kdnctl.errors import UsageError
 
-    base = CompressRecipe(budget=0.25)
-    assert CompressRecipe(budget=0.25, key_weight=1).as_dict() == base.as_dict()  # old versions still match
-    kw = CompressRecipe(budget=0.25, key_weight=4, lift="sentences")
+    base = CompressRecipe(budget=0.25, quant="floor")
+    assert CompressRecipe(budget=0.25, quant="floor", key_weight=1).as_dict() == base.as_dict()  # old versions still match
+    kw = CompressRecipe(budget=0.25, quant="floor", keep=0.95, protect=64, key_weight=4, lift="sentences")
     assert kw.default_label() == "floor-b0.25-k0.95-p64-lsentences-kw4"
     assert kw.as_dict()["key_weight"] == 4.0 and kw.as_dict()["lift"] == "sentences" and kw.needs_model
     for bad in ({"key_weight": 0}, {"key_weight": True}, {"lift": "nope"}, {"protect": -1}):

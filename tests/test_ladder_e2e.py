@@ -59,13 +59,17 @@ def _fp16(st, doc):
     return fp16_bytes(v.n_tokens, m["n_layers"], m["n_kv_heads"], m["head_dim"])
 
 
+def _stored_and_cap(st, doc, label, budget):
+    """The version, its stored bytes (whole objects: headers too) and its byte cap."""
+    v = st.get_version(doc, label)
+    return v, sum(len(st.read_object(c.object)) for c in v.chunks), budget * _fp16(st, doc)
+
+
 @pytest.mark.parametrize("budget", [0.25, 0.15, 0.083])
 @pytest.mark.parametrize("doc", list(DOCS))
 def test_byte_cap_includes_everything(store, doc, budget):
-    v = store.get_version(doc, f"ladder-b{budget:g}-surprisal")
-    stored = sum(len(store.read_object(c.object)) for c in v.chunks)  # whole objects: headers too
+    v, stored, cap = _stored_and_cap(store, doc, f"ladder-b{budget:g}-surprisal", budget)
     assert stored == v.nbytes
-    cap = budget * _fp16(store, doc)
     assert stored <= cap
     assert stored >= 0.9 * cap  # the ladder fills the budget rather than leaving it unused
     metas = [read_meta(store.read_object(c.object)) for c in v.chunks]
@@ -81,9 +85,7 @@ def test_floor_fills_the_cap_with_upgrades_not_evictions(store, doc, budget):
     """``--quant floor``: every row at least at the best uniform tier, the bytes left lift rows
     one tier; an overflow of the first plan takes upgrades back, then lowers the floor one tier,
     never evicts unless even the lowest tier does not fit (0.083: int2 plus forced eviction)."""
-    v = store.get_version(doc, f"floor-b{budget:g}-surprisal")
-    stored = sum(len(store.read_object(c.object)) for c in v.chunks)
-    cap = budget * _fp16(store, doc)
+    v, stored, cap = _stored_and_cap(store, doc, f"floor-b{budget:g}-surprisal", budget)
     assert 0.9 * cap <= stored <= cap
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
     mix = bundles[0].meta["quant"]["mix"]
@@ -107,9 +109,7 @@ def test_default_below_int3_keeps_whole_sentences_at_int4(store, lm, doc, budget
     short documents keep only ~75 tokens at 0.083); the cap holds with everything included."""
     from kdnctl.sentence_scores import sentence_bounds, token_texts
 
-    v = store.get_version(doc, f"int4-b{budget:g}-p64-sentences")
-    stored = sum(len(store.read_object(c.object)) for c in v.chunks)
-    cap = budget * _fp16(store, doc)
+    v, stored, cap = _stored_and_cap(store, doc, f"int4-b{budget:g}-p64-sentences", budget)
     assert 0.85 * cap <= stored <= cap
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
     mix = bundles[0].meta["quant"]["mix"]

@@ -55,3 +55,51 @@ def test_scorer_on_the_real_tokenizer(lm):
     assert "36964" in "".join(texts[start:end]).replace(" ", "")
     assert float((imp[0, 0, start:end] - imp[0, 0, start]).abs().max()) < 1.1e-3  # one sentence, one score
 
+
+
+def _naive_local(lm, ids, bounds, window):
+    """Reference: one unpadded forward per sentence over its window and itself, full log-softmax."""
+    out = []
+    for a, b in bounds:
+        c = max(0, a - window)
+        x = torch.tensor([ids[c:b]])
+        with torch.inference_mode():
+            logp = torch.log_softmax(lm.model(input_ids=x).logits[0].float(), -1)
+        nll = [-float(logp[j - c - 1, ids[j]]) for j in range(max(a, c + 1), b)]
+        out.append(sum(nll) / len(nll) if nll else 0.0)
+    return torch.tensor(out)
+
+
+@pytest.mark.parametrize("window,batch_tokens", [(0, 8192), (5, 40), (16, 8192)])
+def test_local_surprisal_batched_equals_naive(tiny_lm, window, batch_tokens):
+    from kdnctl.sentence_scores import local_sentence_surprisal
+
+    text = ("NAME\nls - list.\n\nThe locker code of the juniper group is 9793. The locker code of the cedar group "
+            "is 1234.\nA longer ordinary sentence about listing directory contents, sorted by name? x")
+    ids = tiny_lm.tokenizer(text, add_special_tokens=False).input_ids
+    bounds = sentence_bounds(token_texts(tiny_lm.tokenizer, ids))
+    assert len(bounds) >= 5
+    got = local_sentence_surprisal(tiny_lm, ids, bounds, window=window, batch_tokens=batch_tokens)
+    want = _naive_local(tiny_lm, ids, bounds, window)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert float(got.std()) > 0
+
+
+def test_sentences_local_takes_the_better_rank(tiny_lm):
+    """A sentence ranked high by either signal ranks high; the score is whole per sentence."""
+    from kdnctl.sentence_scores import local_sentence_scores
+
+    text = "First line here.\nSecond line is longer than that.\nThird. Fourth one?\nlast"
+    ids = tiny_lm.tokenizer(text, add_special_tokens=False).input_ids
+    bounds = sentence_bounds(token_texts(tiny_lm.tokenizer, ids))
+    surprisal = torch.zeros(len(ids))
+    a, b = bounds[1]
+    surprisal[a:b] = 9.0  # the second sentence is the most surprising given the document
+    imp = compute_importance("sentences-local", {"surprisal": surprisal}, lm=tiny_lm, token_ids=ids, n_layers=1, n_heads=2)
+    s = imp[0, 0]
+    assert float(s[a:b].min()) >= 1.0  # rank 1 of the whole-document signal, whatever the local one says
+    local = local_sentence_scores(tiny_lm, torch.zeros(len(ids)), ids)
+    per_sentence = [float(local[x]) for x, _ in bounds]
+    assert max(per_sentence) >= 1.0 and len(set(round(v, 2) for v in per_sentence)) > 1
+    for x, y in bounds:
+        assert float((s[x:y] - s[x]).abs().max()) < 1.1e-3
