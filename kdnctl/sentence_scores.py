@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .sizing import rank01
+
 ENDS = (".", "?", "!")
 
 
@@ -84,10 +86,10 @@ def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, i
             logits = lm.model.lm_head(hidden[sel]).float()
             target = x.to(dev)[:, 1:][sel[:, :-1]] if n > 1 else x.new_zeros(0).to(dev)
             nll = (torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None])[:, 0]).cpu()
-        per_row = scored.sum(1).tolist()
-        for i, (r, k) in enumerate(zip(idx, per_row)):
-            start = sum(per_row[:i])
+        start = 0
+        for r, k in zip(idx, scored.sum(1).tolist()):
             out[r] = nll[start:start + k].mean() if k else 0.0
+            start += k
 
     for r in order:
         c, a, b = rows[r]
@@ -111,7 +113,7 @@ def local_sentence_scores(lm, surprisal: torch.Tensor, token_ids: list[int], win
     bounds = sentence_bounds(token_texts(lm.tokenizer, token_ids))
     whole = torch.tensor([float(s[a:b].mean()) for a, b in bounds])
     local = local_sentence_surprisal(lm, token_ids, bounds, window)
-    best = torch.maximum(_ranks(whole), _ranks(local))
+    best = torch.maximum(rank01(whole), rank01(local))
     out = torch.zeros(t)
     for (a, b), v in zip(bounds, best.tolist()):
         out[a:b] = v
@@ -119,7 +121,3 @@ def local_sentence_scores(lm, surprisal: torch.Tensor, token_ids: list[int], win
         out += 1e-3 * s.argsort().argsort().float() / (t - 1)
     return out
 
-
-def _ranks(x: torch.Tensor) -> torch.Tensor:
-    n = x.shape[0]
-    return x.argsort().argsort().float() / max(n - 1, 1)
