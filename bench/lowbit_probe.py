@@ -157,6 +157,12 @@ def main() -> None:
             if KEPT:
                 r["span_kept"] = round(sum(KEPT) / len(KEPT), 3)
             KEPT.clear()
+            if KLT_LOG:
+                for role in ("k", "v"):
+                    e = [x[3] for x in KLT_LOG if x[0][1] == role]
+                    a = [x[2] for x in KLT_LOG if x[0][1] == role]
+                    r[f"{role}_err"], r[f"{role}_active"] = round(sum(e) / len(e), 4), round(sum(a) / len(a), 1)
+                KLT_LOG.clear()
             res[var].append(r)
             print(f"{task.id} {var}: {json.dumps(r)} ({time.perf_counter() - t0:.1f}s)", flush=True)
     print("\nsummary (n tasks each):")
@@ -199,6 +205,77 @@ def seg_scores(surpr: torch.Tensor, toks: list[str], how: str) -> torch.Tensor:
             out[start:j + 1] = v
             start = j + 1
     return out
+
+
+BASES: dict = {}
+KLT_LOG: list = []
+
+
+def code_rate(y: torch.Tensor, step: float) -> tuple[torch.Tensor, float]:
+    """Uniform mid-tread quantizer of y [T, C] with one step; (codes, order-0 entropy in bits
+    summed over channels, each channel its own model)."""
+    q = torch.round(y / step).clamp(-127, 127).long()
+    counts = torch.zeros(y.shape[1], 255, dtype=torch.float64)
+    counts.scatter_add_(1, (q + 127).T, torch.ones_like(q.T, dtype=torch.float64))
+    p = counts / y.shape[0]
+    h = -(p * torch.log2(p.clamp_min(1e-300))).sum(1)
+    return q, float(h.sum()) * y.shape[0]
+
+
+def mixed_rate(y, fr, step, fine):
+    """Rows in fr coded with step/fine, the rest with step; each set its own per-channel model."""
+    q = torch.zeros_like(y, dtype=torch.long)
+    rate = 0.0
+    for m, st in ((fr, step / fine), (~fr, step)):
+        if bool(m.any()):
+            qm, r = code_rate(y[m], st)
+            q[m] = qm
+            rate += r
+    return q, rate
+
+
+def klt_code(x: torch.Tensor, bits: float, header: int, key, basis: str, fine_rows=None, fine=1.0):
+    """x [H, T, D]: header rows fp16; the rest centred, rotated into its principal axes (a
+    per-document basis, or the previous document's with basis=prev), one uniform step per
+    head chosen by bisection so the entropy-coded rate is ``bits`` per element (the basis and
+    mean in fp16 counted); returns (reconstruction, bytes)."""
+    H, T, D = x.shape
+    hd = max(1, header)
+    out = x.clone()
+    nbytes = H * hd * D * 2
+    for h in range(H):
+        xr = x[h, hd:].double()
+        n = xr.shape[0]
+        if n == 0:
+            continue
+        mu = xr.mean(0)
+        c = xr - mu
+        vecs = torch.linalg.eigh(c.T @ c / n)[1].flip(1)
+        if basis == "prev":  # the previous document's axes: what a shared per-model basis would give
+            vecs, BASES[(key, h)] = BASES.get((key, h), vecs), vecs
+        y = (xr - mu) @ vecs
+        fr = fine_rows[hd:] if fine_rows is not None else torch.zeros(n, dtype=torch.bool)
+        target = bits * n * D
+        lo, hi = math.log(1e-4 * y.abs().max().item() + 1e-12), math.log(4 * y.abs().max().item() + 1e-9)
+        for _ in range(30):
+            mid = 0.5 * (lo + hi)
+            q, rate = mixed_rate(y, fr, math.exp(mid), fine)
+            active = int((q != 0).any(0).sum())
+            side = (active * D * 2 * (basis != "prev") + D * 2 + active * 2) * 8
+            if rate + side > target:
+                lo = mid
+            else:
+                hi = mid
+        step = math.exp(hi)
+        q, rate = mixed_rate(y, fr, step, fine)
+        active = int((q != 0).any(0).sum())
+        side = (active * D * 2 * (basis != "prev") + D * 2 + active * 2) * 8
+        steps = torch.where(fr, step / fine, step).double()[:, None]
+        out[h, hd:] = ((q.double() * steps) @ vecs.T + mu).float()
+        nbytes += (rate + side) / 8
+        err = float(((out[h, hd:] - x[h, hd:]) ** 2).sum() / (x[h, hd:] ** 2).sum())
+        KLT_LOG.append((key, h, active, err))
+    return out, nbytes
 
 
 def topk_rows(score: torch.Tensor, k: int) -> torch.Tensor:
@@ -274,6 +351,20 @@ def build(var: str, keys, values, pos, theta, imp, surpr, header, span, T):
                 kq, vq = mixed_rows(kk, vv, pp, theta, m, hi_t, lo_t)
                 nbytes += H * nh * 2 * row_bytes(p["hk"], int(p["hkg"])) + H * (n - nh) * 2 * row_bytes(p["k"], int(p["kg"])) + H * n * 3
             ks.append(kq); vs.append(vq)
+            continue
+        if name == "klt":  # klt:kb=1.0:vb=1.6[:basis=doc|prev][:sel=0.25:fine=4]
+            fine_rows = None
+            if p.get("sel"):
+                s = seg_scores(surpr, TOKS, "segmean")
+                s[:header] = s.max() + 1
+                s[-int(p.get("tail", 64)):] = s.max() + 1
+                fine_rows = torch.zeros(T, dtype=torch.bool)
+                fine_rows[s.topk(round(float(p["sel"]) * T)).indices] = True
+            fine = float(p.get("fine", 1))
+            kq, b1 = klt_code(tf.unrope(k, pos, theta), float(p["kb"]), header, (i, "k"), p.get("basis", "doc"),
+                              fine_rows, fine)
+            vq, b2 = klt_code(v, float(p["vb"]), header, (i, "v"), p.get("basis", "doc"), fine_rows, fine)
+            ks.append(tf.rope(kq, pos, theta)); vs.append(vq); nbytes += b1 + b2
             continue
         raise SystemExit(f"unknown variant {var}")
     return ks, vs, nbytes

@@ -48,6 +48,7 @@ from .versions import child_recipe, commit, existing_version, write_derived
 # The per-layer allocators used to be presses wrapping another press; their old spellings
 # (``method = "pyramid"``, ``"pyramid:kvcrush"``, ``method_options = {"press": ...}``) still work.
 _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
+DEFAULT_GROUP_SIZE = 32
 
 
 @dataclass
@@ -62,7 +63,7 @@ class CompressRecipe:
     method: str = "kvcrush"
     scorer: str | None = None  # None: DEFAULT_SCORER, or what ``--quant auto`` chose for the budget
     quant: str | None = None
-    group_size: int = 32
+    group_size: int = DEFAULT_GROUP_SIZE
     seed: int = 0
     method_options: dict[str, Any] = field(default_factory=dict)
     allocator: str = DEFAULT_ALLOCATOR
@@ -145,6 +146,8 @@ class CompressRecipe:
                 label += f"-kw{self.key_weight:g}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
+        if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):
+            label += f"-g{self.group_size}"  # two group sizes are two different versions
         if (self.keep < 1 or self.sized) and self.allocator != DEFAULT_ALLOCATOR:
             label = f"{self.allocator}-{label}"
         if self.scorer != DEFAULT_SCORER:

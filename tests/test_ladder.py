@@ -177,6 +177,8 @@ def test_recipe_labels_and_when_scores_are_needed():
     full4 = CompressRecipe(budget=0.31)  # int4 holds every token: one tier, nothing evicted, no scores
     assert (full4.quant, full4.keep, full4.needs_model) == ("uniform", 1.0, False)
     assert CompressRecipe(budget=0.25, quant="floor", keep=0.95, protect=64).default_label() == "floor-b0.25-k0.95-p64"
+    g64 = CompressRecipe(budget=0.25, quant="int4", scorer="sentences", protect=64, group_size=64)
+    assert g64.default_label() == "int4-b0.25-p64-g64-sentences"  # another group size is another version
     u = CompressRecipe(budget=0.25, quant="uniform")  # one tier that fits every token: no scores needed
     assert u.default_label() == "uniform-b0.25" and not u.needs_model and u.keep == 1.0
     assert CompressRecipe(budget=0.6).quant == "uniform"
