@@ -209,6 +209,8 @@ def main() -> None:
     tasks = [t for t in tasks if t.id not in done]
     if args.shard:
         i, n = (int(x) for x in args.shard.split("/"))
+        if not 0 <= i < n:
+            raise SystemExit(f"--shard {args.shard}: I counts from 0 and must be below N (e.g. 0/2 and 1/2)")
         tasks = tasks[i::n]
     recon = cache_reconstruct_scores(store_dir / "bench-cache" / "reconstruct")
     from_file = [l.split("#")[0].strip() for l in Path(args.recipe_file).read_text().splitlines()] if args.recipe_file else []
