@@ -24,20 +24,18 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from bench.tiers import load_full  # noqa: E402
 from kdnctl.bundle import decode_bundle  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 
 def doc_kv(store: Store, doc_id: str):
-    ver = store.get_version(doc_id, "full")
-    bundles = [decode_bundle(store.read_object(c.object)) for c in ver.chunks]
-    n_layers = bundles[0].n_layers
-    dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]
-    keys = [torch.cat([d[i][0] for d in dense], 1).float() for i in range(n_layers)]
-    values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(n_layers)]
-    theta = float(bundles[0].meta["model"]["rope"]["rope_theta"])
-    pos = torch.arange(keys[0].shape[1]).expand(keys[0].shape[0], -1)
+    """Keys before RoPE and values of the document's full version, per layer."""
+    keys, values, pos = load_full(store, doc_id)
+    theta = float(decode_bundle(store.read_object(store.get_version(doc_id, "full").chunks[0].object))
+                  .meta["model"]["rope"]["rope_theta"])
+    pos = pos.expand(keys[0].shape[0], -1) if pos.dim() == 1 else pos
     return [tf.unrope(k, pos, theta) for k in keys], values
 
 
