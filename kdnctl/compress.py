@@ -39,6 +39,7 @@ from .presses.base import Press, ScoreContext, validate_budget
 from .presses.document import select_document
 from .registry import method_fields
 from .quant import get_quantizer
+from .quant.base import DEFAULT_GROUP_SIZE
 from .quant.ladder import LadderQuantizer
 from .scoring import DEFAULT_SCORER, NEEDS_MODEL, SCORERS, compute_importance
 from .store import Store
@@ -48,7 +49,6 @@ from .versions import child_recipe, commit, existing_version, write_derived
 # The per-layer allocators used to be presses wrapping another press; their old spellings
 # (``method = "pyramid"``, ``"pyramid:kvcrush"``, ``method_options = {"press": ...}``) still work.
 _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
-DEFAULT_GROUP_SIZE = 32
 
 
 @dataclass

@@ -82,12 +82,15 @@ def check_kv(keys: torch.Tensor, values: torch.Tensor, scale_dtype: str) -> None
         raise InputError(f"keys {tuple(keys.shape)} and values {tuple(values.shape)} differ")
 
 
+DEFAULT_GROUP_SIZE = 32  # elements per scale/zero group
+
+
 @dataclass
 class Quantizer:
     """Base: options shared by every scheme. Subclasses set ``name`` and ``quantize_layer``."""
 
     name: ClassVar[str] = ""
-    group_size: int = 32
+    group_size: int = DEFAULT_GROUP_SIZE
     scale_dtype: str = "float16"
     key_layout: str = "channel"
     value_layout: str = "token"
