@@ -14,6 +14,8 @@ import hashlib
 import json
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import conftest
@@ -257,3 +259,50 @@ def test_random_byte_flips_in_the_catalog_never_pass_silently(store_root):
             outcomes["refused"] += 1
     data.write_bytes(good)
     assert outcomes["refused"] > 0, outcomes
+
+
+def _tail_free_catalog(root: Path) -> tuple[Path, int]:
+    """Leave the catalog's last pages free (a big entry written, then deleted) and return the
+    data file and the number of pages LMDB still reads (the highest page not listed free, + 1)."""
+    from kdnctl.store.lmdb_file import free_pages, read_meta
+
+    _put_raw(root, "meta", b"scratch", b"x" * 50_000)
+    _put_raw(root, "meta", b"scratch", None)
+    data = root / "catalog" / "data.mdb"
+    with open(data, "rb") as f:
+        metas = [read_meta(f.read(4096)), read_meta((f.seek(4096), f.read(4096))[1])]
+        meta = max(metas, key=lambda m: m["txnid"])
+        free = free_pages(f, meta["psize"], meta["free_root"], meta["last_pg"])
+    used = max(p for p in range(meta["last_pg"] + 1) if p not in free) + 1
+    assert meta["psize"] == 4096 and used < meta["last_pg"]  # the scenario holds: free pages at the end
+    return data, used
+
+
+def test_catalog_ending_before_its_free_pages_is_complete(store_root):
+    """LMDB counts pages it allocated and freed in one txn but never wrote (a SIGKILLed writer's
+    store showed it): a file that ends before such pages is whole. Every page LMDB may read is
+    there, so reads and a new write succeed, in a child process where a SIGBUS would show."""
+    data, used = _tail_free_catalog(store_root)
+    os.truncate(data, used * 4096)
+    for cmd in (["verify"], ["ls"], ["show", "doc-5"]):
+        proc = run_cli(*cmd, store=store_root)
+        assert proc.returncode == 0, (cmd, proc.returncode, proc.stderr)
+    code = ("import sys; sys.path.insert(0, sys.argv[2]); from storekit import add_doc; from kdnctl.store import Store\n"
+            "with Store(sys.argv[1], create=False) as st:\n"
+            "    add_doc(st, 'late', b'late text', (b'l1', b'l2'))\n"
+            "    print(len(st.list_documents()), len(st.list_versions()))")
+    proc = subprocess.run([sys.executable, "-c", code, str(store_root), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [str(N_DOCS + 1)] * 2
+    assert run_cli("verify", store=store_root).returncode == 0
+
+
+def test_catalog_missing_a_page_in_use_is_damaged(store_root):
+    data, used = _tail_free_catalog(store_root)
+    os.truncate(data, (used - 1) * 4096)
+    before = _snapshot(store_root)
+    for cmd in (["ls"], ["verify"]):
+        proc = run_cli(*cmd, store=store_root)
+        _assert_refused(proc, "truncated", f"page {used - 1} is missing")
+    assert _snapshot(store_root) == before

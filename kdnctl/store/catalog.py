@@ -2,9 +2,13 @@
 
 LMDB maps data.mdb and trusts it: a truncated file makes the first read past its end a SIGBUS,
 which kills the process with no message. ``check_data_file`` reads LMDB's two meta pages
-(magic, version, page size, last page number) and refuses a file shorter than the pages the
-catalog says it uses, so every page LMDB may touch exists. (LMDB itself refuses page numbers
-beyond the meta's last page, so flipped page pointers cannot reach past the file either.)
+(magic, version, page size, last page number) and refuses a file that ends before a page LMDB
+may read. A file may legitimately end early: a page allocated and freed in the same txn (LMDB's
+"loose" pages) counts in the last page number but is never written, only listed as free. So a
+file shorter than the last page number is complete exactly when every missing page is listed
+in the free-page DB of the meta LMDB opens (the newer one): LMDB never reads a free page, it
+writes a fresh one when it reuses the number. (LMDB itself refuses page numbers beyond the meta's
+last page, so flipped page pointers cannot reach past that either.)
 """
 
 from __future__ import annotations
@@ -12,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import threading
 import uuid
 from pathlib import Path
@@ -22,36 +25,16 @@ import lmdb
 from kdnctl.errors import StoreCorruptError, UnsupportedError
 
 from ..durable import fsync_dir
+from .lmdb_file import META_LAST_PG, LmdbFileError, free_pages, read_meta
 from .records import CATALOG_HINT, SEP
 
 SCHEMA_VERSION = 1
 MAP_SIZE = 1 << 30  # virtual reservation only: data.mdb grows with use (sparse on Linux)
 DBS = ("meta", "docs", "current", "versions", "prefix")
 
-_LMDB_MAGIC = 0xBEEFC0DE
-_LMDB_DATA_VERSION = 1
-_P_META = 0x08
-_PAGE_HEADER = 16  # pgno (8), pad (2), flags (2), lower (2), upper (2)
-_META_LAST_PG = _PAGE_HEADER + 8 + 8 + 8 + 2 * 48  # magic+version, address, mapsize, 2 x MDB_db
-
 
 def damaged_error(root: Path, what: str) -> StoreCorruptError:
     return StoreCorruptError(f"store {root} is damaged: {what}; nothing was changed", hint=CATALOG_HINT)
-
-
-def _read_meta(data: bytes, offset: int) -> tuple[int, int, int] | None:
-    """(page size, last page, txnid) of the LMDB meta page at ``offset``, or None if it is not one."""
-    if len(data) < offset + _META_LAST_PG + 16:
-        return None
-    _pgno, _pad, flags = struct.unpack_from("<QHH", data, offset)
-    magic, version = struct.unpack_from("<II", data, offset + _PAGE_HEADER)
-    psize = struct.unpack_from("<I", data, offset + _PAGE_HEADER + 24)[0]  # free DB's md_pad
-    last_pg, txnid = struct.unpack_from("<QQ", data, offset + _META_LAST_PG)
-    if not flags & _P_META or magic != _LMDB_MAGIC or version != _LMDB_DATA_VERSION:
-        return None
-    if psize < 512 or psize > 65536 or psize & (psize - 1):
-        return None
-    return psize, last_pg, txnid
 
 
 def check_data_file(root: Path, path: Path) -> None:
@@ -59,25 +42,33 @@ def check_data_file(root: Path, path: Path) -> None:
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
-            head = f.read(_META_LAST_PG + 16)
-            first = _read_meta(head, 0)
+            first = read_meta(f.read(META_LAST_PG + 16))
             if first is not None:
-                f.seek(first[0])
-                second = _read_meta(f.read(_META_LAST_PG + 16), 0)
+                f.seek(first["psize"])
+                second = read_meta(f.read(META_LAST_PG + 16))
             else:
                 second = None
+            if size == 0:
+                raise damaged_error(root, f"catalog {path} is empty (0 bytes)")
+            if first is None or second is None:
+                raise damaged_error(root, f"catalog {path} is not an LMDB file (bad meta page; {size} bytes)")
+            if first["psize"] != second["psize"]:
+                raise damaged_error(root, f"catalog {path} has inconsistent meta pages")
+            newer = max(first, second, key=lambda m: m["txnid"])  # the one mdb_env_open picks
+            psize, need = newer["psize"], newer["last_pg"] + 1
+            if size < need * psize:
+                missing = set(range(size // psize, need))
+                try:
+                    unlisted = missing - free_pages(f, psize, newer["free_root"], newer["last_pg"])
+                except LmdbFileError as e:
+                    unlisted, why = missing, f": {e}"
+                else:
+                    why = ""
+                if unlisted:
+                    raise damaged_error(root, f"catalog {path} is truncated ({size} bytes, it uses "
+                                              f"{need * psize}; page {min(unlisted)} is missing{why})")
     except OSError as e:
         raise damaged_error(root, f"catalog {path} cannot be read ({e.strerror or e})") from None
-    if size == 0:
-        raise damaged_error(root, f"catalog {path} is empty (0 bytes)")
-    if first is None or second is None:
-        raise damaged_error(root, f"catalog {path} is not an LMDB file (bad meta page; {size} bytes)")
-    if first[0] != second[0]:
-        raise damaged_error(root, f"catalog {path} has inconsistent meta pages")
-    psize = first[0]
-    need = max(first[1], second[1]) + 1
-    if size < need * psize:
-        raise damaged_error(root, f"catalog {path} is truncated ({size} bytes, its meta pages need {need * psize})")
 
 
 # LMDB forbids opening one environment twice in a process, so Store instances on the same
