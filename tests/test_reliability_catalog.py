@@ -261,28 +261,31 @@ def test_random_byte_flips_in_the_catalog_never_pass_silently(store_root):
     assert outcomes["refused"] > 0, outcomes
 
 
-def _tail_free_catalog(root: Path) -> tuple[Path, int]:
+def _tail_free_catalog(root: Path, entry_bytes: int = 50_000) -> tuple[Path, int]:
     """Leave the catalog's last pages free (a big entry written, then deleted) and return the
-    data file and the number of pages LMDB still reads (the highest page not listed free, + 1)."""
+    data file and the number of pages LMDB still reads (the highest page not listed free, + 1).
+    A 4 MB entry frees ~1000 pages: their list no longer fits a page (LMDB's overflow pages)."""
     from kdnctl.store.lmdb_file import free_pages, read_meta
 
-    _put_raw(root, "meta", b"scratch", b"x" * 50_000)
+    _put_raw(root, "meta", b"scratch", b"x" * entry_bytes)
     _put_raw(root, "meta", b"scratch", None)
     data = root / "catalog" / "data.mdb"
     with open(data, "rb") as f:
-        metas = [read_meta(f.read(4096)), read_meta((f.seek(4096), f.read(4096))[1])]
-        meta = max(metas, key=lambda m: m["txnid"])
+        first = read_meta(f.read(4096))
+        f.seek(4096)
+        meta = max(first, read_meta(f.read(4096)), key=lambda m: m["txnid"])
         free = free_pages(f, meta["psize"], meta["free_root"], meta["last_pg"])
     used = max(p for p in range(meta["last_pg"] + 1) if p not in free) + 1
     assert meta["psize"] == 4096 and used < meta["last_pg"]  # the scenario holds: free pages at the end
     return data, used
 
 
-def test_catalog_ending_before_its_free_pages_is_complete(store_root):
+@pytest.mark.parametrize("entry_bytes", [50_000, 4_000_000])
+def test_catalog_ending_before_its_free_pages_is_complete(store_root, entry_bytes):
     """LMDB counts pages it allocated and freed in one txn but never wrote (a SIGKILLed writer's
     store showed it): a file that ends before such pages is whole. Every page LMDB may read is
     there, so reads and a new write succeed, in a child process where a SIGBUS would show."""
-    data, used = _tail_free_catalog(store_root)
+    data, used = _tail_free_catalog(store_root, entry_bytes)
     os.truncate(data, used * 4096)
     for cmd in (["verify"], ["ls"], ["show", "doc-5"]):
         proc = run_cli(*cmd, store=store_root)

@@ -62,7 +62,7 @@ def read_page(f: BinaryIO, psize: int, pgno: int, n_pages: int = 1) -> bytes:
 
 
 def _nodes(page: bytes, psize: int):
-    """(flags, key, data-field bytes, data size) of each node of a branch or leaf page."""
+    """(lo, hi, flags, key, offset of the data) of each node of a branch or leaf page."""
     lower = struct.unpack_from("<H", page, 12)[0]
     if lower < PAGE_HEADER or lower > psize:
         raise LmdbFileError("a page's node table is out of bounds")
@@ -103,6 +103,8 @@ def free_pages(f: BinaryIO, psize: int, free_root: int, last_pg: int) -> set[int
                 if ov > last_pg:
                     raise LmdbFileError(f"a free-page list points at page {ov} past the last page")
                 head = read_page(f, psize, ov)
+                if not struct.unpack_from("<H", head, 10)[0] & P_OVERFLOW:
+                    raise LmdbFileError(f"page {ov} holds a free-page list but is not an overflow page")
                 n_pages = struct.unpack_from("<I", head, 12)[0]
                 data = read_page(f, psize, ov, n_pages)[PAGE_HEADER:PAGE_HEADER + size]
             else:
