@@ -27,8 +27,9 @@ from .bundle_header import (  # noqa: F401  (re-exported: the header format's na
 from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.2"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
+FORMAT_VERSION = "1.3"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
 # 1.2: ladder coding "zlib+params" (scales/zeros zlib-coded, stored as uint8)
+# 1.3: the entropy-coded ec layout (layers.i.<role>.codes/params zstd frames, token_levels)
 
 REQUIRED_META_KEYS = (
     "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",
@@ -116,7 +117,7 @@ class KVBundle:
         return int(self.tensors["token_ids"].shape[0])
 
     def is_quantized(self, i: int) -> bool:
-        return tensor_name(i, "keys.q") in self.tensors or tensor_name(i, "tiers") in self.tensors
+        return any(tensor_name(i, n) in self.tensors for n in ("keys.q", "tiers", "keys.codes"))
 
     def layer(self, i: int, role: str) -> torch.Tensor | None:
         """Layer i's tensor ``role`` (``keys``, ``bias``, ...), or None when absent."""
@@ -351,7 +352,8 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
             base = tensor_name(i, kind)
             dense, coded = base in tensors, f"{base}.q" in tensors
             laddered = f"layers.{i}.tiers" in tensors
-            if dense and (coded or laddered):
+            entropy = not laddered and f"{base}.codes" in tensors  # the ec layout (quant/entropy.py)
+            if dense and (coded or laddered or entropy):
                 raise BundleFormatError(f"layer {i} has both dense and quantized {kind}")
             if laddered:  # ladder layout: the quantizer checks every slice against the tier map
                 if not quant:
@@ -362,6 +364,14 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
                     raise BundleFormatError(f"layer {i}: missing ladder tensor(s) {', '.join(absent)}")
                 if tiers.dtype != torch.uint8 or list(tiers.shape) != [h_kv, t_i]:
                     raise BundleFormatError(f"layers.{i}.tiers must be uint8 [{h_kv}, {t_i}], got {tiers.dtype} {list(tiers.shape)}")
+            elif entropy:
+                if not quant or quant.get("scheme") != "ec":
+                    raise BundleFormatError(f"layer {i} has entropy-coded {kind} but meta's quant scheme is not 'ec'")
+                if base + ".params" not in tensors:
+                    raise BundleFormatError(f"layer {i}: missing tensor {base}.params")
+                levels = tensors.get("token_levels")
+                if levels is None or levels.dtype != torch.uint8 or list(levels.shape) != [t_i]:
+                    raise BundleFormatError(f"token_levels must be uint8 [{t_i}]")
             elif coded:
                 if not quant:
                     raise BundleFormatError(f"layer {i} {kind} are quantized but meta has no 'quant'")

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from . import sizing
+from .compress_ec import sized_ec
 from .bundle import KVBundle, decode_bundle, derived_meta, encode_bundle, stats_of, tensor_name
 from .errors import UnsupportedError, UsageError
 from .kernels.kvcrush import gather_layers
@@ -96,7 +97,8 @@ class CompressRecipe:
                 # representatives would be arbitrary, so the auto recipe keeps by importance alone
                 if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":
                     self.method_options = {"ratio": auto.ratio, **self.method_options}
-            sizing.ladder_for(self.quant)
+            if self.quant != "ec":
+                sizing.ladder_for(self.quant)
         elif self.quant is None:
             self.quant = "none"
         if self.scorer is None:
@@ -115,7 +117,7 @@ class CompressRecipe:
         d = {"step": "compress", "budget": self.budget, "keep": self.keep, "method": self.method, "scorer": self.scorer,
              "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
              "method_options": dict(sorted(self.method_options.items()))}
-        if self.sized and self.coding != "zlib" and sizing.ladder_for(self.quant) != ("fp16",):
+        if self.sized and self.coding != "zlib" and self.quant != "ec" and sizing.ladder_for(self.quant) != ("fp16",):
             d["coding"] = self.coding  # versions made before params were coded ("zlib") match
         if self.protect:
             d["protect"] = self.protect
@@ -176,6 +178,8 @@ class CompressRecipe:
         int8 tokens for ``mixed``."""
         if self.sized and self.quant in ("ladder", "floor"):
             return True
+        if self.sized and self.quant == "ec":
+            return False  # every token kept; the channel weights come from the model, not a scorer
         if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
             return False  # one tier that fits everywhere: nothing to rank
         return self.quant == "mixed" or press_class(self.method).uses_importance
@@ -183,7 +187,7 @@ class CompressRecipe:
     @property
     def needs_model(self) -> bool:
         return ((self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer) or \
-            (self.sized and self.lift in NEEDS_MODEL)
+            (self.sized and (self.lift in NEEDS_MODEL or self.quant == "ec"))
 
 
 @dataclass
@@ -315,6 +319,11 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
     fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
+    if recipe.sized and recipe.quant == "ec":
+        new_tensors, metas, kept, mix = sized_ec(src, label, step, recipe, bundles, keys, values, token_ids,
+                                                 local_bounds, fp16, lm)
+        record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
+        return (record, score_s, (fp16, kept, mix)) if with_sizes else (record, score_s)
     if recipe.sized:
         new_tensors, metas, kept, mix = _sized(src, label, step, recipe, bundles, dense, keys, values,
                                                importance if lift_w is None else lift_w, press, allocator, ctx,

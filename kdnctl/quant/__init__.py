@@ -16,6 +16,7 @@ import torch
 from kdnctl.errors import BundleFormatError, UsageError
 
 from .base import Quantizer, bytes_per_element
+from .entropy import EntropyQuantizer
 from .fp8 import Fp8Quantizer
 from .int2 import Int2Quantizer
 from .int3 import Int3Quantizer
@@ -34,6 +35,7 @@ QUANTIZERS: dict[str, type[Quantizer]] = {
     "fp8": Fp8Quantizer,
     "mixed": MixedQuantizer,
     "ladder": LadderQuantizer,
+    "ec": EntropyQuantizer,
 }
 
 __all__ = [

@@ -1,0 +1,161 @@
+"""The entropy-coded ``ec`` layout: codes within half a step, both code widths, malformed
+frames refused, the channel weights against element-by-element references, the rate fit
+against brute force (fast, no model but the tiny one)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kdnctl.allocate.rate import clamp_steps, fit_scale, relative_steps
+from kdnctl.errors import BundleFormatError
+from kdnctl.quant import dequantize_tensors, get_quantizer
+from kdnctl.quant.entropy import EntropyQuantizer, encode_role
+from kdnctl.quant.sensitivity import key_weights, naive_key_weights, pair_mean, value_weights
+
+
+def _layer(tensors, meta, t):
+    full = {f"layers.0.{n}": v for n, v in tensors.items() if n != "levels"}
+    full["token_levels"] = tensors["levels"]
+    full["positions"] = torch.arange(t)
+    return full
+
+
+@pytest.mark.parametrize("shape", [(3, 37, 64), (2, 5, 16), (1, 1, 8)])
+def test_codes_within_half_a_step(shape):
+    torch.manual_seed(sum(shape))
+    h, t, d = shape
+    k, v = torch.randn(h, t, d) * 3 + 1, torch.randn(h, t, d)
+    levels = torch.randint(0, 3, (t,), dtype=torch.uint8)
+    steps = (torch.rand(h, d) * 0.3 + 0.01, torch.rand(h, d) * 0.3 + 0.01)
+    q = get_quantizer("ec")  # no RoPE: keys are stored as they are
+    tensors, meta = q.quantize_layer(k, v, steps=steps, levels=levels)
+    full = _layer(tensors, meta, t)
+    for role, x, s in (("keys", k, steps[0]), ("values", v, steps[1])):
+        y = dequantize_tensors(full, f"layers.0.{role}", meta)
+        bound = s.half().float()[:, None, :] / 2 ** levels.float()[None, :, None] / 2
+        assert y.shape == x.shape
+        assert bool(((y - x).abs() <= bound * (1 + 1e-4) + 1e-6).all())
+
+
+def test_rope_keys_decode_to_their_positions():
+    torch.manual_seed(1)
+    k, v = torch.randn(3, 20, 64), torch.randn(3, 20, 64)
+    q = EntropyQuantizer(key_rope_theta=10000.0)
+    steps = (torch.full((3, 64), 0.01), torch.full((3, 64), 0.01))
+    pos = torch.arange(100, 120)
+    tensors, meta = q.quantize_layer(k, v, positions=pos.expand(3, -1), steps=steps)
+    full = _layer(tensors, meta, 20)
+    full["positions"] = pos
+    y = dequantize_tensors(full, "layers.0.keys", meta)
+    assert (y - k).abs().max() < 0.02  # RoPE removed before coding, put back after
+
+
+def test_wide_codes_use_int16_and_stay_exact():
+    torch.manual_seed(2)
+    x = torch.randn(2, 50, 8)
+    x[0, 3, 2] = 900.0  # an outlier far beyond 127 steps
+    step = torch.full((2, 8), 0.05)
+    codes, params = encode_role(x, step, torch.zeros(50, dtype=torch.uint8))
+    assert int(codes[0]) == 2
+    tensors = {"layers.0.values.codes": codes, "layers.0.values.params": params,
+               "token_levels": torch.zeros(50, dtype=torch.uint8)}
+    meta = EntropyQuantizer().meta(2, 8)
+    y = dequantize_tensors(tensors, "layers.0.values", meta)
+    assert (y - x).abs().max() <= 0.0251
+
+
+def test_malformed_frames_are_refused():
+    torch.manual_seed(3)
+    k = v = torch.randn(2, 9, 8)
+    tensors, meta = EntropyQuantizer().quantize_layer(k, v)
+    full = _layer(tensors, meta, 9)
+    bad = dict(full)
+    bad["layers.0.keys.codes"] = torch.cat([full["layers.0.keys.codes"][:1], torch.tensor([1, 2, 3], dtype=torch.uint8)])
+    with pytest.raises(BundleFormatError, match="zstd"):
+        dequantize_tensors(bad, "layers.0.keys", meta)
+    bad = dict(full)
+    bad["layers.0.keys.codes"] = full["layers.0.keys.codes"].clone()
+    bad["layers.0.keys.codes"][0] = 7
+    with pytest.raises(BundleFormatError, match="width"):
+        dequantize_tensors(bad, "layers.0.keys", meta)
+    bad = dict(full)
+    bad["token_levels"] = torch.zeros(10, dtype=torch.uint8)  # one token more than was coded
+    with pytest.raises(BundleFormatError):
+        dequantize_tensors(bad, "layers.0.values", meta)
+    bad = dict(full)
+    del bad["layers.0.values.params"]
+    with pytest.raises(BundleFormatError):
+        dequantize_tensors(bad, "layers.0.values", meta)
+
+
+def test_relative_steps_equalise_each_heads_weighted_error():
+    """At scale alpha every head's weighted squared error is ~alpha^2/12 of its weighted
+    variance, whatever the channel weights (high-rate uniform quantizer)."""
+    torch.manual_seed(4)
+    x = torch.randn(3, 4000, 16) * torch.rand(3, 1, 16) * 4
+    w = torch.rand(3, 16) ** 2 * 10
+    base = relative_steps(x, w)
+    # element-by-element reference of the formula
+    for h in range(3):
+        s = math.sqrt(sum(float(w[h, c]) * float(x[h, :, c].var(unbiased=False)) for c in range(16)) / 16)
+        for c in range(16):
+            assert math.isclose(float(base[h, c]), s / math.sqrt(float(w[h, c])), rel_tol=1e-4)
+    alpha = 0.1
+    step = alpha * base
+    y = torch.round((x - x.mean(1, keepdim=True)) / step[:, None]) * step[:, None] + x.mean(1, keepdim=True)
+    err = (w[:, None] * (y - x) ** 2).sum((1, 2)) / (w[:, None] * (x - x.mean(1, keepdim=True)) ** 2).sum((1, 2))
+    assert torch.allclose(err, torch.full((3,), alpha ** 2 / 12), rtol=0.1)
+
+
+def test_clamped_steps_keep_codes_in_int16():
+    x = torch.zeros(1, 4, 2)
+    x[0, 0, 0] = 1000.0
+    s = clamp_steps(torch.full((1, 2), 1e-9), x, finest_level=2)
+    assert float(s.min()) >= 0.999e-4
+    assert float((x - x.mean(1, keepdim=True)).abs().max() * 4 / s[0, 0]) <= 30000 + 1e-3
+
+
+def test_fit_scale_matches_brute_force():
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        knots = sorted(torch.rand(6, generator=g).tolist())
+        def size(a, knots=knots):  # a falling step function of alpha, like encoded bytes
+            return 1000 - sum(100 for k in knots if math.log(a) > 8 * k - 4)
+        cap = 1000 - 100 * int(torch.randint(1, 6, (1,), generator=g))
+        got = fit_scale(size, cap)
+        grid = [math.exp(-math.log(64) + i * 2 * math.log(64) / 20000) for i in range(20001)]
+        best = min(a for a in grid if size(a) <= cap)
+        assert size(got) <= cap and abs(math.log(got) - math.log(best)) < 1e-3
+    assert fit_scale(lambda a: 10, 5) is None
+    assert fit_scale(lambda a: 1, 5) == 1 / 64
+
+
+def test_channel_weights_match_naive_references(tiny_lm):
+    """key_weights (hooked forward) and value_weights against loops over captured queries and
+    the output projection's columns, on the tiny random Llama."""
+    model = tiny_lm.model
+    cfg = model.config
+    n_layers, hq, hkv, d = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    ids = list(range(100, 131))  # 31 tokens
+    captured = []
+    hooks = [layer.self_attn.q_proj.register_forward_hook(lambda m, i, o: captured.append(o[0].detach().clone()))
+             for layer in model.model.layers]
+    with torch.no_grad():
+        model(torch.tensor([ids]), use_cache=False)
+    for hk in hooks:
+        hk.remove()
+    got = key_weights(tiny_lm, ids, n_layers, hkv, d, rope=True)
+    for i, q in enumerate(captured):
+        ref = naive_key_weights(q.view(len(ids), hq, d), hkv, rope=True)
+        torch.testing.assert_close(got[i], ref, rtol=1e-4, atol=1e-7)
+    vw = value_weights(tiny_lm, n_layers, hkv, d)
+    for i, layer in enumerate(model.model.layers):
+        w = layer.self_attn.o_proj.weight.detach().float()
+        for h in range(hkv):
+            for c in range(d):
+                acc = sum(float(w[:, g * d + c].pow(2).sum()) for g in range(h * hq // hkv, (h + 1) * hq // hkv))
+                assert math.isclose(float(vw[i, h, c]), acc, rel_tol=1e-4)
+    assert torch.equal(pair_mean(torch.tensor([1.0, 3.0])), torch.tensor([2.0, 2.0]))
