@@ -74,6 +74,15 @@ def test_malformed_frames_are_refused():
     full = _layer(tensors, meta, 9)
     bad = dict(full)
     bad["layers.0.keys.codes"] = torch.cat([full["layers.0.keys.codes"][:1], torch.tensor([1, 2, 3], dtype=torch.uint8)])
+    with pytest.raises(BundleFormatError, match="frame"):
+        dequantize_tensors(bad, "layers.0.keys", meta)
+    bad = dict(full)
+    codes = full["layers.0.keys.codes"].clone()
+    n_frames = int(codes[1])
+    sizes = codes[2:2 + 4 * n_frames].clone().view(torch.int32).tolist()
+    first = 2 + 6 * n_frames + sum(sizes[:next(j for j, n in enumerate(sizes) if n)])
+    codes[first:first + 4] ^= 0xFF  # the magic number of the first frame that holds bytes
+    bad["layers.0.keys.codes"] = codes
     with pytest.raises(BundleFormatError, match="zstd"):
         dequantize_tensors(bad, "layers.0.keys", meta)
     bad = dict(full)

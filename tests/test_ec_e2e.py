@@ -92,11 +92,29 @@ def _by_hand(b, i, role):
     t = levels.numel()
     blob = b.tensors[f"layers.{i}.{role}.codes"].numpy().tobytes()
     dtype = {1: torch.int8, 2: torch.int16}[blob[0]]
-    codes = torch.frombuffer(bytearray(zstandard.ZstdDecompressor().decompress(blob[1:])), dtype=dtype)
-    params = torch.frombuffer(bytearray(zstandard.ZstdDecompressor().decompress(
-        b.tensors[f"layers.{i}.{role}.params"].numpy().tobytes())), dtype=torch.float16).float().view(2, h, d)
+    n_frames = blob[1]
+    sizes = [int.from_bytes(blob[2 + 4 * j:6 + 4 * j], "little") for j in range(n_frames)]
+    peaks = [int.from_bytes(blob[2 + 4 * n_frames + 2 * j:4 + 4 * n_frames + 2 * j], "little") for j in range(n_frames)]
+    par = zstandard.ZstdDecompressor().decompress(b.tensors[f"layers.{i}.{role}.params"].numpy().tobytes())
+    params = torch.frombuffer(bytearray(par[:4 * h * d]), dtype=torch.float16).float().view(2, h, d)
+    bins = list(par[4 * h * d:])
+    rows = torch.zeros(h * d, t)
+    pos = 2 + 6 * n_frames
+    for bin_id, size, peak in zip(sorted(set(bins)), sizes, peaks):  # bins ascending, channels ascending
+        chans = [j for j in range(h * d) if bins[j] == bin_id]
+        n, radix = len(chans) * t, 2 * peak + 1
+        per = max(k for k in range(1, 9) if radix ** k <= 256) if peak else 0
+        if per > 1:  # base-radix digits, least significant first
+            data = zstandard.ZstdDecompressor().decompress(blob[pos:pos + size])
+            vals = [(byte // radix ** j) % radix - peak for byte in data for j in range(per)][:n]
+            rows[chans] = torch.tensor(vals, dtype=torch.float32).view(len(chans), t)
+        elif per == 1:
+            data = zstandard.ZstdDecompressor().decompress(blob[pos:pos + size])
+            rows[chans] = torch.frombuffer(bytearray(data), dtype=dtype).view(len(chans), t).float()
+        pos += size
+    codes = rows
     step, mean = params
-    x = codes.view(h, d, t).float().transpose(1, 2) * (step[:, None, :] / 2 ** levels[None, :, None]) + mean[:, None, :]
+    x = codes.view(h, d, t).transpose(1, 2) * (step[:, None, :] / 2 ** levels[None, :, None]) + mean[:, None, :]
     return _rope(x, b.tensors["positions"].expand(h, -1), q["key_rope_theta"]) if role == "keys" else x
 
 
