@@ -103,7 +103,7 @@ def _by_hand(b, i, role):
     for bin_id, size, peak in zip(sorted(set(bins)), sizes, peaks):  # bins ascending, channels ascending
         chans = [j for j in range(h * d) if bins[j] == bin_id]
         n, radix = len(chans) * t, 2 * peak + 1
-        per = max(k for k in range(1, 9) if radix ** k <= 256) if peak else 0
+        per = max([k for k in range(1, 9) if radix ** k <= 256], default=1) if peak else 0
         if per > 1:  # base-radix digits, least significant first
             data = zstandard.ZstdDecompressor().decompress(blob[pos:pos + size])
             vals = [(byte // radix ** j) % radix - peak for byte in data for j in range(per)][:n]
