@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from .allocate.rate import clamp_steps, fit_scale, relative_steps
+from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
 from .bundle import KVBundle, derived_meta, encode_bundle, tensor_name
 from .errors import UsageError
 from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
@@ -54,11 +54,11 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     vw = value_weights(lm, n_layers, n_heads, d)
     xs = [q.forward(k, v, positions.expand(n_heads, -1)) for k, v in zip(keys, values)]  # [(k, v)] transformed
     base = [(relative_steps(k, kw[i]), relative_steps(v, vw[i])) for i, (k, v) in enumerate(xs)]
+    floors = [(step_floor(k, finest), step_floor(v, finest)) for k, v in xs]
 
     def steps_at(alpha: float, i: int):
-        return tuple(clamp_steps(alpha * b, x, finest) for b, x in zip(base[i], xs[i]))
+        return tuple(clamp_steps(alpha * b, f) for b, f in zip(base[i], floors[i]))
 
-    @functools.lru_cache(maxsize=64)
     def encoded(alpha: float):
         out = []
         for ls, le in local_bounds:
@@ -71,14 +71,18 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             out.append(chunk)
         return out
 
+    @functools.lru_cache(maxsize=None)  # sizes only: a long document's blobs are tens of MB per scale
     def payload(alpha: float) -> int:
         return sum(t.numel() for chunk in encoded(alpha) for t in chunk.values())
 
     recipe_meta = child_recipe(src, step)
     qmeta = q.meta(n_heads, d)
-    overhead = len(bundles) * (4096 + 200 * n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
+    overhead = len(bundles) * (6144 + 200 * n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
+    alpha = None
     for _attempt in range(4):
-        alpha = fit_scale(payload, cap - overhead)
+        # a refit (the first guess of the headers was short) starts next to the last scale
+        alpha = (alpha is not None and fit_scale(payload, cap - overhead, alpha, alpha * 1.25)) or \
+            fit_scale(payload, cap - overhead)
         if alpha is None:
             raise UsageError(f"a budget of {recipe.budget:g} is too small for --quant ec even at its coarsest steps",
                              hint="raise --budget or use --quant auto (which evicts)")

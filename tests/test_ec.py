@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from kdnctl.allocate.rate import clamp_steps, fit_scale, relative_steps
+from kdnctl.allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
 from kdnctl.errors import BundleFormatError
 from kdnctl.quant import dequantize_tensors, get_quantizer
 from kdnctl.quant.entropy import EntropyQuantizer, encode_role
@@ -122,7 +122,7 @@ def test_relative_steps_equalise_each_heads_weighted_error():
 def test_clamped_steps_keep_codes_in_int16():
     x = torch.zeros(1, 4, 2)
     x[0, 0, 0] = 1000.0
-    s = clamp_steps(torch.full((1, 2), 1e-9), x, finest_level=2)
+    s = clamp_steps(torch.full((1, 2), 1e-9), step_floor(x, finest_level=2))
     assert float(s.min()) >= 0.999e-4
     assert float((x - x.mean(1, keepdim=True)).abs().max() * 4 / s[0, 0]) <= 30000 + 1e-3
 

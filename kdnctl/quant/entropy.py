@@ -32,6 +32,7 @@ RoPE (``key_rope_theta``) and rotated back to their positions after decoding.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -111,8 +112,14 @@ def unpack_codes(data: bytes, n: int, peak: int, per: int, what: str) -> torch.T
     b = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
     if b.numel() * per < n or (b.numel() and int(b.max()) >= radix ** per):
         raise BundleFormatError(f"{what}: packed codes out of range")
-    digits = (b[:, None] // (radix ** torch.arange(per))) % radix
-    return (digits.reshape(-1)[:n] - peak).float()
+    return _digit_table(peak, per)[b].reshape(-1)[:n]
+
+
+@functools.lru_cache(maxsize=64)
+def _digit_table(peak: int, per: int) -> torch.Tensor:
+    """``[256, per]`` float codes of every byte value (a gather beats integer division per code)."""
+    radix = 2 * peak + 1
+    return ((torch.arange(256)[:, None] // radix ** torch.arange(per)) % radix - peak).float()
 
 
 def spread_bins(codes: torch.Tensor) -> torch.Tensor:

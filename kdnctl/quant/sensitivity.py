@@ -49,8 +49,8 @@ def key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_d
     handles = [m.q_proj.register_forward_hook(hook(i)) for i, m in enumerate(mods)]
     try:
         device = next(model.parameters()).device
-        with torch.no_grad():
-            model(torch.tensor([token_ids], device=device), use_cache=False)
+        with torch.no_grad():  # the decoder stack alone: no logits over the vocabulary
+            model.base_model(torch.tensor([token_ids], device=device), use_cache=False)
     finally:
         for h in handles:
             h.remove()
