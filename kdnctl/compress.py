@@ -97,8 +97,7 @@ class CompressRecipe:
                 # representatives would be arbitrary, so the auto recipe keeps by importance alone
                 if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":
                     self.method_options = {"ratio": auto.ratio, **self.method_options}
-            if self.quant != "ec":
-                sizing.ladder_for(self.quant)
+            _ = self.quant == "ec" or sizing.ladder_for(self.quant)
         elif self.quant is None:
             self.quant = "none"
         if self.scorer is None:
@@ -176,10 +175,8 @@ class CompressRecipe:
     def uses_scorer(self) -> bool:
         """The scorer ranks tokens for presses that use it, weighs the ladder's damage, and picks
         int8 tokens for ``mixed``."""
-        if self.sized and self.quant in ("ladder", "floor"):
-            return True
-        if self.sized and self.quant == "ec":
-            return False  # every token kept; the channel weights come from the model, not a scorer
+        if self.sized and self.quant in ("ladder", "floor", "ec"):
+            return self.quant != "ec"  # ec keeps every token and weighs channels by the model, not a scorer
         if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
             return False  # one tier that fits everywhere: nothing to rank
         return self.quant == "mixed" or press_class(self.method).uses_importance
@@ -319,15 +316,14 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
     fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
-    if recipe.sized and recipe.quant == "ec":
-        new_tensors, metas, kept, mix = sized_ec(src, label, step, recipe, bundles, keys, values, token_ids,
-                                                 local_bounds, fp16, lm)
-        record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
-        return (record, score_s, (fp16, kept, mix)) if with_sizes else (record, score_s)
     if recipe.sized:
-        new_tensors, metas, kept, mix = _sized(src, label, step, recipe, bundles, dense, keys, values,
-                                               importance if lift_w is None else lift_w, press, allocator, ctx,
-                                               local_bounds, fp16)
+        if recipe.quant == "ec":  # every token kept, attention-weighted steps (compress_ec.py)
+            new_tensors, metas, kept, mix = sized_ec(src, label, step, recipe, bundles, keys, values, token_ids,
+                                                     local_bounds, fp16, lm)
+        else:
+            new_tensors, metas, kept, mix = _sized(src, label, step, recipe, bundles, dense, keys, values,
+                                                   importance if lift_w is None else lift_w, press, allocator, ctx,
+                                                   local_bounds, fp16)
         record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
         return (record, score_s, (fp16, kept, mix)) if with_sizes else (record, score_s)
     quantizer = get_quantizer(recipe.quant, group_size=recipe.group_size) if recipe.quant != "none" else None
