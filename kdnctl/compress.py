@@ -97,7 +97,7 @@ class CompressRecipe:
                 # representatives would be arbitrary, so the auto recipe keeps by importance alone
                 if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":
                     self.method_options = {"ratio": auto.ratio, **self.method_options}
-            _ = self.quant == "ec" or sizing.ladder_for(self.quant)
+            if self.quant != "ec": sizing.ladder_for(self.quant)  # noqa: E701 (an unknown --quant is refused here)
         elif self.quant is None:
             self.quant = "none"
         if self.scorer is None:
