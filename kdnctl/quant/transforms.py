@@ -41,6 +41,19 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cos_sin(positions: torch.Tensor, d: int, theta: float):
+    if positions.device.type != "cpu":
+        return _cos_sin_of(positions, d, theta)
+    # every layer of a chunk rotates by the same positions: compute the tables once per chunk
+    p = positions.contiguous()
+    return _cos_sin_cached(p.numpy().tobytes(), p.dtype, tuple(p.shape), d, float(theta))
+
+
+@functools.lru_cache(maxsize=8)
+def _cos_sin_cached(raw: bytes, dtype, shape: tuple, d: int, theta: float):
+    return _cos_sin_of(torch.frombuffer(bytearray(raw), dtype=dtype).view(shape), d, theta)
+
+
+def _cos_sin_of(positions: torch.Tensor, d: int, theta: float):
     inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
     ang = positions.to(torch.float64)[..., None] * inv  # [..., d/2]
     ang = torch.cat([ang, ang], dim=-1)
