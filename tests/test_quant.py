@@ -172,7 +172,7 @@ def test_fp16_scale_costs_little_accuracy():
 
 
 def test_registry():
-    assert set(QUANTIZERS) == {"none", "int8", "int4", "int3", "int2", "fp8", "mixed", "ladder"}
+    assert set(QUANTIZERS) == {"none", "int8", "int4", "int3", "int2", "fp8", "mixed", "ladder", "ec"}
     with pytest.raises(UsageError) as ei:
         get_quantizer("int5")
     assert "int8" in ei.value.hint and "mixed" in ei.value.hint
