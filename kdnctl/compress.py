@@ -1,18 +1,16 @@
 """``kdnctl compress``: a stored version -> a size-budgeted, pruned and/or quantized new version.
 
 Two budgets. ``budget`` (size, the default 0.25): the stored bytes of each document are at most
-``budget`` x its fp16 K/V size, everything included; precision fills it (``kdnctl.sizing``:
-the best single tier that fits, or per-token tiers with ``quant="ladder"``), and tokens are
-evicted (by the press) only when the cap forces it after every row is at the lowest tier.
+``budget`` x its fp16 K/V size, everything included; precision fills it (``kdnctl.sizing``'s
+tiers, evicting only what the cap forces, or ``quant="ec"``: ``compress_ec``, every token kept).
 ``keep`` (token eviction, the meaning ``budget`` had before): the fraction of tokens kept per
 layer and KV head.
 
 Per document: load the source chunks, score every token with a query-agnostic scorer, let the
 allocator split the budget over layers and the press pick kept tokens per layer and KV head
-over the WHOLE document (so the budget can go to
-the chunks that need it), split the picks back into chunks (every head of a layer keeps the
-same count within a chunk), gather K/V (and any steering bias), quantize, and commit the new
-version in one transaction. The source version stays; re-running the same recipe is a no-op.
+over the WHOLE document (so the budget goes to the chunks that need it), split the picks back
+into chunks (every head of a layer keeps one count per chunk), gather K/V (and any steering
+bias), quantize, commit the version in one transaction. The source stays; the same recipe again is a no-op.
 """
 
 from __future__ import annotations
@@ -100,6 +98,8 @@ class CompressRecipe:
             if self.quant != "ec": sizing.ladder_for(self.quant)  # noqa: E701 (an unknown --quant is refused here)
         elif self.quant is None:
             self.quant = "none"
+        elif self.quant == "ec":
+            raise UsageError("--quant ec fits its steps to a byte cap", hint="add --budget B", param="quant")
         if self.scorer is None:
             self.scorer = DEFAULT_SCORER
         wrapper, _, inner = str(self.method).partition(":")
