@@ -5,38 +5,23 @@ decoder written here from docs/bundle-format.md alone."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import zstandard
 
-from conftest import EXAMPLES, run_cli
-from httpkit import ThreadServer
+from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, rope_by_hand, trimmed_store
+from conftest import run_cli
 
 from kdnctl.bundle import decode_bundle, read_meta
 from kdnctl.compress import CompressRecipe, compress_document
-from kdnctl.corpus import read_corpus
-from kdnctl.engine.hf import LoadedContext, forward_suffix, load_document
-from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prompting import PromptFormat
-from kdnctl.sizing import fp16_bytes
-from kdnctl.store import Store
 
 pytestmark = pytest.mark.model
-DOCS = {"faq.md": 300, "meeting-notes-2026-03.txt": 220}
 BUDGETS = (0.25, 0.083)
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, lm):
-    docs_dir = tmp_path_factory.mktemp("docs")
-    for name, n in DOCS.items():
-        ids = lm.tokenizer((EXAMPLES / name).read_text(), add_special_tokens=False).input_ids[:n]
-        (docs_dir / name).write_text(lm.tokenizer.decode(ids))
-    docs, _ = read_corpus([docs_dir])
-    st = Store(tmp_path_factory.mktemp("store"))
-    ingest_documents(st, lm, docs, IngestOptions(chunk_tokens=128))
+    st = trimmed_store(tmp_path_factory, lm, DOCS)
     with st.writer():
         for doc in DOCS:
             for b in BUDGETS:
@@ -45,18 +30,12 @@ def store(tmp_path_factory, lm):
     st.close()
 
 
-def _fp16(st, doc):
-    v = st.get_version(doc, "full")
-    m = read_meta(st.read_object(v.chunks[0].object))["model"]
-    return fp16_bytes(v.n_tokens, m["n_layers"], m["n_kv_heads"], m["head_dim"])
-
-
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("doc", list(DOCS))
 def test_byte_cap_every_token_kept(store, doc, budget):
     v = store.get_version(doc, f"ec-b{budget:g}-p64")
     stored = sum(len(store.read_object(c.object)) for c in v.chunks)
-    cap = budget * _fp16(store, doc)
+    cap = budget * fp16_size(store, doc)
     assert stored == v.nbytes
     assert 0.97 * cap <= stored <= cap  # the scale is fitted to fill the cap
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
@@ -74,14 +53,6 @@ def test_smaller_budget_coarser_steps(store):
         alphas = [read_meta(store.read_object(store.get_version(doc, f"ec-b{b:g}-p64").chunks[0].object))
                   ["quant"]["alpha"] for b in BUDGETS]
         assert alphas[0] < alphas[1]
-
-
-def _rope(x, pos, theta):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = pos.double()[..., None] * inv
-    cos, sin = torch.cat([ang, ang], -1).cos().float(), torch.cat([ang, ang], -1).sin().float()
-    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
 
 
 def _by_hand(b, i, role):
@@ -115,34 +86,12 @@ def _by_hand(b, i, role):
     codes = rows
     step, mean = params
     x = codes.view(h, d, t).transpose(1, 2) * (step[:, None, :] / 2 ** levels[None, :, None]) + mean[:, None, :]
-    return _rope(x, b.tensors["positions"].expand(h, -1), q["key_rope_theta"]) if role == "keys" else x
-
-
-def _logits_by_hand(lm, st, doc, label, suffix):
-    bundles = [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, label).chunks]
-    keys = [torch.cat([_by_hand(b, i, "keys") for b in bundles], 1)[None].to(lm.dtype) for i in range(bundles[0].n_layers)]
-    values = [torch.cat([_by_hand(b, i, "values") for b in bundles], 1)[None].to(lm.dtype)
-              for i in range(bundles[0].n_layers)]
-    ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
-    return forward_suffix(lm, LoadedContext(keys, values, int(bundles[-1].meta["token_end"]), ids), suffix)[0]
+    return rope_by_hand(x, b.tensors["positions"].expand(h, -1), q["key_rope_theta"]) if role == "keys" else x
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_ec_bundle_loads_locally_and_remotely(lm, store, budget):
-    from kdnctl.client import RemoteStore
-
-    doc, label = "faq.md", f"ec-b{budget:g}-p64"
-    suffix = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, "What is the return policy?")
-    expected = _logits_by_hand(lm, store, doc, label, suffix)
-    local = forward_suffix(lm, load_document(lm, store, doc, label), suffix)[0]
-    torch.testing.assert_close(local, expected, rtol=1e-4, atol=1e-4)
-    full = forward_suffix(lm, load_document(lm, store, doc, "full"), suffix)[0]
-    assert (local - full).abs().max() > 1e-3  # the comparison can tell a lossy cache apart
-    with ThreadServer(store.root) as srv:
-        got = forward_suffix(lm, load_document(lm, RemoteStore(srv.url), doc, label), suffix)[0]
-    assert torch.equal(got, local)
-    # closer to the full cache than int2 for every token would be (a loose sanity bound)
-    assert math.isfinite(float(local.abs().max()))
+    assert_loads_as_decoded(lm, store, "faq.md", f"ec-b{budget:g}-p64", _by_hand)
 
 
 def test_ec_refuses_eviction_and_tiny_budgets(store):

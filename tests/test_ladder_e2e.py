@@ -6,41 +6,24 @@ dequantizing it by hand (an independent decoder written here from docs/bundle-fo
 from __future__ import annotations
 
 import math
-import socket
-import threading
-import time
 import zlib
 
 import pytest
 import torch
 
-from conftest import EXAMPLES
+from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, rope_by_hand, trimmed_store
 
 from kdnctl.bundle import decode_bundle, read_meta
 from kdnctl.compress import CompressRecipe, compress_document
-from kdnctl.corpus import read_corpus
-from kdnctl.engine.hf import LoadedContext, forward_suffix, load_document
-from kdnctl.ingest import IngestOptions, ingest_documents
 from kdnctl.kernels.quant import reference as ref
-from kdnctl.prompting import PromptFormat
-from kdnctl.sizing import fp16_bytes
-from kdnctl.store import Store
 
 pytestmark = pytest.mark.model
-DOCS = {"faq.md": 300, "meeting-notes-2026-03.txt": 220}
 TIERS = ("fp16", "int8", "int4", "int3", "int2")
 
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory, lm):
-    docs_dir = tmp_path_factory.mktemp("docs")
-    for name, n in DOCS.items():
-        ids = lm.tokenizer((EXAMPLES / name).read_text(), add_special_tokens=False).input_ids[:n]
-        (docs_dir / name).write_text(lm.tokenizer.decode(ids))
-    docs, _ = read_corpus([docs_dir])
-    root = tmp_path_factory.mktemp("store")
-    st = Store(root)
-    ingest_documents(st, lm, docs, IngestOptions(chunk_tokens=128))
+    st = trimmed_store(tmp_path_factory, lm, DOCS)
     with st.writer():
         for doc in DOCS:
             for b in (0.25, 0.15, 0.083):
@@ -53,16 +36,10 @@ def store(tmp_path_factory, lm):
     st.close()
 
 
-def _fp16(st, doc):
-    v = st.get_version(doc, "full")
-    m = read_meta(st.read_object(v.chunks[0].object))["model"]
-    return fp16_bytes(v.n_tokens, m["n_layers"], m["n_kv_heads"], m["head_dim"])
-
-
 def _stored_and_cap(st, doc, label, budget):
     """The version, its stored bytes (whole objects: headers too) and its byte cap."""
     v = st.get_version(doc, label)
-    return v, sum(len(st.read_object(c.object)) for c in v.chunks), budget * _fp16(st, doc)
+    return v, sum(len(st.read_object(c.object)) for c in v.chunks), budget * fp16_size(st, doc)
 
 
 @pytest.mark.parametrize("budget", [0.25, 0.15, 0.083])
@@ -151,15 +128,6 @@ def _hadamard(d):
     return h / math.sqrt(d)
 
 
-def _rope(x, pos, theta):
-    d = x.shape[-1]
-    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-    ang = pos.double()[..., None] * inv
-    cos, sin = torch.cat([ang, ang], -1).cos().float(), torch.cat([ang, ang], -1).sin().float()
-    rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
-    return x * cos + rot * sin
-
-
 def _by_hand(b, i, role):
     """Decode one laddered layer/role from the format description alone."""
     q = b.meta["quant"]
@@ -197,53 +165,9 @@ def _by_hand(b, i, role):
     assert co == codes.numel() and po == params.numel()
     if role == "values":
         return out @ _hadamard(d)
-    return _rope(out, b.layer_positions(i), q["key_rope_theta"])
-
-
-def _logits_by_hand(lm, st, doc, label, suffix):
-    bundles = [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, label).chunks]
-    keys, values = [], []
-    for i in range(bundles[0].n_layers):
-        keys.append(torch.cat([_by_hand(b, i, "keys") for b in bundles], 1)[None].to(lm.dtype))
-        values.append(torch.cat([_by_hand(b, i, "values") for b in bundles], 1)[None].to(lm.dtype))
-    ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
-    ctx = LoadedContext(keys, values, int(bundles[-1].meta["token_end"]), ids)
-    return forward_suffix(lm, ctx, suffix)[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return rope_by_hand(out, b.layer_positions(i), q["key_rope_theta"])
 
 
 @pytest.mark.parametrize("label", ["ladder-b0.25-surprisal", "ladder-b0.083-surprisal"])
 def test_mixed_tier_bundle_loads_locally_and_remotely(lm, store, label):
-    import uvicorn
-
-    from kdnctl.client import RemoteStore
-    from kdnctl.server import create_app
-
-    doc = "faq.md"
-    suffix = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, "What is the return policy?")
-    expected = _logits_by_hand(lm, store, doc, label, suffix)
-    local = forward_suffix(lm, load_document(lm, store, doc, label), suffix)[0]
-    torch.testing.assert_close(local, expected, rtol=1e-4, atol=1e-4)
-    full = forward_suffix(lm, load_document(lm, store, doc, "full"), suffix)[0]
-    assert (local - full).abs().max() > 1e-3  # the comparison can tell a lossy cache apart
-
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(store.root), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not server.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        remote = RemoteStore(f"http://127.0.0.1:{port}")
-        got = forward_suffix(lm, load_document(lm, remote, doc, label), suffix)[0]
-        assert torch.equal(got, local)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    assert_loads_as_decoded(lm, store, "faq.md", label, _by_hand)

@@ -41,7 +41,7 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cos_sin(positions: torch.Tensor, d: int, theta: float):
-    if positions.device.type != "cpu":
+    if positions.device.type != "cpu" or positions.numel() == 0:
         return _cos_sin_of(positions, d, theta)
     # every layer of a chunk rotates by the same positions: compute the tables once per chunk
     p = positions.contiguous()

@@ -1,0 +1,70 @@
+"""Helpers of the size-budget end-to-end tests: a small store of trimmed example documents,
+the fp16 size a budget is a fraction of, and RoPE written out from its definition."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import EXAMPLES
+
+from kdnctl.bundle import read_meta
+from kdnctl.corpus import read_corpus
+from kdnctl.ingest import IngestOptions, ingest_documents
+from kdnctl.sizing import fp16_bytes
+from kdnctl.store import Store
+
+DOCS = {"faq.md": 300, "meeting-notes-2026-03.txt": 220}  # document -> tokens kept
+
+
+def trimmed_store(tmp_path_factory, lm, docs: dict[str, int] = DOCS) -> Store:
+    """A store with the first tokens of each example document ingested in 128-token chunks."""
+    docs_dir = tmp_path_factory.mktemp("docs")
+    for name, n in docs.items():
+        ids = lm.tokenizer((EXAMPLES / name).read_text(), add_special_tokens=False).input_ids[:n]
+        (docs_dir / name).write_text(lm.tokenizer.decode(ids))
+    corpus, _ = read_corpus([docs_dir])
+    st = Store(tmp_path_factory.mktemp("store"))
+    ingest_documents(st, lm, corpus, IngestOptions(chunk_tokens=128))
+    return st
+
+
+def fp16_size(st, doc: str) -> int:
+    v = st.get_version(doc, "full")
+    m = read_meta(st.read_object(v.chunks[0].object))["model"]
+    return fp16_bytes(v.n_tokens, m["n_layers"], m["n_kv_heads"], m["head_dim"])
+
+
+def rope_by_hand(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Llama's rotate-half RoPE of ``x [..., D]`` at ``pos [...]``."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    ang = pos.double()[..., None] * inv
+    cos, sin = torch.cat([ang, ang], -1).cos().float(), torch.cat([ang, ang], -1).sin().float()
+    return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+
+def assert_loads_as_decoded(lm, st, doc: str, label: str, by_hand) -> None:
+    """The version loads locally with the logits of a decoder written in the test
+    (``by_hand(bundle, layer, role)`` -> dense ``[H, T, D]``), differs from the full cache, and
+    loads through a real loopback serve-files to the same logits as locally."""
+    from httpkit import ThreadServer
+
+    from kdnctl.bundle import decode_bundle
+    from kdnctl.client import RemoteStore
+    from kdnctl.engine.hf import LoadedContext, forward_suffix, load_document
+    from kdnctl.prompting import PromptFormat
+
+    suffix = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, "What is the return policy?")
+    bundles = [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, label).chunks]
+    layers = range(bundles[0].n_layers)
+    keys = [torch.cat([by_hand(b, i, "keys") for b in bundles], 1)[None].to(lm.dtype) for i in layers]
+    values = [torch.cat([by_hand(b, i, "values") for b in bundles], 1)[None].to(lm.dtype) for i in layers]
+    ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
+    expected = forward_suffix(lm, LoadedContext(keys, values, int(bundles[-1].meta["token_end"]), ids), suffix)[0]
+    local = forward_suffix(lm, load_document(lm, st, doc, label), suffix)[0]
+    torch.testing.assert_close(local, expected, rtol=1e-4, atol=1e-4)
+    full = forward_suffix(lm, load_document(lm, st, doc, "full"), suffix)[0]
+    assert (local - full).abs().max() > 1e-3  # the comparison can tell a lossy cache apart
+    with ThreadServer(st.root) as srv:
+        got = forward_suffix(lm, load_document(lm, RemoteStore(srv.url), doc, label), suffix)[0]
+    assert torch.equal(got, local)
