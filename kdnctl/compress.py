@@ -70,7 +70,7 @@ class CompressRecipe:
     keep: float = 1.0
     coding: str = sizing.CODING  # size budget: lossless coding of codes (+ scales/zeros)
     protect: int = 0  # size budget: the last N tokens (and the prompt header) are never evicted and lifted first
-    lift: str | None = None  # size budget: a second scorer whose top tokens are also lifted first (max of the ranks)
+    lift: str | None = None  # size budget: a second scorer whose top tokens are also lifted first (ec: finer steps)
     key_weight: float = sizing.KEY_WEIGHT  # size budget: a key row's damage relative to a value row's (solver)
 
     def __post_init__(self) -> None:
@@ -299,7 +299,8 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
         if recipe.sized and recipe.lift:  # upgrade weights: the better rank of the two scorers
             lifted = compute_importance(recipe.lift, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
                                         n_layers=n_layers, n_heads=n_heads)
-            lift_w = torch.maximum(sizing.rank01(importance), sizing.rank01(lifted))
+            lift_w = sizing.rank01(lifted) if recipe.quant == "ec" else torch.maximum(sizing.rank01(importance),
+                                                                                       sizing.rank01(lifted))
         score_s = time.perf_counter() - t_score
         ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
         try:
@@ -319,7 +320,7 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
     if recipe.sized:
         if recipe.quant == "ec":  # every token kept, attention-weighted steps (compress_ec.py)
             new_tensors, metas, kept, mix = sized_ec(src, label, step, recipe, bundles, keys, values, token_ids,
-                                                     local_bounds, fp16, lm)
+                                                     local_bounds, fp16, lm, lift_w)
         else:
             new_tensors, metas, kept, mix = _sized(src, label, step, recipe, bundles, dense, keys, values,
                                                    importance if lift_w is None else lift_w, press, allocator, ctx,

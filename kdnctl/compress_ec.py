@@ -21,11 +21,17 @@ from .quant.sensitivity import key_weights, value_weights
 from .versions import child_recipe
 
 PROTECT_LEVEL = 2
+LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
 
-def token_levels(n_tokens: int, header: int, protect: int) -> torch.Tensor:
+def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | None = None) -> torch.Tensor:
+    """Per token: PROTECT_LEVEL for the prompt header and the last ``protect`` tokens,
+    LIFT_LEVEL for the top LIFT_FRACTION by ``lift`` (``[L, H, T]`` ranks, averaged), else 0."""
     levels = torch.zeros(n_tokens, dtype=torch.uint8)
+    if lift is not None and n_tokens:
+        top = lift.float().mean((0, 1)).argsort(descending=True)[: int(LIFT_FRACTION * n_tokens)]
+        levels[top] = LIFT_LEVEL
     if protect:
         levels[-protect:] = PROTECT_LEVEL
     levels[:header] = PROTECT_LEVEL
@@ -33,7 +39,7 @@ def token_levels(n_tokens: int, header: int, protect: int) -> torch.Tensor:
 
 
 def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys: list[torch.Tensor],
-             values: list[torch.Tensor], token_ids: list[int], local_bounds, fp16: int, lm):
+             values: list[torch.Tensor], token_ids: list[int], local_bounds, fp16: int, lm, lift=None):
     """(tensors per chunk, meta per chunk, kept fraction 1.0, mix) for a version within
     ``recipe.budget`` x ``fp16`` bytes, everything included."""
     if lm is None:
@@ -47,7 +53,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
     q = EntropyQuantizer(key_rope_theta=theta)
     positions = torch.cat([b.layer_positions(0)[0] for b in bundles])
-    levels = token_levels(n_tokens, int(bundles[0].meta.get("header_tokens", 0)), recipe.protect)
+    levels = token_levels(n_tokens, int(bundles[0].meta.get("header_tokens", 0)), recipe.protect, lift)
     finest = int(levels.max()) if levels.numel() else 0
     assert finest <= MAX_LEVEL
     kw = key_weights(lm, token_ids, n_layers, n_heads, d, rope=theta is not None)

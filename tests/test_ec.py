@@ -168,3 +168,15 @@ def test_channel_weights_match_naive_references(tiny_lm):
                 acc = sum(float(w[:, g * d + c].pow(2).sum()) for g in range(h * hq // hkv, (h + 1) * hq // hkv))
                 assert math.isclose(float(vw[i, h, c]), acc, rel_tol=1e-4)
     assert torch.equal(pair_mean(torch.tensor([1.0, 3.0])), torch.tensor([2.0, 2.0]))
+
+
+def test_token_levels_protect_and_lift():
+    from kdnctl.compress_ec import LIFT_LEVEL, PROTECT_LEVEL, token_levels
+
+    lift = torch.zeros(2, 3, 20)
+    lift[:, :, 7:12] = 1.0  # five tokens every layer and head ranks first
+    levels = token_levels(20, header=3, protect=4, lift=lift)
+    assert levels[:3].tolist() == [PROTECT_LEVEL] * 3 and levels[-4:].tolist() == [PROTECT_LEVEL] * 4
+    assert levels[7:12].tolist() == [LIFT_LEVEL] * 5  # the top quarter of 20 tokens
+    assert int((levels == 0).sum()) == 20 - 3 - 4 - 5
+    assert token_levels(5, header=0, protect=0).tolist() == [0] * 5
