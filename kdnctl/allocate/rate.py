@@ -33,8 +33,9 @@ def relative_steps(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def step_floor(x: torch.Tensor, finest_level: int) -> torch.Tensor:
     """The finest steps ``[H, D]`` that keep float16 steps and every code of ``x [H, T, D]``
-    within int16 at the finest token level."""
-    spread = (x - x.mean(1, keepdim=True)).abs().amax(1) if x.shape[1] else torch.zeros(x.shape[0], x.shape[2])
+    within int16 at the finest token level, whatever mean of any span of tokens (a 256-token
+    chunk's) is subtracted: ``|x - mean| <= max - min``."""
+    spread = x.amax(1) - x.amin(1) if x.shape[1] else torch.zeros(x.shape[0], x.shape[2])
     return (spread * 2 ** finest_level / CODE_MAX).clamp_min(STEP_MIN)
 
 
