@@ -73,8 +73,9 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
 
 
 FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the prompt header)
-EVICT_TIER = "int4"  # where int4 does not hold every token: kept tokens at int4, the cap evicts the rest by sentence
+EVICT_TIER = "int4"  # below EC_FROM: kept tokens at int4, the cap evicts the rest by sentence
 EVICT_SCORER = "sentences"
+EC_FROM = 0.25  # from here to where int4 holds every token: --quant ec (measured at 0.25; at 0.083 it lost)
 
 
 @dataclass(frozen=True)
@@ -89,20 +90,24 @@ class AutoRecipe:
 
 
 def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
-    """``--quant auto`` (the default with a budget), from what was measured (docs/compression.md,
-    ``bench/results/gpu-h100/quality-acceptance``: 125 real-text tasks, one run):
+    """``--quant auto`` (the default with a budget), from what was measured (docs/compression.md;
+    ``bench/results/quality-cpu-ec``: all 130 real-text tasks, one run):
 
-    * where int4 does not hold every token (below ~0.32: the default 0.25 and 0.083): every
-      kept token at int4 and the cap evicts the rest, whole sentences by their mean surprisal
-      (``sentences`` scorer, no KVCrush representatives), the prompt header and the last 64
-      tokens kept. At 0.25 it kept 56/58 needles and 20/38 facts (full 58/58, 20/38) at +1.6%
-      continuation NLL, where the earlier default (every row at int3, the 5% least important
-      tokens' bytes lifting rows to int4) kept 55/58 and 18/38 and int3 for every token 56/58
-      and 11/38: a missing token costs fewer answers than a third bit lost on every token;
+    * from 0.25 to where int4 holds every token (~0.32): ``ec``, every token kept with
+      attention-weighted, entropy-coded steps, the prompt header and the last 64 tokens finer.
+      At 0.25 it kept 60/60 needles, 18/40 facts (fact answer NLL +2.6%) and continuation NLL
+      +0.2% (full 60/60, 21/40); int4 + sentence eviction kept 58/60, 20/40 (fact NLL +27%),
+      +1.5%;
+    * below 0.25 (e.g. 0.083): every kept token at int4 and the cap evicts the rest, whole
+      sentences by their mean surprisal (``sentences`` scorer, no KVCrush representatives), the
+      prompt header and the last 64 tokens kept: at 0.083 53/60, 5/40, +12.0%, where ``ec``
+      (every token at a ~7x coarser step) kept 1/60, 2/40, +13.4%;
     * elsewhere ``uniform``: the most precise single tier that holds every token."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
     best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
     if best is None or TIERS.index(best) > TIERS.index(EVICT_TIER):
+        if budget >= EC_FROM:
+            return AutoRecipe("ec", 1.0, FLOOR_PROTECT)
         return AutoRecipe(EVICT_TIER, 1.0, FLOOR_PROTECT, EVICT_SCORER, 0.0)
     return AutoRecipe("uniform")
 

@@ -170,10 +170,11 @@ def test_floor_lifts_rows_one_tier_above_the_uniform_one():
 def test_recipe_labels_and_when_scores_are_needed():
     from kdnctl.compress import CompressRecipe
 
-    # the default at 0.25: int4 for every kept token, whole sentences evicted by mean surprisal
+    # the default at 0.25: every token kept, attention-weighted entropy-coded steps (the model weighs the channels)
     d = CompressRecipe()
-    assert (d.quant, d.keep, d.protect, d.scorer, d.default_label()) == ("int4", 1.0, 64, "sentences", "int4-b0.25-p64-sentences")
-    assert d.needs_model and d.as_dict()["protect"] == 64 and d.build_press(24).recent_tokens == 64
+    assert (d.quant, d.keep, d.protect, d.scorer, d.default_label()) == ("ec", 1.0, 64, "hybrid", "ec-b0.25-p64")
+    assert d.needs_model and not d.uses_scorer and d.as_dict()["protect"] == 64 and "coding" not in d.as_dict()
+    assert CompressRecipe(budget=0.3).quant == "ec" and CompressRecipe(budget=0.2).quant == "int4"
     full4 = CompressRecipe(budget=0.31)  # int4 holds every token: one tier, nothing evicted, no scores
     assert (full4.quant, full4.keep, full4.needs_model) == ("uniform", 1.0, False)
     assert CompressRecipe(budget=0.25, quant="floor", keep=0.95, protect=64).default_label() == "floor-b0.25-k0.95-p64"
