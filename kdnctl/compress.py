@@ -176,7 +176,7 @@ class CompressRecipe:
         """The scorer ranks tokens for presses that use it, weighs the ladder's damage, and picks
         int8 tokens for ``mixed``."""
         if self.sized and self.quant in ("ladder", "floor", "ec"):
-            return self.quant != "ec"  # ec keeps every token and weighs channels by the model, not a scorer
+            return self.quant != "ec" or self.keep < 1  # ec weighs channels by the model; a scorer only evicts
         if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
             return False  # one tier that fits everywhere: nothing to rank
         return self.quant == "mixed" or press_class(self.method).uses_importance
@@ -320,7 +320,7 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
     if recipe.sized:
         if recipe.quant == "ec":  # every token kept, attention-weighted steps (compress_ec.py)
             new_tensors, metas, kept, mix = sized_ec(src, label, step, recipe, bundles, keys, values, token_ids,
-                                                     local_bounds, fp16, lm, lift_w)
+                                                     local_bounds, fp16, lm, lift_w, importance)
         else:
             new_tensors, metas, kept, mix = _sized(src, label, step, recipe, bundles, dense, keys, values,
                                                    importance if lift_w is None else lift_w, press, allocator, ctx,

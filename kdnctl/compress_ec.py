@@ -1,6 +1,9 @@
 """Size-budgeted chunks in the entropy-coded ``ec`` layout (``kdnctl compress --quant ec``).
 
-Every token is kept. Each channel's step follows from how much attention depends on it
+Every token is kept, unless ``--keep K`` evicts first: then one set of tokens, the same in every
+layer and KV head (the top ``K`` of the scorer's importance averaged over layers and heads, the
+prompt header and the last ``protect`` tokens always among them; with the ``sentences`` scorer,
+whole sentences), is kept and quantized. Each channel's step follows from how much attention depends on it
 (``kdnctl.quant.sensitivity``: query energy for keys, ``o_proj`` column norms for values) and
 one scale per document is fitted so the encoded bundles fill the byte cap
 (``kdnctl.allocate.rate``). The prompt header and the last ``protect`` tokens are quantized
@@ -38,22 +41,59 @@ def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | 
     return levels
 
 
+def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int) -> torch.Tensor:
+    """Ascending document indices of the ``round(keep * T)`` tokens with the highest importance
+    (``[L, H, T]``, averaged over layers and heads; ties to the earlier token), the first
+    ``header`` and the last ``protect`` tokens always kept."""
+    n = importance.shape[-1]
+    score = importance.float().mean((0, 1))
+    forced = torch.zeros(n, dtype=torch.bool)
+    forced[:header] = True
+    if protect:
+        forced[-protect:] = True
+    want = max(int(round(keep * n)), int(forced.sum()))
+    order = sorted(range(n), key=lambda t: (not bool(forced[t]), -float(score[t]), t))
+    return torch.tensor(sorted(order[:want]), dtype=torch.int64)
+
+
+def _chunk_positions(chunk_positions: torch.Tensor, local: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """One layer's positions tensor for a chunk's kept tokens (int16 while they fit)."""
+    p = chunk_positions[local]
+    dtype = torch.int16 if (int(p.max()) if p.numel() else 0) < 32768 else torch.int32
+    return p.to(dtype).unsqueeze(0).expand(n_heads, -1).contiguous()
+
+
 def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys: list[torch.Tensor],
-             values: list[torch.Tensor], token_ids: list[int], local_bounds, fp16: int, lm, lift=None):
-    """(tensors per chunk, meta per chunk, kept fraction 1.0, mix) for a version within
+             values: list[torch.Tensor], token_ids: list[int], local_bounds, fp16: int, lm, lift=None,
+             importance: torch.Tensor | None = None):
+    """(tensors per chunk, meta per chunk, kept fraction, mix) for a version within
     ``recipe.budget`` x ``fp16`` bytes, everything included."""
     if lm is None:
         raise UsageError("--quant ec weighs channels with the model's queries and output projection",
                          hint="pass --model (or drop --quant ec)")
-    if recipe.keep < 1:
-        raise UsageError("--quant ec keeps every token", hint="drop --keep, or use another --quant", param="keep")
-    n_layers, (n_heads, n_tokens, d) = len(keys), keys[0].shape
+    n_layers, (n_heads, n_all, d) = len(keys), keys[0].shape
     cap = recipe.budget * fp16
     rope = bundles[0].meta["model"].get("rope") or {}
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
     q = EntropyQuantizer(key_rope_theta=theta)
+    header = int(bundles[0].meta.get("header_tokens", 0))
+    rows = None
+    if recipe.keep < 1:
+        if importance is None:
+            raise UsageError("--quant ec with --keep needs a scorer to rank tokens", param="keep")
+        rows = shared_keep(importance, recipe.keep, header, recipe.protect)
+        keys = [k[:, rows] for k in keys]
+        values = [v[:, rows] for v in values]
+        lift = lift[..., rows] if lift is not None else None
+    n_tokens = keys[0].shape[1]
     positions = torch.cat([b.layer_positions(0)[0] for b in bundles])
-    levels = token_levels(n_tokens, int(bundles[0].meta.get("header_tokens", 0)), recipe.protect, lift)
+    if rows is not None:
+        positions = positions[rows]
+        # chunk c's kept tokens in the kept sequence: [kept_bounds[c][0], kept_bounds[c][1])
+        kept_bounds = [(int((rows < ls).sum()), int((rows < le).sum())) for ls, le in local_bounds]
+    else:
+        kept_bounds = local_bounds
+    levels = token_levels(n_tokens, header, recipe.protect, lift)
     finest = int(levels.max()) if levels.numel() else 0
     assert finest <= MAX_LEVEL
     kw = key_weights(lm, token_ids, n_layers, n_heads, d, rope=theta is not None)
@@ -67,7 +107,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
 
     def encoded(alpha: float):
         out = []
-        for ls, le in local_bounds:
+        for ls, le in kept_bounds:
             lv = levels[ls:le]
             chunk = {}
             for i, (k, v) in enumerate(xs):
@@ -93,22 +133,25 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             raise UsageError(f"a budget of {recipe.budget:g} is too small for --quant ec even at its coarsest steps",
                              hint="raise --budget or use --quant auto (which evicts)")
         new_tensors, metas = [], []
-        for b, (ls, le), chunk in zip(bundles, local_bounds, encoded(alpha)):
+        for b, (ls, le), (ks, ke), chunk in zip(bundles, local_bounds, kept_bounds, encoded(alpha)):
             t = {"token_ids": b.tensors["token_ids"], "positions": b.tensors["positions"],
-                 "token_levels": levels[ls:le].clone(), **chunk}
+                 "token_levels": levels[ks:ke].clone(), **chunk}
+            local = None if rows is None else rows[ks:ke] - ls
             for i in range(n_layers):
+                if rows is not None:  # the same kept tokens in every layer and head
+                    t[tensor_name(i, "positions")] = _chunk_positions(b.tensors["positions"], local, n_heads)
                 bias = b.layer(i, "bias")
                 if bias is not None:
-                    t[tensor_name(i, "bias")] = bias
-            rows = n_heads * (le - ls) * n_layers
+                    t[tensor_name(i, "bias")] = bias if local is None else bias[..., local].contiguous()
+            n_rows = n_heads * (ke - ks) * n_layers
             metas.append({"quant": {**qmeta, "alpha": round(alpha, 6),
-                                    "mix": {"keys": {"ec": rows}, "values": {"ec": rows}}}})
+                                    "mix": {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}}})
             new_tensors.append(t)
         total = sum(len(encode_bundle(KVBundle(meta=derived_meta(b.meta, label=label, parent=src.label,
                                                                   recipe=recipe_meta, **m), tensors=t)))
                     for b, t, m in zip(bundles, new_tensors, metas)) + STAMP_BYTES * len(bundles)
         if total <= cap:
-            rows = n_heads * n_tokens * n_layers
-            return new_tensors, metas, 1.0, {"keys": {"ec": rows}, "values": {"ec": rows}}
+            n_rows = n_heads * n_tokens * n_layers
+            return new_tensors, metas, n_tokens / n_all, {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}
         overhead = total - payload(alpha) + 256
     raise UsageError(f"could not fit {recipe.budget:g} x the fp16 size with --quant ec", hint="raise --budget")

@@ -181,3 +181,27 @@ def test_token_levels_protect_and_lift():
     assert levels[7:12].tolist() == [LIFT_LEVEL] * 5  # the top quarter of 20 tokens
     assert int((levels == 0).sum()) == 20 - 3 - 4 - 5
     assert token_levels(5, header=0, protect=0).tolist() == [0] * 5
+
+
+@pytest.mark.parametrize("n,keep,header,protect", [(37, 0.4, 3, 5), (50, 0.1, 4, 8), (9, 0.9, 0, 0), (20, 0.05, 6, 6)])
+def test_shared_keep_matches_naive(n, keep, header, protect):
+    """The kept tokens are the top of the layer/head-averaged importance (ties to the earlier
+    token), the header and the last ``protect`` always among them, ascending."""
+    from kdnctl.compress_ec import shared_keep
+
+    g = torch.Generator().manual_seed(n)
+    imp = torch.randint(0, 4, (2, 3, n), generator=g).float()  # many ties, as whole sentences give
+    got = shared_keep(imp, keep, header, protect).tolist()
+    mean = [sum(float(imp[layer, h, t]) for layer in range(2) for h in range(3)) / 6 for t in range(n)]
+    forced = set(range(header)) | set(range(n - protect, n))
+    rest = sorted((t for t in range(n) if t not in forced), key=lambda t: (-mean[t], t))
+    want = sorted(forced | set(rest[:max(0, max(round(keep * n), len(forced)) - len(forced))]))
+    assert got == want
+
+
+def test_encode_role_of_no_tokens():
+    """A chunk whose tokens were all evicted encodes and decodes to an empty layer."""
+    from kdnctl.quant.entropy import decode_role
+
+    codes, params = encode_role(torch.randn(3, 0, 64), torch.full((3, 64), 0.1), torch.zeros(0, dtype=torch.uint8))
+    assert decode_role(codes, params, 3, 64, torch.zeros(0, dtype=torch.uint8), "x").shape == (3, 0, 64)

@@ -1,7 +1,8 @@
 """``--quant ec`` end to end with the real model: the byte cap (whole objects) at several
 budgets and documents, every token kept, finer steps where the budget is larger, and an ec
 bundle loading locally and through a real loopback serve-files with the same logits as a
-decoder written here from docs/bundle-format.md alone."""
+decoder written here from docs/bundle-format.md alone; with ``--keep`` (eviction first), one set
+of kept tokens in every layer and head, the header and the last tokens among them."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kdnctl.compress import CompressRecipe, compress_document
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.25, 0.083)
+EVICT = "ec-b0.083-k0.4-p64-sentences"  # eviction first: 40% of the tokens, whole sentences
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +28,8 @@ def store(tmp_path_factory, lm):
         for doc in DOCS:
             for b in BUDGETS:
                 compress_document(st, doc, CompressRecipe(budget=b, quant="ec", protect=64), lm=lm)
+            compress_document(st, doc, CompressRecipe(budget=0.083, quant="ec", keep=0.4, scorer="sentences",
+                                                      protect=64), lm=lm)
     yield st
     st.close()
 
@@ -86,7 +90,8 @@ def _by_hand(b, i, role):
     codes = rows
     step, mean = params
     x = codes.view(h, d, t).transpose(1, 2) * (step[:, None, :] / 2 ** levels[None, :, None]) + mean[:, None, :]
-    return rope_by_hand(x, b.tensors["positions"].expand(h, -1), q["key_rope_theta"]) if role == "keys" else x
+    pos = b.tensors.get(f"layers.{i}.positions", b.tensors["positions"].expand(h, -1))
+    return rope_by_hand(x, pos.long(), q["key_rope_theta"]) if role == "keys" else x
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -94,9 +99,35 @@ def test_ec_bundle_loads_locally_and_remotely(lm, store, budget):
     assert_loads_as_decoded(lm, store, "faq.md", f"ec-b{budget:g}-p64", _by_hand)
 
 
-def test_ec_refuses_eviction_and_tiny_budgets(store):
-    res = run_cli("compress", "--budget", "0.25", "--quant", "ec", "--keep", "0.5", "faq.md", store=store.root)
-    assert res.returncode != 0 and "keeps every token" in res.stderr and "Traceback" not in res.stderr
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_eviction_first_keeps_one_token_set(store, doc):
+    v = store.get_version(doc, EVICT)
+    stored = sum(len(store.read_object(c.object)) for c in v.chunks)
+    assert 0.97 * 0.083 * fp16_size(store, doc) <= stored <= 0.083 * fp16_size(store, doc)
+    bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
+    kept = torch.cat([b.layer_positions(0)[0] for b in bundles])
+    for b in bundles:  # the same tokens in every layer and head
+        p = b.layer_positions(0)
+        assert all(torch.equal(b.layer_positions(i), p) for i in range(b.n_layers))
+        assert bool((p == p[:1]).all()) and b.tensors["token_levels"].shape == (p.shape[1],)
+    n = v.n_tokens
+    assert kept.numel() == round(0.4 * n) and bool((kept[1:] > kept[:-1]).all())
+    header = int(bundles[0].meta["header_tokens"])
+    assert kept[:header].tolist() == list(range(header)) and kept[-64:].tolist() == list(range(n - 64, n))
+    levels = torch.cat([b.tensors["token_levels"] for b in bundles])
+    assert bool((levels[:header] == 2).all()) and bool((levels[-64:] == 2).all())
+    assert bool((levels[header:-64] == 0).all())
+    # with eviction first, the kept tokens get finer steps than every token at the same budget
+    alpha = {lab: read_meta(store.read_object(store.get_version(doc, lab).chunks[0].object))["quant"]["alpha"]
+             for lab in (EVICT, "ec-b0.083-p64")}
+    assert alpha[EVICT] < alpha["ec-b0.083-p64"]
+
+
+def test_eviction_first_loads_locally_and_remotely(lm, store):
+    assert_loads_as_decoded(lm, store, "faq.md", EVICT, _by_hand)
+
+
+def test_ec_refuses_tiny_budgets(store):
     res = run_cli("compress", "--budget", "0.001", "--quant", "ec", "faq.md", store=store.root)
     assert res.returncode != 0 and "too small" in res.stderr and "Traceback" not in res.stderr
     assert store.get_version("faq.md", "full") is not None

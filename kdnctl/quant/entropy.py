@@ -125,6 +125,8 @@ def _digit_table(peak: int, per: int) -> torch.Tensor:
 def spread_bins(codes: torch.Tensor) -> torch.Tensor:
     """``[H, D]`` uint8 bin of every channel of ``codes [H, T, D]``: twice the log2 of its
     spread in steps (channels whose codes are alike share one entropy coder's table)."""
+    if codes.shape[1] == 0:  # a chunk whose tokens were all evicted: one bin, no codes
+        return torch.full(codes.shape[::2], 4, dtype=torch.uint8)
     spread = codes.float().std(1, unbiased=False) if codes.shape[1] > 1 else codes.float().abs().amax(1)
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
 
