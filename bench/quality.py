@@ -205,13 +205,14 @@ def main() -> None:
     store = Store(store_dir)
     if args.interleave:
         tasks = interleave(tasks)
-    done = {t["id"] for f in args.skip_done for t in json.loads(Path(f).read_text())["tasks"]}
-    tasks = [t for t in tasks if t.id not in done]
     if args.shard:
         i, n = (int(x) for x in args.shard.split("/"))
         if not 0 <= i < n:
             raise SystemExit(f"--shard {args.shard}: I counts from 0 and must be below N (e.g. 0/2 and 1/2)")
         tasks = tasks[i::n]
+    # after the shard: a resumed shard keeps its own tasks (skipping first would re-deal them)
+    done = {t["id"] for f in args.skip_done for t in json.loads(Path(f).read_text())["tasks"]}
+    tasks = [t for t in tasks if t.id not in done]
     recon = cache_reconstruct_scores(store_dir / "bench-cache" / "reconstruct")
     from_file = [l.split("#")[0].strip() for l in Path(args.recipe_file).read_text().splitlines()] if args.recipe_file else []
     recipes = (([] if args.no_default_recipes else default_recipes(compress_options())) + args.recipe
