@@ -73,9 +73,9 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
 
 
 FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the prompt header)
-EVICT_TIER = "int4"  # below EC_FROM: kept tokens at int4, the cap evicts the rest by sentence
-EVICT_SCORER = "sentences"
-EC_FROM = 0.25  # from here to where int4 holds every token: --quant ec (measured at 0.25; at 0.083 it lost)
+INT4_HOLDS = "int4"  # up to where this tier holds every token, the auto recipe keeps every token
+EVICT_SCORER = "sentences"  # below EC_FROM: whole sentences by mean surprisal are evicted first
+EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe keeps budget / EC_FROM of the tokens
 
 
 @dataclass(frozen=True)
@@ -91,24 +91,28 @@ class AutoRecipe:
 
 def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
     """``--quant auto`` (the default with a budget), from what was measured (docs/compression.md;
-    ``bench/results/quality-cpu-ec``: all 130 real-text tasks, one run):
+    ``bench/results/quality-cpu-ec`` and ``quality-cpu-ec-keep``: all 130 real-text tasks, one
+    run each):
 
     * from 0.25 to where int4 holds every token (~0.32): ``ec``, every token kept with
       attention-weighted, entropy-coded steps, the prompt header and the last 64 tokens finer.
       At 0.25 it kept 60/60 needles, 18/40 facts (fact answer NLL +2.6%) and continuation NLL
       +0.2% (full 60/60, 21/40); int4 + sentence eviction kept 58/60, 20/40 (fact NLL +27%),
       +1.5%;
-    * below 0.25 (e.g. 0.083): every kept token at int4 and the cap evicts the rest, whole
-      sentences by their mean surprisal (``sentences`` scorer, no KVCrush representatives), the
-      prompt header and the last 64 tokens kept: at 0.083 53/60, 5/40, +12.0%, where ``ec``
-      (every token at a ~7x coarser step) kept 1/60, 2/40, +13.4%;
+    * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``budget / 0.25`` of the tokens
+      kept (whole sentences by mean surprisal, the ``sentences`` scorer, averaged over layers
+      and heads; the prompt header and the last 64 tokens always kept), so the kept tokens get
+      the steps ``ec`` has at 0.25. At 0.083 (a third of the tokens) it beat int4 + sentence
+      eviction (a quarter of the tokens) in one run (numbers in docs/compression.md); keeping
+      more tokens at coarser steps (45%, 60%) lost needles in a 30-task sweep. ``ec`` for
+      every token at 0.083 (steps ~7x coarser than at 0.25) kept 1/60 needles;
     * elsewhere ``uniform``: the most precise single tier that holds every token."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
     best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
-    if best is None or TIERS.index(best) > TIERS.index(EVICT_TIER):
+    if best is None or TIERS.index(best) > TIERS.index(INT4_HOLDS):
         if budget >= EC_FROM:
             return AutoRecipe("ec", 1.0, FLOOR_PROTECT)
-        return AutoRecipe(EVICT_TIER, 1.0, FLOOR_PROTECT, EVICT_SCORER, 0.0)
+        return AutoRecipe("ec", round(budget / EC_FROM, 2), FLOOR_PROTECT, EVICT_SCORER)
     return AutoRecipe("uniform")
 
 

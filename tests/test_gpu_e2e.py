@@ -125,7 +125,7 @@ def test_gpu_load_still_checks_every_byte(gpu_lm, tmp_path):
 
 @pytest.mark.parametrize("budget", [0.25, 0.083])
 def test_gpu_loads_size_budgeted_versions_like_the_cpu_decoder(gpu_lm, gpu_store, budget):
-    """Size-budgeted (ladder, zlib-coded) versions made with the model on the GPU load onto it:
+    """Size-budgeted (the auto recipes: ec, entropy-coded) versions made with the model on the GPU load onto it:
     the coded tensors are decoded on the host and the dense K/V land on the device equal to the
     CPU decoder's (what bench/quality.py --device cuda evaluates)."""
     with gpu_store.writer():

@@ -30,8 +30,9 @@ def store(tmp_path_factory, lm):
                 compress_document(st, doc, CompressRecipe(budget=b, quant="ladder", scorer="surprisal"))
             for b in (0.25, 0.083):
                 compress_document(st, doc, CompressRecipe(budget=b, quant="floor", scorer="surprisal"))
-            for b in (0.083, 0.15):  # the default below the int3 floor
-                compress_document(st, doc, CompressRecipe(budget=b), lm=lm)
+            for b in (0.083, 0.15):  # int4 + sentence eviction (the default below 0.25 until session 8)
+                compress_document(st, doc, CompressRecipe(budget=b, quant="int4", scorer="sentences", protect=64,
+                                                          method_options={"ratio": 0.0}), lm=lm)
     yield st
     st.close()
 
@@ -80,8 +81,8 @@ def test_floor_fills_the_cap_with_upgrades_not_evictions(store, doc, budget):
 
 @pytest.mark.parametrize("budget", [0.083, 0.15])
 @pytest.mark.parametrize("doc", list(DOCS))
-def test_default_below_int3_keeps_whole_sentences_at_int4(store, lm, doc, budget):
-    """``--budget 0.083`` (auto): every kept row int4, the cap evicts the rest by sentence, the
+def test_int4_below_int3_keeps_whole_sentences(store, lm, doc, budget):
+    """``--budget 0.083 --quant int4 --scorer sentences --kvcrush-ratio 0 --protect 64``: every kept row int4, the cap evicts the rest by sentence, the
     prompt header and then the last 64 tokens always kept (as far as the quota reaches: these
     short documents keep only ~75 tokens at 0.083); the cap holds with everything included."""
     from kdnctl.sentence_scores import sentence_bounds, token_texts
