@@ -74,7 +74,7 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
 
 FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the prompt header)
 INT4_HOLDS = "int4"  # up to where this tier holds every token, the auto recipe keeps every token
-EVICT_SCORER = "sentences"  # below EC_FROM: whole sentences by mean surprisal are evicted first
+EVICT_SCORER = "sentences-local"  # below EC_FROM: whole sentences, ranked given the document and their window
 EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe keeps budget / EC_FROM of the tokens
 
 
@@ -100,12 +100,15 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       +0.2% (full 60/60, 21/40); int4 + sentence eviction kept 58/60, 20/40 (fact NLL +27%),
       +1.5%;
     * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``budget / 0.25`` of the tokens
-      kept (whole sentences by mean surprisal, the ``sentences`` scorer, averaged over layers
-      and heads; the prompt header and the last 64 tokens always kept), so the kept tokens get
-      the steps ``ec`` has at 0.25. At 0.083 (a third of the tokens) it beat int4 + sentence
-      eviction (a quarter of the tokens) in one run (numbers in docs/compression.md); keeping
-      more tokens at coarser steps (45%, 60%) lost needles in a 30-task sweep. ``ec`` for
-      every token at 0.083 (steps ~7x coarser than at 0.25) kept 1/60 needles;
+      kept (whole sentences, each by the better of its mean-surprisal ranks given the whole
+      document and given its preceding window, the ``sentences-local`` scorer: a planted fact
+      in a list of alike facts is unsurprising given the document but not given its window;
+      the prompt header and the last 64 tokens always kept), so the kept tokens get the steps
+      ``ec`` has at 0.25. At 0.083 (a third of the tokens) ranking by mean surprisal alone
+      beat int4 + sentence eviction (a quarter of the tokens) in one run, and the local ranks
+      beat it on facts (numbers in docs/compression.md); keeping more tokens at coarser steps
+      (45%, 60%) lost needles in a 30-task sweep. ``ec`` for every token at 0.083 (steps ~7x
+      coarser than at 0.25) kept 1/60 needles;
     * elsewhere ``uniform``: the most precise single tier that holds every token."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
     best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)

@@ -18,7 +18,7 @@ from kdnctl.compress import CompressRecipe, compress_document
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.25, 0.083)
-EVICT = "ec-b0.083-k0.33-p64-sentences"  # the default at 0.083: eviction first, a third of the tokens
+EVICT = "ec-b0.083-k0.33-p64-sentences-local"  # the default at 0.083: eviction first, a third of the tokens
 
 
 @pytest.fixture(scope="module")

@@ -176,7 +176,7 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert d.needs_model and not d.uses_scorer and d.as_dict()["protect"] == 64 and "coding" not in d.as_dict()
     assert CompressRecipe(budget=0.3).quant == "ec" and CompressRecipe(budget=0.3).keep == 1.0
     below = CompressRecipe(budget=0.2)  # below 0.25: ec with eviction first, budget / 0.25 of the tokens
-    assert (below.quant, below.keep, below.scorer) == ("ec", 0.8, "sentences")
+    assert (below.quant, below.keep, below.scorer) == ("ec", 0.8, "sentences-local")
     full4 = CompressRecipe(budget=0.31)  # int4 holds every token: one tier, nothing evicted, no scores
     assert (full4.quant, full4.keep, full4.needs_model) == ("uniform", 1.0, False)
     assert CompressRecipe(budget=0.25, quant="floor", keep=0.95, protect=64).default_label() == "floor-b0.25-k0.95-p64"
@@ -187,8 +187,8 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(budget=0.6).quant == "uniform"
     # the same rule at 0.083: a third of the tokens, whole sentences, at ec's steps of 0.25
     low = CompressRecipe(budget=0.083)
-    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.33, 64, "sentences", {})
-    assert low.default_label() == "ec-b0.083-k0.33-p64-sentences"
+    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.33, 64, "sentences-local", {})
+    assert low.default_label() == "ec-b0.083-k0.33-p64-sentences-local"
     assert low.needs_model and low.uses_scorer  # the tokenizer splits sentences; eviction ranks by them
     old = CompressRecipe(budget=0.083, quant="int4", scorer="sentences", protect=64, method_options={"ratio": 0.0})
     assert old.default_label() == "int4-b0.083-p64-sentences" and old.keep == 1.0  # the cap evicts
