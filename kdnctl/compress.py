@@ -318,7 +318,7 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
     fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
     if recipe.sized:
-        if recipe.quant == "ec":  # every token kept, attention-weighted steps (compress_ec.py)
+        if recipe.quant == "ec":  # attention-weighted steps, eviction first with --keep (compress_ec.py)
             new_tensors, metas, kept, mix = sized_ec(src, label, step, recipe, bundles, keys, values, token_ids,
                                                      local_bounds, fp16, lm, lift_w, importance)
         else:

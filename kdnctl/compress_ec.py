@@ -138,7 +138,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                  "token_levels": levels[ks:ke].clone(), **chunk}
             local = None if rows is None else rows[ks:ke] - ls
             for i in range(n_layers):
-                if rows is not None:  # the same kept tokens in every layer and head
+                if rows is not None:  # the same kept tokens in every layer and head (own tensors: safetensors refuses shared memory)
                     t[tensor_name(i, "positions")] = _chunk_positions(b.tensors["positions"], local, n_heads)
                 bias = b.layer(i, "bias")
                 if bias is not None:
