@@ -24,7 +24,7 @@ def compress(
     anchor: Optional[str] = typer.Option(None, "--anchor", help="KVCrush anchor: random | mean | alternate."),
     page_size: Optional[int] = typer.Option(None, "--page-size", help="KVCrush page size (1 = token level)."),
     protect: Optional[int] = typer.Option(None, "--protect", help="With --budget: the last N tokens (and the prompt header) are never evicted and get precision first."),
-    lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder: a second scorer whose top tokens also get precision first (e.g. sentences)."),
+    lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder/ec: a second scorer whose top tokens also get precision first (ec: the top quarter at 2x finer steps; e.g. sentences)."),
     key_weight: Optional[float] = typer.Option(None, "--key-weight", help="With --budget floor/ladder: a key row's damage relative to a value row's when the solver picks upgrades (default 1)."),
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
