@@ -1,6 +1,8 @@
 """Regenerate the real-text evaluation set from this machine's man pages.
 
     python bench/make_eval_set.py [--out examples/eval/realtext.jsonl] [--seed 14]
+    python bench/make_eval_set.py --out examples/eval/realtext-multifact.jsonl --seed 15 \
+        --needle 0 --multifact 160 --continuation 0 --exclude examples/eval/realtext.jsonl
 
 Needs groff and /usr/share/man (Debian: ``apt-get install groff-base``, man pages of the
 installed packages). Writes the tasks (one JSON object a line, also a corpus record: ``id`` +
@@ -25,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.evaluation.realtext import CONTINUATION_TOKENS, build_set, find_pages  # noqa: E402
+from kdnctl.evaluation.realtext import CONTINUATION_TOKENS, build_set, find_pages, page_family  # noqa: E402
 
 
 def load_tokenizer():
@@ -61,25 +63,30 @@ def main() -> None:
     ap.add_argument("--continuation", type=int, default=30)
     ap.add_argument("--min-tokens", type=int, default=500)
     ap.add_argument("--max-tokens", type=int, default=1500)
+    ap.add_argument("--exclude", nargs="*", default=[],
+                    help="task files whose pages' command families this set must not use (a disjoint set)")
     args = ap.parse_args()
+    skip = frozenset(page_family(json.loads(line)["source"]) for f in args.exclude
+                     for line in Path(f).read_text().splitlines() if line.strip())
     tok = load_tokenizer()
     rng = random.Random(args.seed)
     count = lambda t: len(tok(t, add_special_tokens=False).input_ids)  # noqa: E731
     want = args.needle + args.multifact + args.continuation
     # spare pages: a continuation split can fail on a page (then the next page is used)
     pages = find_pages(Path(args.man_root), rng=rng, want=want + 20, min_chars=4 * args.max_tokens,
-                       count_tokens=count, min_tokens=args.max_tokens + CONTINUATION_TOKENS + 60)
+                       count_tokens=count, min_tokens=args.max_tokens + CONTINUATION_TOKENS + 60,
+                       skip_families=skip)
     print(f"{len(pages)} pages", file=sys.stderr)
     tasks = build_set(pages, tok, n_needle=args.needle, n_multifact=args.multifact,
                       n_continuation=args.continuation, min_tokens=args.min_tokens,
-                      max_tokens=args.max_tokens, rng=rng)
+                      max_tokens=args.max_tokens, rng=rng, set_name=Path(args.out).stem)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     data = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in tasks).encode("utf-8")
     write_atomic(out, data)
     groff = subprocess.run(["groff", "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     meta = {"generator": "bench/make_eval_set.py", "seed": args.seed, "man_root": args.man_root,
-            "counts": dict(Counter(t["kind"] for t in tasks)), "min_tokens": args.min_tokens,
+            "counts": dict(Counter(t["kind"] for t in tasks)), "excluded_sets": args.exclude, "min_tokens": args.min_tokens,
             "max_tokens": args.max_tokens, "continuation_tokens": CONTINUATION_TOKENS,
             "tokenizer": Path(getattr(tok, "name_or_path", "")).name, "groff": groff[0] if groff else None,
             "sources": [t["source"] for t in tasks], "sha256": hashlib.sha256(data).hexdigest()}

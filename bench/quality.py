@@ -194,6 +194,7 @@ def main() -> None:
     import torch
 
     from kdnctl.errors import KdnError
+    from kdnctl.evaluation.paired import paired_markdown
     from kdnctl.evaluation.tasks import evaluate_tasks, ingest_tasks, load_tasks, missing_documents
     from kdnctl.model import load_model
     from kdnctl.store import Store
@@ -289,6 +290,7 @@ def main() -> None:
     if result["n_tasks"] < len(tasks):
         print(f"deadline {args.deadline}: stopped after {result['n_tasks']} of {len(tasks)} tasks", file=sys.stderr)
     print(markdown(result))
+    print("\n" + paired_markdown(result))
     per = {v["label"]: v.get("eval_seconds") for v in result["versions"]}
     print(f"\neval: {eval_s:.1f}s for {len(tasks)} tasks x {len(result['versions'])} versions "
           f"(per version: {', '.join(f'{k} {s:.0f}s' for k, s in per.items() if s is not None)}); results: {out_path}")
@@ -301,6 +303,7 @@ def main() -> None:
 def merge(args) -> None:
     """``--merge A.json B.json ...``: one table over the union of the shards' tasks (every ratio
     recomputed over the union, tasks in the interleaved order of the task file)."""
+    from kdnctl.evaluation.paired import paired_markdown
     from kdnctl.evaluation.tasks import load_tasks, merge_results
 
     parts = [json.loads(Path(f).read_text()) for f in args.merge]
@@ -318,6 +321,7 @@ def merge(args) -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     write_json(out_path, result)
     print(markdown(result))
+    print("\n" + paired_markdown(result))
     print(f"\nmerged {len(parts)} parts: {result['n_tasks']} tasks; results: {out_path}")
     if args.plot:
         from kdnctl.evaluation.plot import plot_quality_vs_bytes

@@ -18,10 +18,12 @@ from kdnctl.evaluation.tasks import KINDS, load_tasks, number_in
 
 SET = REPO / "examples" / "eval" / "realtext.jsonl"
 META = REPO / "examples" / "eval" / "realtext.meta.json"
+MULTIFACT_SET = REPO / "examples" / "eval" / "realtext-multifact.jsonl"
+COMMITTED = {SET: {"needle": 60, "multifact": 40, "continuation": 30}, MULTIFACT_SET: {"multifact": 160}}
 
 
-def records():
-    return [json.loads(l) for l in SET.read_text(encoding="utf-8").splitlines() if l.strip()]
+def records(path: Path = SET):
+    return [json.loads(l) for l in path.read_text(encoding="utf-8").splitlines() if l.strip()]
 
 
 def count_number(text: str, value: str) -> int:
@@ -31,21 +33,31 @@ def count_number(text: str, value: str) -> int:
 # --------------------------------------------------------------------------- committed set
 
 
-def test_committed_set_counts_ids_and_meta():
-    recs = records()
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.stem)
+def test_committed_set_counts_ids_and_meta(path):
+    recs = records(path)
     kinds = Counter(r["kind"] for r in recs)
-    assert kinds["needle"] >= 60 and kinds["multifact"] >= 40 and kinds["continuation"] >= 30
-    assert set(kinds) == set(KINDS)
+    assert dict(kinds) == COMMITTED[path]
+    assert all(r["id"].startswith(f"{path.stem}/") for r in recs)
     assert len({r["id"] for r in recs}) == len(recs)
     assert len({r["source"] for r in recs}) == len(recs), "one man page per task"
-    meta = json.loads(META.read_text())
-    assert meta["sha256"] == hashlib.sha256(SET.read_bytes()).hexdigest(), "regenerate with bench/make_eval_set.py"
+    meta = json.loads(path.with_name(path.stem + ".meta.json").read_text())
+    assert meta["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest(), "regenerate with bench/make_eval_set.py"
     assert meta["counts"] == dict(kinds)
-    assert SET.stat().st_size < 3_000_000
+    assert path.stat().st_size < 3_000_000
 
 
-def test_committed_questions_come_after_and_needles_are_planted_once():
-    for r in records():
+def test_committed_sets_share_no_page_family():
+    """The extra multi-fact set is over other man pages than the main set (another sample of real
+    text, not the same documents asked again)."""
+    fams = [{realtext.page_family(r["source"]) for r in records(p)} for p in COMMITTED]
+    assert not fams[0] & fams[1]
+    assert {t.id for t in load_tasks("realtext-multifact")} == {r["id"] for r in records(MULTIFACT_SET)}
+
+
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.stem)
+def test_committed_questions_come_after_and_needles_are_planted_once(path):
+    for r in records(path):
         assert 500 <= r["context_tokens"] <= 2000, r["id"]
         if r["kind"] == "continuation":
             assert r["question"] is None and r["answer"] is None and r["continuation"].strip()
@@ -66,9 +78,10 @@ def test_committed_questions_come_after_and_needles_are_planted_once():
             assert name in q, r["id"]
 
 
-def test_committed_token_counts_and_continuation_boundaries(lm):
+@pytest.mark.parametrize("path", COMMITTED, ids=lambda p: p.stem)
+def test_committed_token_counts_and_continuation_boundaries(lm, path):
     tok = lm.tokenizer
-    for r in records():
+    for r in records(path):
         ids = tok(r["text"], add_special_tokens=False).input_ids
         assert len(ids) == r["context_tokens"], r["id"]
         if r["kind"] == "continuation":
@@ -183,6 +196,10 @@ def test_eval_tasks_end_to_end(tmp_path):
     assert 0.45 < q8["fp16_fraction"] < 0.7 and q8["bytes_per_token"] < full["bytes_per_token"]
     assert q8["continuation"]["nll"] == pytest.approx(full["continuation"]["nll"], rel=0.05)
     assert full["ratio_vs_full"]["needle"] == 1.0 and full["ratio_vs_full"]["continuation"] == 1.0
+    assert full["paired_vs_full"] == {}  # the baseline is not paired with itself
+    pn, pc = q8["paired_vs_full"]["needle"], q8["paired_vs_full"]["continuation"]
+    assert pn["n"] == 1 and pn["lost"] + pn["gained"] <= 1 and 0 < pn["p"] <= 1
+    assert pc["nll_ratio_ci"][0] == pytest.approx(q8["ratio_vs_full"]["continuation"], abs=1e-3)
     answers = {t["kind"]: t["by_version"]["full"] for t in res["tasks"]}
     assert answers["needle"]["correct"] and picked[0]["answer"] in answers["needle"]["answer"]
     bad = run_cli("eval", "--tasks", str(subset), "--qa", str(REPO / "examples" / "qa.jsonl"), store=store)

@@ -91,6 +91,12 @@ def _eval_tasks(spec, kinds, limit, docs, versions, max_new_tokens, plot, store,
         emit_json(result)
         return
     print(format_table(result))
+    if any(v.get("paired_vs_full") for v in result["versions"]):
+        from ..evaluation.paired import paired_text
+
+        print("\npaired with the full cache on the same tasks (answers lost/gained, exact McNemar p; "
+              "paired-bootstrap 95% intervals of the ratios):")
+        print(paired_text(result))
 
 
 def register(app: typer.Typer) -> None:

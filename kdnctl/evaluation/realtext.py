@@ -73,16 +73,23 @@ def render_man(path: Path, timeout: float = 20.0) -> str:
     return "\n".join(clean).strip() + "\n"
 
 
+def page_family(source: str) -> str:
+    """The command family of a man page (``man1/git-log.1.gz`` -> ``git``): the name before the
+    first '-', '.' or '_'."""
+    return re.split(r"[-._]", Path(source).name, maxsplit=1)[0].lower()
+
+
 def find_pages(root: Path, *, rng: random.Random, want: int, min_chars: int, count_tokens,
-               min_tokens: int, sections=MAN_SECTIONS) -> list[Page]:
+               min_tokens: int, sections=MAN_SECTIONS, skip_families: frozenset[str] = frozenset()) -> list[Page]:
     """``want`` rendered pages of at least ``min_tokens`` tokens, one per command family
-    (the name before the first '-', '.' or '_'), in a seeded random order of the sorted listing."""
+    (``page_family``) and none of ``skip_families`` (e.g. those of another task set, so two sets
+    share no text), in a seeded random order of the sorted listing."""
     files = sorted(p for s in sections for p in (root / s).glob("*") if p.is_file() and p.stat().st_size > 1500)
     rng.shuffle(files)
     pages: list[Page] = []
-    families: set[str] = set()
+    families: set[str] = set(skip_families)
     for f in files:
-        family = re.split(r"[-._]", f.name, maxsplit=1)[0].lower()
+        family = page_family(f.name)
         if family in families:
             continue
         try:
@@ -204,9 +211,10 @@ def _offsets(tokenizer, text: str) -> list[tuple[int, int]]:
 
 
 def build_set(pages: list[Page], tokenizer, *, n_needle: int, n_multifact: int, n_continuation: int,
-              min_tokens: int, max_tokens: int, rng: random.Random) -> list[dict]:
+              min_tokens: int, max_tokens: int, rng: random.Random, set_name: str = "realtext") -> list[dict]:
     """Tasks over distinct pages (one page per task), context lengths uniform in
-    [min_tokens, max_tokens] tokens of the base text (planted sentences add a few)."""
+    [min_tokens, max_tokens] tokens of the base text (planted sentences add a few); task ids
+    are ``<set_name>/<kind>-NNN``."""
     tokenize = lambda t: _offsets(tokenizer, t)  # noqa: E731
     tasks: list[dict] = []
     pages = list(pages)
@@ -218,7 +226,7 @@ def build_set(pages: list[Page], tokenizer, *, n_needle: int, n_multifact: int, 
                 raise ValueError(f"not enough pages for {count} {kind} tasks")
             page = pages.pop(0)
             length = rng.randint(min_tokens, max_tokens)
-            task_id = f"realtext/{kind}-{made:03d}"
+            task_id = f"{set_name}/{kind}-{made:03d}"
             if kind == "needle":
                 task = needle_task(task_id, page, rng, tokenize, length, min_tokens)
             elif kind == "multifact":

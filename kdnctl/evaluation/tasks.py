@@ -38,10 +38,14 @@ from ..bundle import decode_bundle
 from ..engine.hf import forward_suffix, generate, load_document
 from ..errors import InputError, NotFoundError, UsageError
 from ..prompting import PromptFormat
+from .paired import paired_vs_full
 from .realtext import CONTINUATION_TOKENS
 
 KINDS = ("needle", "multifact", "continuation")
-NAMED_SETS = {"realtext": Path(__file__).resolve().parents[2] / "examples" / "eval" / "realtext.jsonl"}
+_EVAL_DIR = Path(__file__).resolve().parents[2] / "examples" / "eval"
+# realtext: the 130-task set (60 needle, 40 multi-fact, 30 continuation); realtext-multifact: 160
+# more multi-fact tasks over other man pages, to tell versions apart where 40 cannot
+NAMED_SETS = {name: _EVAL_DIR / f"{name}.jsonl" for name in ("realtext", "realtext-multifact")}
 
 
 @dataclass
@@ -243,7 +247,7 @@ def _kind_stats(res: dict[str, dict], tasks: list[Task], kind: str) -> dict:
 def summarise(label: str, res: dict, full: dict, tasks: list[Task], size: dict, per_token_fp16: int) -> dict:
     """Per-kind scores of one version, and ratios against the full cache on the SAME tasks."""
     out = {"label": label, "recipe": size["recipe"], "n_tasks": len(res), "eval_seconds": round(size["seconds"], 2)}
-    ratios = {}
+    ratios, paired = {}, {}
     for kind in KINDS:
         mine = _kind_stats(res, tasks, kind)
         ref = _kind_stats({i: full[i] for i in res if i in full}, tasks, kind)
@@ -251,7 +255,10 @@ def summarise(label: str, res: dict, full: dict, tasks: list[Task], size: dict, 
         key = "nll" if kind == "continuation" else "accuracy"
         if mine.get(key) is not None and ref.get(key):
             ratios[kind] = round(mine[key] / ref[key], 4)
+        if label != "full":
+            paired[kind] = paired_vs_full(res, full, [t.id for t in tasks if t.kind == kind], kind)
     out["ratio_vs_full"] = ratios
+    out["paired_vs_full"] = paired
     tokens = size["tokens"]
     out["bytes_per_token"] = round(size["stored"] / tokens, 1) if tokens else None
     out["kv_bytes_per_token"] = round(size["kv"] / tokens, 1) if tokens else None
