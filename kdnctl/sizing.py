@@ -107,8 +107,11 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       ``ec`` has at 0.25. At 0.083 (a third of the tokens) ranking by mean surprisal alone
       beat int4 + sentence eviction (a quarter of the tokens) in one run, and the local ranks
       beat it on facts (numbers in docs/compression.md); keeping more tokens at coarser steps
-      (45%, 60%) lost needles in a 30-task sweep. ``ec`` for every token at 0.083 (steps ~7x
-      coarser than at 0.25) kept 1/60 needles;
+      does not pay (at 0.083, keep 0.33: 28/30 needles, 11/40 facts; keep 0.42: 27/30, 11/40;
+      keep 0.5: 21/30, 14/40; keep 0.6: 1/14 facts; bench/results/quality-cpu-083-keep/), and the
+      same kept set at near-lossless steps answers only 15/40 (full 21/40): what 0.083 loses is
+      mostly the evicted context. ``ec`` for every token at 0.083 (steps ~7x coarser than at
+      0.25) kept 1/60 needles;
     * elsewhere ``uniform``: the most precise single tier that holds every token."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
     best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
