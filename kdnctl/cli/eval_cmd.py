@@ -17,7 +17,7 @@ def eval_versions(
     probes: int = typer.Option(4, "--probes", help="Cloze probes per document (0 = none)."),
     max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="Greedy answer length (default 40; 24 with --tasks)."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="Write a quality-vs-budget plot (PNG); with --tasks, quality vs bytes."),
-    tasks: Optional[str] = typer.Option(None, "--tasks", help="Task set: 'realtext' (examples/eval/realtext.jsonl) or a task jsonl; missing contexts are ingested."),
+    tasks: Optional[str] = typer.Option(None, "--tasks", help="Task set: 'realtext' (examples/eval/realtext.jsonl, 130 tasks), 'realtext-multifact' (160 more multi-fact tasks) or a task jsonl; missing contexts are ingested."),
     kinds: Optional[str] = typer.Option(None, "--kinds", help="With --tasks: comma-separated kinds (needle,multifact,continuation)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="With --tasks: the first N tasks of each kind."),
     store: Optional[Path] = StoreOpt,
