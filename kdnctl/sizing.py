@@ -73,7 +73,7 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
 
 
 FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the prompt header)
-INT4_HOLDS = "int4"  # up to where this tier holds every token, the auto recipe keeps every token
+LOSSLESS_TIER = "int8"  # from where this tier holds every token, auto stores it (lossless); below, ec
 EVICT_SCORER = "sentences-local"  # below EC_FROM: whole sentences, ranked given the document and their window
 EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe keeps budget / EC_FROM of the tokens
 
@@ -94,11 +94,14 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
     ``bench/results/quality-cpu-ec`` and ``quality-cpu-ec-keep``: all 130 real-text tasks, one
     run each):
 
-    * from 0.25 to where int4 holds every token (~0.32): ``ec``, every token kept with
+    * from 0.25 to where int8 holds every token (~0.54): ``ec``, every token kept with
       attention-weighted, entropy-coded steps, the prompt header and the last 64 tokens finer.
       At 0.25 it kept 60/60 needles, 18/40 facts (fact answer NLL +2.6%) and continuation NLL
       +0.2% (full 60/60, 21/40); int4 + sentence eviction kept 58/60, 20/40 (fact NLL +27%),
-      +1.5%;
+      +1.5%. Between int4's and int8's bytes ``uniform`` stored int4 for every token (0.30 of
+      fp16 whatever the budget), which is not lossless (continuation NLL +0.3%, fact answer
+      NLL above the full cache's); ``ec`` fills the budget and is lossless within the paired
+      intervals from ~0.35 (``bench/results/quality-cpu-ecbudget*``);
     * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``budget / 0.25`` of the tokens
       kept (whole sentences, each by the better of its mean-surprisal ranks given the whole
       document and given its preceding window, the ``sentences-local`` scorer: a planted fact
@@ -112,14 +115,15 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       same kept set at near-lossless steps answers only 15/40 (full 21/40): what 0.083 loses is
       mostly the evicted context. ``ec`` for every token at 0.083 (steps ~7x coarser than at
       0.25) kept 1/60 needles;
-    * elsewhere ``uniform``: the most precise single tier that holds every token."""
+    * from ~0.54 ``uniform``: the most precise single tier that holds every token (int8,
+      lossless on every check)."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
     best = next((t for t in TIERS if frac[t] * 1.02 <= budget), None)
-    if best is None or TIERS.index(best) > TIERS.index(INT4_HOLDS):
-        if budget >= EC_FROM:
-            return AutoRecipe("ec", 1.0, FLOOR_PROTECT)
-        return AutoRecipe("ec", round(budget / EC_FROM, 2), FLOOR_PROTECT, EVICT_SCORER)
-    return AutoRecipe("uniform")
+    if best is not None and TIERS.index(best) <= TIERS.index(LOSSLESS_TIER):
+        return AutoRecipe("uniform")
+    if budget >= EC_FROM:
+        return AutoRecipe("ec", 1.0, FLOOR_PROTECT)
+    return AutoRecipe("ec", round(budget / EC_FROM, 2), FLOOR_PROTECT, EVICT_SCORER)
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:

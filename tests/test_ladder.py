@@ -177,8 +177,11 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(budget=0.3).quant == "ec" and CompressRecipe(budget=0.3).keep == 1.0
     below = CompressRecipe(budget=0.2)  # below 0.25: ec with eviction first, budget / 0.25 of the tokens
     assert (below.quant, below.keep, below.scorer) == ("ec", 0.8, "sentences-local")
-    full4 = CompressRecipe(budget=0.31)  # int4 holds every token: one tier, nothing evicted, no scores
-    assert (full4.quant, full4.keep, full4.needs_model) == ("uniform", 1.0, False)
+    for b in (0.31, 0.45, 0.5):  # int4 holds every token from ~0.31, int8 from ~0.54: ec fills the bytes between
+        mid = CompressRecipe(budget=b)
+        assert (mid.quant, mid.keep, mid.protect, mid.default_label()) == ("ec", 1.0, 64, f"ec-b{b:g}-p64")
+    full8 = CompressRecipe(budget=0.6)  # int8 holds every token (lossless): one tier, nothing evicted, no scores
+    assert (full8.quant, full8.keep, full8.needs_model) == ("uniform", 1.0, False)
     assert CompressRecipe(budget=0.25, quant="floor", keep=0.95, protect=64).default_label() == "floor-b0.25-k0.95-p64"
     g64 = CompressRecipe(budget=0.25, quant="int4", scorer="sentences", protect=64, group_size=64)
     assert g64.default_label() == "int4-b0.25-p64-g64-sentences"  # another group size is another version
