@@ -17,7 +17,8 @@ times the head's weighted RMS (what ``compress --quant ec`` does at scale ``alph
    writes (codes; params apart) against the codes' order-0 entropy per channel (an ideal
    coder with free tables) and the cross-entropy under a discretized Gaussian or Laplace
    with the channel's spread quantized to 1/8 octave (what an arithmetic or rANS coder with
-   one byte of model per channel and chunk would spend, plus that byte).
+   one byte of model per channel and chunk would spend, plus that byte); and deflate with
+   Huffman coding only (no string matching; zlib's ``Z_HUFFMAN_ONLY``) on the same frames.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import json
 import math
 import sys
+import zlib
 from pathlib import Path
 
 import torch
@@ -82,6 +84,12 @@ def xent_bits(codes: torch.Tensor, family: str) -> float:
             return torch.where(x < 0, 0.5 * torch.exp(x / s), 1 - 0.5 * torch.exp(-x / s))
         p = cdf(codes + 0.5) - cdf(codes - 0.5)
     return float(-p.clamp_min(2 ** -16).log2().sum())
+
+
+def huffman_only(data: bytes) -> bytes:
+    """Raw deflate with Huffman coding only: noise-like codes have no strings worth matching."""
+    z = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
+    return z.compress(data) + z.flush()
 
 
 def main() -> None:
@@ -142,10 +150,11 @@ def main() -> None:
         for name, (bits, err, var) in acc.items():
             print(f"| {role} | {name} | {bits / n_el:.3f} | {err / var:.5f} |")
 
-    print("\n| role | zstd frames (ec as stored) | params | order-0 per channel | Gaussian model | Laplace model | model byte |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| role | zstd frames (ec as stored) | Huffman-only frames | params | order-0 per channel "
+          "| Gaussian model | Laplace model | model byte |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for role in ("keys", "values"):
-        tot = [0.0] * 5
+        tot = [0.0] * 6
         n_el = 0
         for doc in docs:
             for li in layers:
@@ -156,6 +165,8 @@ def main() -> None:
                     cb, pb = encode_role(xc, step, torch.zeros(xc.shape[1], dtype=torch.uint8))
                     tot[0] += 8 * cb.numel()
                     tot[1] += 8 * pb.numel()
+                    tot[5] += 8 * encode_role(xc, step, torch.zeros(xc.shape[1], dtype=torch.uint8),
+                                              compress=huffman_only)[0].numel()
                     codes = torch.round((xc - xc.mean(1, keepdim=True).half().float()) / step[:, None])
                     for hh in range(h):
                         for c in range(d):
@@ -164,7 +175,8 @@ def main() -> None:
                             tot[3] += xent_bits(col, "gauss")
                             tot[4] += xent_bits(col, "laplace")
                     n_el += xc.numel()
-        print(f"| {role} | {tot[0] / n_el:.3f} | {tot[1] / n_el:.3f} | {tot[2] / n_el:.3f} | {tot[3] / n_el:.3f} "
+        print(f"| {role} | {tot[0] / n_el:.3f} | {tot[5] / n_el:.3f} | {tot[1] / n_el:.3f} | {tot[2] / n_el:.3f} "
+              f"| {tot[3] / n_el:.3f} "
               f"| {tot[4] / n_el:.3f} | {8 / CHUNK:.3f} |")
 
 

@@ -131,9 +131,12 @@ def spread_bins(codes: torch.Tensor) -> torch.Tensor:
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
 
 
-def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_level: int = ZSTD_LEVEL):
+def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_level: int = ZSTD_LEVEL,
+                compress=None):
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
+    ``compress`` (bytes -> bytes) replaces the zstd coder of the code frames, for measuring
+    other coders on the same frames (``bench/rate_probe.py``); bundles use the default.
 
     The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
     one zstd frame: one Huffman table over channels whose steps differ by orders of magnitude
@@ -157,7 +160,7 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_
         peak = int(rows.abs().max()) if rows.numel() else 0
         per = codes_per_byte(peak)
         data = b"" if per == 0 else pack_codes(rows, peak, per) if per > 1 else rows.to(dtype).numpy().tobytes()
-        frames.append(zstd_compress(data, zstd_level) if data else b"")
+        frames.append((compress(data) if compress else zstd_compress(data, zstd_level)) if data else b"")
         peaks.append(peak)
         o += n
     sizes = torch.tensor([len(f) for f in frames], dtype=torch.int32)
