@@ -33,6 +33,7 @@ RoPE (``key_rope_theta``) and rotated back to their positions after decoding.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -132,7 +133,7 @@ def spread_bins(codes: torch.Tensor) -> torch.Tensor:
 
 
 def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_level: int = ZSTD_LEVEL,
-                compress=None):
+                compress: Callable[[bytes], bytes] | None = None):
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
     ``compress`` (bytes -> bytes) replaces the zstd coder of the code frames, for measuring
