@@ -72,6 +72,7 @@ class CompressRecipe:
     protect: int = 0  # size budget: the last N tokens (and the prompt header) are never evicted and lifted first
     lift: str | None = None  # size budget: a second scorer whose top tokens are also lifted first (ec: finer steps)
     key_weight: float = sizing.KEY_WEIGHT  # size budget: a key row's damage relative to a value row's (solver)
+    layers: str = "fisher"  # ec: steps per layer and role scaled by a Fisher estimate of their damage ("even": not)
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -82,6 +83,8 @@ class CompressRecipe:
         self.key_weight = float(self.key_weight)
         if self.lift is not None and self.lift not in SCORERS:
             raise UsageError(f"unknown scorer {self.lift!r} to lift by", hint=f"choose one of {', '.join(SCORERS)}", param="lift")
+        if self.layers not in ("fisher", "even"):
+            raise UsageError(f"unknown layer split {self.layers!r}", hint="fisher or even", param="layers")
         if self.coding not in ("zlib", "zlib+params"):
             raise UsageError(f"unknown coding {self.coding!r}", hint="zlib or zlib+params", param="coding")
         if self.budget is not None:
@@ -124,6 +127,8 @@ class CompressRecipe:
             d["lift"] = self.lift
         if self.key_weight != sizing.KEY_WEIGHT:
             d["key_weight"] = self.key_weight
+        if self.quant == "ec":  # absent: the even split of the versions made before
+            d["layers"] = self.layers
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -145,6 +150,8 @@ class CompressRecipe:
                 label += f"-l{self.lift}"
             if self.key_weight != sizing.KEY_WEIGHT:
                 label += f"-kw{self.key_weight:g}"
+            if self.quant == "ec" and self.layers != "fisher":
+                label += f"-{self.layers}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):

@@ -6,7 +6,8 @@ prompt header and the last ``protect`` tokens always among them; with the ``sent
 whole sentences), is kept and quantized. Each channel's step follows from how much attention depends on it
 (``kdnctl.quant.sensitivity``: query energy for keys, ``o_proj`` column norms for values) and
 one scale per document is fitted so the encoded bundles fill the byte cap
-(``kdnctl.allocate.rate``). The prompt header and the last ``protect`` tokens are quantized
+(``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default) each layer's and role's steps
+are first scaled by how much its error costs the model (``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are quantized
 ``2**PROTECT_LEVEL`` times finer: they precede every question.
 """
 
@@ -16,6 +17,7 @@ import functools
 
 import torch
 
+from .allocate import layer_fisher as lf
 from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
 from .bundle import KVBundle, derived_meta, encode_bundle, tensor_name
 from .errors import UsageError
@@ -101,6 +103,11 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     xs = [q.forward(k, v, positions.expand(n_heads, -1)) for k, v in zip(keys, values)]  # [(k, v)] transformed
     base = [(relative_steps(k, kw[i]), relative_steps(v, vw[i])) for i, (k, v) in enumerate(xs)]
     floors = [(step_floor(k, finest), step_floor(v, finest)) for k, v in xs]
+    if recipe.layers == "fisher" and n_tokens > header:
+        probe = lf.probe_ids(lm, token_ids, header)  # the document's own text, over the kept tokens' cache
+        fisher = lf.channel_fisher(lm, keys, values, probe, int(positions.max()) + 1, 0.25 ** levels.float(), recipe.seed)
+        mult = lf.layer_multipliers(lf.layer_damage(fisher, base))
+        base = [(k * mult[i, 0], v * mult[i, 1]) for i, (k, v) in enumerate(base)]
 
     def steps_at(alpha: float, i: int):
         return tuple(clamp_steps(alpha * b, f) for b, f in zip(base[i], floors[i]))

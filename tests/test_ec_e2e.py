@@ -28,6 +28,7 @@ def store(tmp_path_factory, lm):
         for doc in DOCS:
             for b in BUDGETS:
                 compress_document(st, doc, CompressRecipe(budget=b, quant="ec", protect=64), lm=lm)
+            compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even"), lm=lm)
             assert CompressRecipe(budget=0.083).default_label() == EVICT
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
     yield st
@@ -57,6 +58,30 @@ def test_smaller_budget_coarser_steps(store):
         alphas = [read_meta(store.read_object(store.get_version(doc, f"ec-b{b:g}-p64").chunks[0].object))
                   ["quant"]["alpha"] for b in BUDGETS]
         assert all(a < b for a, b in zip(alphas, alphas[1:]))
+
+
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_fisher_split_moves_the_probe_less_than_the_even_split(lm, store, doc):
+    """At the same budget, the Fisher split across layers (the default) changes the model's
+    predictions on the repeat probe it is fitted to less than the even split does."""
+    from kdnctl.allocate.layer_fisher import probe_ids
+    from kdnctl.engine.hf import forward_suffix, load_document
+
+    full = store.get_version(doc, "full")
+    header = int(read_meta(store.read_object(full.chunks[0].object))["header_tokens"])
+    ids = [int(t) for c in full.chunks for t in decode_bundle(store.read_object(c.object)).token_ids.tolist()]
+    probe = probe_ids(lm, ids, header)
+
+    def log_probs(label):
+        return torch.log_softmax(forward_suffix(lm, load_document(lm, store, doc, label), probe)[0].float(), -1)
+
+    ref = log_probs("full")
+    kl = {label: float((ref.exp() * (ref - log_probs(label))).sum(-1).mean()) for label in ("ec-b0.25-p64", "ec-b0.25-p64-even")}
+    sizes = {label: store.get_version(doc, label).nbytes for label in kl}
+    assert max(sizes.values()) <= 0.25 * fp16_size(store, doc)
+    assert kl["ec-b0.25-p64"] < kl["ec-b0.25-p64-even"]
+    recipe = read_meta(store.read_object(store.get_version(doc, "ec-b0.25-p64").chunks[0].object))["recipe"]
+    assert recipe["steps"][-1]["layers"] == "fisher"
 
 
 def _by_hand(b, i, role):

@@ -26,6 +26,7 @@ def compress(
     protect: Optional[int] = typer.Option(None, "--protect", help="With --budget: the last N tokens (and the prompt header) are never evicted and get precision first."),
     lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder/ec: a second scorer whose top tokens also get precision first (ec: the top quarter at 2x finer steps; e.g. sentences)."),
     key_weight: Optional[float] = typer.Option(None, "--key-weight", help="With --budget floor/ladder: a key row's damage relative to a value row's when the solver picks upgrades (default 1)."),
+    layers: str = typer.Option("fisher", "--layers", help="With --quant ec: fisher (default: each layer's and role's steps scaled by a Fisher estimate of what its error costs) | even (the same relative error everywhere)."),
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
     label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),
@@ -53,7 +54,7 @@ def compress(
             budget = 0.25  # the default: a size budget filled by precision first
         recipe = CompressRecipe(budget=budget, keep=keep if keep is not None else 1.0, method=method,
                                 scorer=scorer, quant=quant, group_size=group_size, seed=seed,
-                                method_options=opts, allocator=allocator, protect=protect or 0, lift=lift,
+                                method_options=opts, allocator=allocator, protect=protect or 0, lift=lift, layers=layers,
                                 **({"key_weight": key_weight} if key_weight is not None else {}))
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
