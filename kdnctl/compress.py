@@ -6,24 +6,18 @@ tiers, evicting only what the cap forces, or ``quant="ec"``: ``compress_ec``, ev
 ``keep`` (token eviction, the meaning ``budget`` had before): the fraction of tokens kept per
 layer and KV head.
 
-Per document: load the source chunks, score every token with a query-agnostic scorer, let the
-allocator split the budget over layers and the press pick kept tokens per layer and KV head
-over the WHOLE document (so the budget goes to the chunks that need it), split the picks back
-into chunks (every head of a layer keeps one count per chunk), gather K/V (and any steering
-bias), quantize, commit the version in one transaction. The source stays; the same recipe again is a no-op.
+Per document: load the source chunks, score every token (query-agnostic), let the allocator
+split the budget over layers and the press pick kept tokens per layer and KV head over the WHOLE
+document, split the picks back into chunks, gather K/V (and any steering bias), quantize, commit
+in one transaction. The source stays; the same recipe again is a no-op.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
-
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,9 +38,11 @@ from .scoring import DEFAULT_SCORER, NEEDS_MODEL, SCORERS, compute_importance
 from .store import Store
 from .versions import child_recipe, commit, existing_version, write_derived
 
+if TYPE_CHECKING:
+    from kdnctl.model import LoadedModel
 
-# The per-layer allocators used to be presses wrapping another press; their old spellings
-# (``method = "pyramid"``, ``"pyramid:kvcrush"``, ``method_options = {"press": ...}``) still work.
+
+# Old spellings of the per-layer allocators, once presses wrapping a press ("pyramid:kvcrush", ...).
 _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
 
 
@@ -127,8 +123,7 @@ class CompressRecipe:
             d["lift"] = self.lift
         if self.key_weight != sizing.KEY_WEIGHT:
             d["key_weight"] = self.key_weight
-        if self.quant == "ec":  # absent: the even split of the versions made before
-            d["layers"] = self.layers
+        if self.quant == "ec": d["layers"] = self.layers  # noqa: E701 (absent: the even split of older versions)
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -150,8 +145,7 @@ class CompressRecipe:
                 label += f"-l{self.lift}"
             if self.key_weight != sizing.KEY_WEIGHT:
                 label += f"-kw{self.key_weight:g}"
-            if self.quant == "ec" and self.layers != "fisher":
-                label += f"-{self.layers}"
+            if self.quant == "ec" and self.layers != "fisher": label += f"-{self.layers}"  # noqa: E701
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):
@@ -180,8 +174,7 @@ class CompressRecipe:
 
     @property
     def uses_scorer(self) -> bool:
-        """The scorer ranks tokens for presses that use it, weighs the ladder's damage, and picks
-        int8 tokens for ``mixed``."""
+        """The scorer ranks tokens for presses, weighs the ladder's damage, picks ``mixed``'s int8 tokens."""
         if self.sized and self.quant in ("ladder", "floor", "ec"):
             return self.quant != "ec" or self.keep < 1  # ec weighs channels by the model; a scorer only evicts
         if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
