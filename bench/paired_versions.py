@@ -1,0 +1,57 @@
+"""Paired comparison of two versions in bench/quality.py results: per task, who answers what.
+
+    python bench/paired_versions.py RESULTS.json A B
+        tasks only A / only B answers (exact McNemar p) and the mean answer NLL of A, B, full
+    python bench/paired_versions.py NEW.json LABEL --against OLD.json
+        LABEL in two deterministic runs on the tasks both hold (the full cache must agree)
+
+The quotes in docs/compression.md of ``bench/results/quality-cpu-layers*/`` come from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+
+def mcnemar(a: int, b: int) -> float:
+    n = a + b
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(a, b) + 1)) / 2 ** n) if n else 1.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("results")
+    ap.add_argument("labels", nargs="+")
+    ap.add_argument("--against", default=None)
+    args = ap.parse_args()
+    tasks = json.load(open(args.results))["tasks"]
+    if args.against is None:
+        a_label, b_label = args.labels
+        only_a = sum(t["by_version"][a_label]["correct"] and not t["by_version"][b_label]["correct"] for t in tasks)
+        only_b = sum(t["by_version"][b_label]["correct"] and not t["by_version"][a_label]["correct"] for t in tasks)
+        nll = {k: sum(t["by_version"][k]["nll"] for t in tasks) for k in (a_label, b_label, "full")}
+        print(f"{len(tasks)} tasks, same run: only {a_label} answers {only_a}, only {b_label} answers {only_b}, "
+              f"exact McNemar p = {mcnemar(only_a, only_b):.3f}")
+        print(f"mean answer NLL: full {nll['full'] / len(tasks):.4f}, " + ", ".join(
+            f"{k} {nll[k] / len(tasks):.4f} ({nll[k] / nll['full'] * 100:.2f}%)" for k in (a_label, b_label)))
+        return
+    new = {t["id"]: t for t in tasks}
+    old = {t["id"]: t for t in json.load(open(args.against))["tasks"]}
+    for label in args.labels:
+        for kind in ("needle", "multifact", "continuation"):
+            ids = [i for i in new if new[i]["kind"] == kind and i in old]
+            if not ids:
+                continue
+            full_new = sum(new[i]["by_version"]["full"]["nll"] for i in ids)
+            full_old = sum(old[i]["by_version"]["full"]["nll"] for i in ids)
+            got = [sum(r[i]["by_version"][label]["nll"] for i in ids) / f for r, f in ((new, full_new), (old, full_old))]
+            right = [sum(bool(r[i]["by_version"][k].get("correct")) for i in ids)
+                     for r, k in ((new, "full"), (new, label), (old, label))]
+            print(f"{label} {kind} n={len(ids)}: full same in both runs {abs(full_new - full_old) < 1e-3}; correct full "
+                  f"{right[0]}, new {right[1]}, old {right[2]}; NLL/full new {got[0] * 100:.1f}% old {got[1] * 100:.1f}%")
+
+
+if __name__ == "__main__":
+    main()
