@@ -6,9 +6,10 @@ prompt header and the last ``protect`` tokens always among them; with the ``sent
 whole sentences), is kept and quantized. Each channel's step follows from how much attention depends on it
 (``kdnctl.quant.sensitivity``: query energy for keys, ``o_proj`` column norms for values) and
 one scale per document is fitted so the encoded bundles fill the byte cap
-(``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default) each layer's and role's steps
-are first scaled by how much its error costs the model (``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are quantized
-``2**PROTECT_LEVEL`` times finer: they precede every question.
+(``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default where every token is kept)
+each layer's and role's steps are first scaled by how much its error costs the model
+(``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are
+quantized ``2**PROTECT_LEVEL`` times finer: they precede every question.
 """
 
 from __future__ import annotations

@@ -65,3 +65,26 @@ def test_damage_and_multipliers_match_loops():
         want = min(max((gmean / max(m, 1e-30)) ** lf.EXPONENT, 1 / lf.CLIP), lf.CLIP)
         assert math.isclose(x, want, rel_tol=1e-5)
     assert float(mult.max()) == lf.CLIP and float(mult.min()) < 1  # the spread of 1e6 reaches the clip
+
+
+def test_recipe_uses_the_fisher_split_only_where_every_token_is_kept():
+    """The probe repeats the document over its cache; with eviction most of it is gone, and on the
+    130-task acceptance run the Fisher split lost 4 of 60 needles at 0.083 (0 gained), so the split
+    defaults to ``even`` when tokens are evicted and to ``fisher`` otherwise."""
+    import pytest
+
+    from kdnctl.compress import CompressRecipe
+    from kdnctl.errors import UsageError
+
+    full = CompressRecipe(budget=0.25)
+    assert (full.quant, full.keep, full.layers) == ("ec", 1.0, "fisher")
+    assert full.default_label() == "ec-b0.25-p64" and full.as_dict()["layers"] == "fisher"
+    evicting = CompressRecipe(budget=0.083)
+    assert evicting.keep < 1 and evicting.layers == "even" and evicting.as_dict()["layers"] == "even"
+    assert evicting.default_label() == "ec-b0.083-k0.33-p64-sentences-local"
+    # the non-default split is spelled out in the label, so the two never share a version
+    assert CompressRecipe(budget=0.083, layers="fisher").default_label() == "ec-b0.083-k0.33-p64-fisher-sentences-local"
+    assert CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even").default_label() == "ec-b0.25-p64-even"
+    assert CompressRecipe(budget=0.25, quant="ec", keep=0.5, scorer="sentences").layers == "even"
+    with pytest.raises(UsageError, match="layer split"):
+        CompressRecipe(budget=0.25, layers="uneven")

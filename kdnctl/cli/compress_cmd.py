@@ -26,7 +26,7 @@ def compress(
     protect: Optional[int] = typer.Option(None, "--protect", help="With --budget: the last N tokens (and the prompt header) are never evicted and get precision first."),
     lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder/ec: a second scorer whose top tokens also get precision first (ec: the top quarter at 2x finer steps; e.g. sentences)."),
     key_weight: Optional[float] = typer.Option(None, "--key-weight", help="With --budget floor/ladder: a key row's damage relative to a value row's when the solver picks upgrades (default 1)."),
-    layers: str = typer.Option("fisher", "--layers", help="With --quant ec: fisher (default: each layer's and role's steps scaled by a Fisher estimate of what its error costs) | even (the same relative error everywhere)."),
+    layers: Optional[str] = typer.Option(None, "--layers", help="With --quant ec: fisher (each layer's and role's steps scaled by a Fisher estimate of what its error costs; the default where every token is kept) | even (the same relative error everywhere; the default with eviction)."),
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
     label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),

@@ -1,0 +1,168 @@
+"""A ``kdnctl compress`` recipe: what to keep and how to store it, resolved once (``--quant auto``
+picks the method for the budget here), its catalog record (``as_dict``) and its default label."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import sizing
+from .allocate import ALLOCATORS, DEFAULT_ALLOCATOR, Allocator, get_allocator
+from .errors import UsageError
+from .presses import get_press, press_class
+from .presses.base import Press, validate_budget
+from .quant.base import DEFAULT_GROUP_SIZE
+from .registry import method_fields
+from .scoring import DEFAULT_SCORER, NEEDS_MODEL, SCORERS
+
+# Old spellings of the per-layer allocators, once presses wrapping a press ("pyramid:kvcrush", ...).
+_LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
+
+
+@dataclass
+class CompressRecipe:
+    """``budget``: size cap as a fraction of the fp16 K/V bytes (None: no cap, pure eviction);
+    ``keep``: fraction of tokens kept per layer and KV head by ``method``; ``quant``: with a
+    budget, the tiers (``auto``/None = ``sizing.auto_quant``, ``uniform`` = best single tier that
+    fits, ``floor`` = that tier + one-tier upgrades, ``ladder`` = per-token tiers, ``int4`` = int4,
+    ``fp16`` = eviction alone); without one, the quantizer of every kept token."""
+
+    budget: float | None = 0.25
+    method: str = "kvcrush"
+    scorer: str | None = None  # None: DEFAULT_SCORER, or what ``--quant auto`` chose for the budget
+    quant: str | None = None
+    group_size: int = DEFAULT_GROUP_SIZE
+    seed: int = 0
+    method_options: dict[str, Any] = field(default_factory=dict)
+    allocator: str = DEFAULT_ALLOCATOR
+    allocator_options: dict[str, Any] = field(default_factory=dict)
+    keep: float = 1.0
+    coding: str = sizing.CODING  # size budget: lossless coding of codes (+ scales/zeros)
+    protect: int = 0  # size budget: the last N tokens (and the prompt header) are never evicted and lifted first
+    lift: str | None = None  # size budget: a second scorer whose top tokens are also lifted first (ec: finer steps)
+    key_weight: float = sizing.KEY_WEIGHT  # size budget: a key row's damage relative to a value row's (solver)
+    layers: str | None = None  # ec: "fisher" (steps per layer and role scaled by a Fisher estimate of their damage) | "even"
+
+    def __post_init__(self) -> None:
+        self.keep = validate_budget(self.keep)
+        if not isinstance(self.protect, int) or isinstance(self.protect, bool) or self.protect < 0:
+            raise UsageError(f"protect must be a whole number of tokens >= 0, got {self.protect!r}", param="protect")
+        if isinstance(self.key_weight, bool) or not isinstance(self.key_weight, (int, float)) or not self.key_weight > 0:
+            raise UsageError(f"key_weight must be a number > 0, got {self.key_weight!r}", param="key_weight")
+        self.key_weight = float(self.key_weight)
+        if self.lift is not None and self.lift not in SCORERS:
+            raise UsageError(f"unknown scorer {self.lift!r} to lift by", hint=f"choose one of {', '.join(SCORERS)}", param="lift")
+        if self.coding not in ("zlib", "zlib+params"):
+            raise UsageError(f"unknown coding {self.coding!r}", hint="zlib or zlib+params", param="coding")
+        if self.budget is not None:
+            self.budget = validate_budget(self.budget)
+            if self.quant in (None, "auto"):
+                auto = sizing.auto_quant(self.budget, self.group_size)
+                self.quant, self.keep, self.protect = auto.quant, min(self.keep, auto.keep), max(self.protect, auto.protect)
+                if self.scorer is None and auto.scorer is not None:
+                    self.scorer = auto.scorer
+                # the sentences scorer is the same in every head: KVCrush's head-behaviour
+                # representatives would be arbitrary, so the auto recipe keeps by importance alone
+                if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":
+                    self.method_options = {"ratio": auto.ratio, **self.method_options}
+            if self.quant != "ec": sizing.ladder_for(self.quant)  # noqa: E701 (an unknown --quant is refused here)
+        elif self.quant is None:
+            self.quant = "none"
+        elif self.quant == "ec":
+            raise UsageError("--quant ec fits its steps to a byte cap", hint="add --budget B", param="quant")
+        if self.scorer is None:
+            self.scorer = DEFAULT_SCORER
+        self.layers = self.layers or self.auto_layers  # after auto: it depends on keep
+        if self.layers not in ("fisher", "even"):
+            raise UsageError(f"unknown layer split {self.layers!r}", hint="fisher or even", param="layers")
+        wrapper, _, inner = str(self.method).partition(":")
+        if wrapper in _LEGACY_WRAPPED:
+            opts = dict(self.method_options)
+            inner = inner or opts.pop("press", None) or _LEGACY_WRAPPED[wrapper]
+            press_opts = opts.pop("press_options", {})
+            own = method_fields(ALLOCATORS[wrapper])
+            self.allocator, self.method = wrapper, str(inner)
+            self.allocator_options = {**{k: v for k, v in opts.items() if k in own}, **self.allocator_options}
+            self.method_options = {**{k: v for k, v in opts.items() if k not in own}, **press_opts}
+
+    def as_dict(self) -> dict:
+        d = {"step": "compress", "budget": self.budget, "keep": self.keep, "method": self.method, "scorer": self.scorer,
+             "quant": self.quant, "group_size": self.group_size, "seed": self.seed,
+             "method_options": dict(sorted(self.method_options.items()))}
+        if self.sized and self.coding != "zlib" and self.quant != "ec" and sizing.ladder_for(self.quant) != ("fp16",):
+            d["coding"] = self.coding  # versions made before params were coded ("zlib") match
+        if self.protect:
+            d["protect"] = self.protect
+        if self.lift:
+            d["lift"] = self.lift
+        if self.key_weight != sizing.KEY_WEIGHT:
+            d["key_weight"] = self.key_weight
+        if self.quant == "ec": d["layers"] = self.layers  # noqa: E701 (absent: the even split of older versions)
+        if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
+            d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
+        return d
+
+    @property
+    def sized(self) -> bool:
+        return self.budget is not None
+
+    @property
+    def auto_layers(self) -> str:
+        """ec's default split: fisher's probe repeats the document over its cache, a measure of
+        damage where every token is kept (with eviction it cost 4 of 60 needles at 0.083)."""
+        return "fisher" if self.keep >= 1 else "even"
+
+    def default_label(self) -> str:
+        if self.sized:
+            label = f"{self.quant}-b{self.budget:g}"
+            if self.method != "kvcrush":
+                label = f"{self.method}-{label}"
+            if self.keep < 1:
+                label += f"-k{self.keep:g}"
+            if self.protect:
+                label += f"-p{self.protect}"
+            if self.lift:
+                label += f"-l{self.lift}"
+            if self.key_weight != sizing.KEY_WEIGHT:
+                label += f"-kw{self.key_weight:g}"
+            if self.quant == "ec" and self.layers != self.auto_layers: label += f"-{self.layers}"  # noqa: E701
+        else:
+            label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
+        if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):
+            label += f"-g{self.group_size}"  # two group sizes are two different versions
+        if (self.keep < 1 or self.sized) and self.allocator != DEFAULT_ALLOCATOR:
+            label = f"{self.allocator}-{label}"
+        if self.scorer != DEFAULT_SCORER:
+            label += f"-{self.scorer}"
+        if not self.sized and self.quant != "none":
+            label += f"-{self.quant}"
+        return label
+
+    def build_press(self, header_tokens: int = 0) -> Press:
+        """The press, keeping at least the ``header_tokens`` prompt-header tokens as sinks."""
+        press = get_press(self.method, **self.method_options)
+        if header_tokens > press.sink_tokens:
+            # The prompt header (system prompt, start of the user turn) precedes every question
+            # and is where attention sinks live: it is always kept, as the press's sinks.
+            press = dataclasses.replace(press, sink_tokens=header_tokens)
+        if self.protect > press.recent_tokens:
+            press = dataclasses.replace(press, recent_tokens=self.protect)
+        return press
+
+    def build_allocator(self) -> Allocator:
+        return get_allocator(self.allocator, **self.allocator_options)
+
+    @property
+    def uses_scorer(self) -> bool:
+        """The scorer ranks tokens for presses, weighs the ladder's damage, picks ``mixed``'s int8 tokens."""
+        if self.sized and self.quant in ("ladder", "floor", "ec"):
+            return self.quant != "ec" or self.keep < 1  # ec weighs channels by the model; a scorer only evicts
+        if self.sized and self.keep == 1 and not sizing.may_evict(self.budget, self.quant, self.group_size):
+            return False  # one tier that fits everywhere: nothing to rank
+        return self.quant == "mixed" or press_class(self.method).uses_importance
+
+    @property
+    def needs_model(self) -> bool:
+        return ((self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer) or \
+            (self.sized and (self.lift in NEEDS_MODEL or self.quant == "ec"))
