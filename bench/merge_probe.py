@@ -1,0 +1,208 @@
+"""Probe: does merging evicted tokens into kept ones recover what eviction loses at 0.083?
+
+In memory, on the full (unquantized) cache: keep the default 0.083 recipe's token set (whole
+sentences by ``sentences-local``, the prompt header and the last 64 tokens, ``keep`` of the
+tokens, one set for every layer and KV head), then per variant:
+
+* ``evict``   the kept tokens only (what the 0.083 default stores, before quantization);
+* ``mergev``  each evicted token's value averaged into the kept token whose (post-RoPE) key is
+  most similar (cosine, per layer and KV head); keys unchanged; nothing else stored;
+* ``bias``    the kept tokens plus an attention bias log(1 + n_j) on kept token j, n_j = the
+  evicted tokens assigned to it (the mass the softmax loses);
+* ``mergevb`` both;
+* ``full@A-B+C``  every token in layers A..B and C, the kept set in the others (where eviction
+  costs);
+* ``pyr:A-B:HI:LO``  the fraction HI of the tokens in layers A..B, LO in the others (nested sets
+  by the same score; header and last tokens first);
+* ``bgN``     the kept tokens plus N background tokens per layer and KV head: the mean key and
+  value of N consecutive runs of evicted tokens, with bias log(run length).
+
+Answers through the real engine (``run_task``). Diagnostics, not a recipe::
+
+    python bench/merge_probe.py --store /tmp/mstore --kinds multifact --limit 20 > a.log
+    python bench/merge_probe.py --summarize a.log b.log ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def assign(k_post: torch.Tensor, kept: torch.Tensor, evicted: torch.Tensor, how: str) -> torch.Tensor:
+    """[H, E] index into ``kept`` (positions of the kept tokens) for every evicted token."""
+    if how == "prev":  # the nearest kept token before it (the context it was read in)
+        j = torch.searchsorted(kept, evicted, right=True) - 1
+        return j.clamp_min(0).expand(k_post.shape[0], -1)
+    kn = torch.nn.functional.normalize(k_post, dim=-1)
+    sim = kn[:, evicted] @ kn[:, kept].transpose(1, 2)  # [H, E, K]
+    return sim.argmax(-1)
+
+
+def merged(k, v, kept, evicted, how, merge_values: bool):
+    """(keys, values, counts [H, K]) of the kept tokens with evicted values folded in."""
+    H, T, D = k.shape
+    a = assign(k, kept, evicted, how)  # [H, E]
+    kk, vv = k[:, kept].clone(), v[:, kept].clone()
+    cnt = torch.zeros(H, kept.numel())
+    cnt.scatter_add_(1, a, torch.ones_like(a, dtype=torch.float))
+    if merge_values:
+        acc = vv.clone()
+        acc.scatter_add_(1, a[..., None].expand(-1, -1, D), v[:, evicted])
+        vv = acc / (1 + cnt)[..., None]
+    return kk, vv, cnt
+
+
+def summarize(logs: list[str]) -> None:
+    """Per variant over the tasks every variant in ``logs`` answered: accuracy (n), mean NLL,
+    and answers gained / lost against ``evict`` (the plain kept set)."""
+    import re
+
+    runs: dict[str, dict[str, dict]] = {}
+    for f in logs:
+        for line in Path(f).read_text().splitlines():
+            m = re.match(r"(\S+) (\S+): (\{.*\}) \(", line)
+            if m:
+                runs.setdefault(m.group(2), {})[m.group(1)] = json.loads(m.group(3))
+    common = sorted(set.intersection(*(set(v) for v in runs.values())))
+    print(f"{len(common)} tasks answered by every variant")
+    base = runs.get("evict", {})
+    for var, per in runs.items():
+        rs = [per[t] for t in common]
+        acc = [r["correct"] for r in rs if "correct" in r]
+        msg = f"{var:22s} nll {sum(r['nll'] for r in rs) / len(rs):.4f}"
+        if acc:
+            msg += f"  correct {sum(acc)}/{len(acc)}"
+            if base and var != "evict":
+                g = sum(per[t]["correct"] and not base[t]["correct"] for t in common)
+                lo = sum(base[t]["correct"] and not per[t]["correct"] for t in common)
+                msg += f"  vs evict +{g}/-{lo}"
+        print(msg)
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--summarize"]:
+        return summarize(sys.argv[2:])
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", default="/tmp/mstore")
+    ap.add_argument("--kinds", default="multifact")
+    ap.add_argument("--limit", type=int, default=20)
+    ap.add_argument("--skip", type=int, default=0)
+    ap.add_argument("--keep", type=float, default=0.33)
+    ap.add_argument("--protect", type=int, default=64)
+    ap.add_argument("--variants", default="full,evict,mergev,bias,mergevb")
+    ap.add_argument("--assign", default="cos", help="cos | prev")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from kdnctl.bundle import decode_bundle
+    from kdnctl.compress import _cat_stats
+    from kdnctl.engine.hf import LoadedContext
+    from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
+    from kdnctl.model import load_model
+    from kdnctl.prompting import PromptFormat
+    from kdnctl.scoring import compute_importance
+    from kdnctl.store import Store
+
+    tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit + args.skip)[args.skip:]
+    lm = load_model()
+    store = Store(Path(args.store), create=True)
+    ingest_tasks(lm, store, tasks)  # unchanged contexts are skipped
+    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
+    variants = args.variants.split(",")
+    res: dict[str, list] = {v: [] for v in variants}
+    hq = lm.model.config.num_attention_heads
+    for task in tasks:
+        ver = store.get_version(task.id, "full")
+        bundles = [decode_bundle(store.read_object(c.object)) for c in ver.chunks]
+        L = bundles[0].n_layers
+        dense = [[b.layer_kv(i) for i in range(L)] for b in bundles]
+        keys = [torch.cat([d[i][0] for d in dense], 1).float() for i in range(L)]
+        values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(L)]
+        token_ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
+        H, T, D = keys[0].shape
+        header = int(bundles[0].meta.get("header_tokens", 0))
+        stats = _cat_stats(bundles)
+        imp = compute_importance("sentences-local", stats, lm=lm, keys=keys, values=values,
+                                 token_ids=token_ids, n_layers=L, n_heads=H)
+        score = imp.mean((0, 1)).clone()
+        big = score.max() + 10
+        score[:header] = big
+        score[-args.protect:] = big
+        n = max(1, round(args.keep * T))
+        kept = score.topk(n).indices.sort().values
+        order = score.argsort(descending=True)  # nested kept sets for per-layer fractions
+        mask = torch.ones(T, dtype=torch.bool)
+        mask[kept] = False
+        evicted = mask.nonzero().flatten()
+        for var in variants:
+            t0 = time.perf_counter()
+            ks, vs, bias = [], [], {}
+            for i in range(L):
+                k, v = keys[i], values[i]
+                if var == "full":
+                    ks.append(k), vs.append(v)
+                    continue
+                if var.startswith("pyr:"):  # pyr:A-B:HI:LO  keep HI in layers A..B, LO in the others
+                    _, rng, hi, lo = var.split(":")
+                    a, _, b = rng.partition("-")
+                    frac = float(hi) if int(a) <= i <= int(b) else float(lo)
+                    idx = order[: max(1, round(frac * T))].sort().values
+                    ks.append(k[:, idx]), vs.append(v[:, idx])
+                    continue
+                if var.startswith("full@"):  # every token in these layers (a-b,c), the kept set elsewhere
+                    sel = set()
+                    for part in var[5:].split("+"):
+                        a, _, b = part.partition("-")
+                        sel.update(range(int(a), int(b or a) + 1))
+                    idx = slice(None) if i in sel else kept
+                    ks.append(k[:, idx]), vs.append(v[:, idx])
+                    continue
+                if var == "evict":
+                    ks.append(k[:, kept]), vs.append(v[:, kept])
+                    continue
+                if var.startswith("bg"):  # + background tokens: mean key/value of evicted spans, bias log n
+                    nb = int(var[2:] or 1)
+                    parts = evicted.tensor_split(nb)
+                    kb = torch.stack([k[:, p].mean(1) for p in parts], 1)
+                    vb = torch.stack([v[:, p].mean(1) for p in parts], 1)
+                    ks.append(torch.cat([k[:, kept], kb], 1)), vs.append(torch.cat([v[:, kept], vb], 1))
+                    b = torch.zeros(H, n + nb)
+                    b[:, n:] = torch.tensor([float(p.numel()) for p in parts]).log()
+                    bias[i] = b.repeat_interleave(hq // H, 0)
+                    continue
+                kk, vv, cnt = merged(k, v, kept, evicted, args.assign, var in ("mergev", "mergevb"))
+                ks.append(kk), vs.append(vv)
+                if var in ("bias", "mergevb"):
+                    bias[i] = torch.log1p(cnt).repeat_interleave(hq // H, 0)
+            ctx = LoadedContext(keys=[x[None] for x in ks], values=[x[None] for x in vs], next_position=T,
+                                token_ids=token_ids, bias=bias, label=var, doc_id=task.id)
+            r = run_task(lm, ctx, task, fmt, 24)
+            res[var].append(r)
+            name = var if args.assign == "cos" or var in ("full", "evict") else f"{var}-{args.assign}"
+            print(f"{task.id} {name}: {json.dumps(r)} ({time.perf_counter() - t0:.1f}s)", flush=True)
+    print(f"\nsummary (keep {args.keep}, assign {args.assign}):")
+    for v, rs in res.items():
+        c = [r for r in rs if "correct" in r]
+        cn = [r for r in rs if "correct" not in r]
+        msg = f"{v:10s}"
+        if c:
+            msg += f" correct {sum(r['correct'] for r in c)}/{len(c)} answer_nll {sum(r['nll'] for r in c) / len(c):.3f}"
+        if cn:
+            msg += f" cont_nll {sum(r['nll'] for r in cn) / len(cn):.4f} ({len(cn)})"
+        print(msg)
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
