@@ -95,6 +95,19 @@ def mixed_rows(k, v, pos, theta, tiers_mask_hi, hi, lo):
     return tf.rope(kout, pos, theta), tf.rotate(vout)
 
 
+def full_cache(store, doc_id: str):
+    """(bundles, keys [L x [H, T, D]], values, token ids) of a document's stored ``full`` version, fp32."""
+    from kdnctl.bundle import decode_bundle
+
+    ver = store.get_version(doc_id, "full")
+    bundles = [decode_bundle(store.read_object(c.object)) for c in ver.chunks]
+    n_layers = bundles[0].n_layers
+    dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]
+    keys = [torch.cat([d[i][0] for d in dense], 1).float() for i in range(n_layers)]
+    values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(n_layers)]
+    return bundles, keys, values, [int(t) for b in bundles for t in b.token_ids.tolist()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default=str(ROOT / ".bench-quality"))
@@ -107,7 +120,6 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from bench.quality import cache_reconstruct_scores
-    from kdnctl.bundle import decode_bundle
     from kdnctl.compress import _cat_stats
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import load_tasks, run_task
@@ -124,13 +136,8 @@ def main() -> None:
     variants = args.variants.split(",")
     res: dict[str, list] = {v: [] for v in variants}
     for task in tasks:
-        ver = store.get_version(task.id, "full")
-        bundles = [decode_bundle(store.read_object(c.object)) for c in ver.chunks]
-        L = bundles[0].n_layers
-        dense = [[b.layer_kv(i) for i in range(L)] for b in bundles]
-        keys = [torch.cat([d[i][0] for d in dense], 1).float() for i in range(L)]
-        values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(L)]
-        token_ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
+        bundles, keys, values, token_ids = full_cache(store, task.id)
+        L = len(keys)
         H, T, D = keys[0].shape
         header = int(bundles[0].meta.get("header_tokens", 0))
         rope = bundles[0].meta["model"].get("rope") or {}

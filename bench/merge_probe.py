@@ -104,7 +104,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from kdnctl.bundle import decode_bundle
+    from bench.lowbit_probe import full_cache
     from kdnctl.compress import _cat_stats
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
@@ -122,13 +122,8 @@ def main() -> None:
     res: dict[str, list] = {v: [] for v in variants}
     hq = lm.model.config.num_attention_heads
     for task in tasks:
-        ver = store.get_version(task.id, "full")
-        bundles = [decode_bundle(store.read_object(c.object)) for c in ver.chunks]
-        L = bundles[0].n_layers
-        dense = [[b.layer_kv(i) for i in range(L)] for b in bundles]
-        keys = [torch.cat([d[i][0] for d in dense], 1).float() for i in range(L)]
-        values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(L)]
-        token_ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
+        bundles, keys, values, token_ids = full_cache(store, task.id)
+        L = len(keys)
         H, T, D = keys[0].shape
         header = int(bundles[0].meta.get("header_tokens", 0))
         stats = _cat_stats(bundles)
