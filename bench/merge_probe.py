@@ -72,6 +72,10 @@ def summarize(logs: list[str]) -> None:
             m = re.match(r"(\S+) (\S+): (\{.*\}) \(", line)
             if m:
                 runs.setdefault(m.group(2), {})[m.group(1)] = json.loads(m.group(3))
+    print_summary(runs)
+
+
+def print_summary(runs: dict[str, dict[str, dict]]) -> None:
     common = sorted(set.intersection(*(set(v) for v in runs.values())))
     print(f"{len(common)} tasks answered by every variant")
     base = runs.get("evict", {})
@@ -119,7 +123,7 @@ def main() -> None:
     ingest_tasks(lm, store, tasks)  # unchanged contexts are skipped
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     variants = args.variants.split(",")
-    res: dict[str, list] = {v: [] for v in variants}
+    runs: dict[str, dict[str, dict]] = {}  # printed name -> task id -> record
     hq = lm.model.config.num_attention_heads
     for task in tasks:
         bundles, keys, values, token_ids = full_cache(store, task.id)
@@ -182,21 +186,13 @@ def main() -> None:
             ctx = LoadedContext(keys=[x[None] for x in ks], values=[x[None] for x in vs], next_position=T,
                                 token_ids=token_ids, bias=bias, label=var, doc_id=task.id)
             r = run_task(lm, ctx, task, fmt, 24)
-            res[var].append(r)
             name = var if args.assign == "cos" or var in ("full", "evict") else f"{var}-{args.assign}"
+            runs.setdefault(name, {})[task.id] = r
             print(f"{task.id} {name}: {json.dumps(r)} ({time.perf_counter() - t0:.1f}s)", flush=True)
     print(f"\nsummary (keep {args.keep}, assign {args.assign}):")
-    for v, rs in res.items():
-        c = [r for r in rs if "correct" in r]
-        cn = [r for r in rs if "correct" not in r]
-        msg = f"{v:10s}"
-        if c:
-            msg += f" correct {sum(r['correct'] for r in c)}/{len(c)} answer_nll {sum(r['nll'] for r in c) / len(c):.3f}"
-        if cn:
-            msg += f" cont_nll {sum(r['nll'] for r in cn) / len(cn):.4f} ({len(cn)})"
-        print(msg)
+    print_summary(runs)
     if args.out:
-        Path(args.out).write_text(json.dumps(res, indent=1))
+        Path(args.out).write_text(json.dumps(runs, indent=1))
 
 
 if __name__ == "__main__":
