@@ -110,6 +110,7 @@ def main() -> None:
 
     from bench.lowbit_probe import full_cache
     from kdnctl.compress import _cat_stats
+    from kdnctl.compress_ec import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
     from kdnctl.model import load_model
@@ -138,7 +139,8 @@ def main() -> None:
         score[:header] = big
         score[-args.protect:] = big
         n = max(1, round(args.keep * T))
-        kept = score.topk(n).indices.sort().values
+        kept = shared_keep(imp, args.keep, header, args.protect)  # the set `compress --quant ec --keep` stores
+        assert torch.equal(kept, score.topk(n).indices.sort().values)  # the pyr: variants nest by the same order
         order = score.argsort(descending=True)  # nested kept sets for per-layer fractions
         mask = torch.ones(T, dtype=torch.bool)
         mask[kept] = False
