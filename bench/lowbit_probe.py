@@ -258,6 +258,8 @@ def klt_code(x: torch.Tensor, bits: float, header: int, key, basis: str, fine_ro
         mu = xr.mean(0)
         c = xr - mu
         vecs = torch.linalg.eigh(c.T @ c / n)[1].flip(1)
+        if basis == "eye":  # no rotation: per-channel steps, no basis to store
+            vecs = torch.eye(D, dtype=torch.float64)
         if basis == "prev":  # the previous document's axes: what a shared per-model basis would give
             vecs, BASES[(key, h)] = BASES.get((key, h), vecs), vecs
         y = (xr - mu) @ vecs
@@ -268,7 +270,7 @@ def klt_code(x: torch.Tensor, bits: float, header: int, key, basis: str, fine_ro
             mid = 0.5 * (lo + hi)
             q, rate = mixed_rate(y, fr, math.exp(mid), fine)
             active = int((q != 0).any(0).sum())
-            side = (active * D * 2 * (basis != "prev") + D * 2 + active * 2) * 8
+            side = (active * D * 2 * (basis not in ("prev", "eye")) + D * 2 + active * 2) * 8
             if rate + side > target:
                 lo = mid
             else:
@@ -276,7 +278,7 @@ def klt_code(x: torch.Tensor, bits: float, header: int, key, basis: str, fine_ro
         step = math.exp(hi)
         q, rate = mixed_rate(y, fr, step, fine)
         active = int((q != 0).any(0).sum())
-        side = (active * D * 2 * (basis != "prev") + D * 2 + active * 2) * 8
+        side = (active * D * 2 * (basis not in ("prev", "eye")) + D * 2 + active * 2) * 8
         steps = torch.where(fr, step / fine, step).double()[:, None]
         out[h, hd:] = ((q.double() * steps) @ vecs.T + mu).float()
         nbytes += (rate + side) / 8

@@ -14,6 +14,11 @@ tokens, one set for every layer and KV head), then per variant:
   costs);
 * ``pyr:A-B:HI:LO``  the fraction HI of the tokens in layers A..B, LO in the others (nested sets
   by the same score; header and last tokens first);
+* ``low:A-B:KB:VB``  the kept tokens exact, and in layers A..B the evicted ones too, coded in
+  their principal axes at KB / VB bits per element (``lowbit_probe.klt_code``: keys before RoPE,
+  one entropy-coded uniform step per head; "no token left behind" where eviction costs);
+  ``lowe:`` the same without the rotation into principal axes (per-channel steps on keys
+  before RoPE and Hadamard-rotated values: no basis to store);
 * ``bgN``     the kept tokens plus N background tokens per layer and KV head: the mean key and
   value of N consecutive runs of evicted tokens, with bias log(run length).
 
@@ -35,6 +40,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+DEFAULT_KEEP = 0.33  # a third of the tokens: the 0.083 default's kept fraction
 
 
 def assign(k_post: torch.Tensor, kept: torch.Tensor, evicted: torch.Tensor, how: str) -> torch.Tensor:
@@ -68,10 +76,15 @@ def summarize(logs: list[str]) -> None:
 
     runs: dict[str, dict[str, dict]] = {}
     for f in logs:
-        for line in Path(f).read_text().splitlines():
+        text = Path(f).read_text()
+        k = re.search(r"summary \(keep (\S+),", text)
+        # a run at another --keep than the default: its variants are named k<keep>/<variant>
+        prefix = f"k{k.group(1)}/" if k and float(k.group(1)) != DEFAULT_KEEP else ""
+        for line in text.splitlines():
             m = re.match(r"(\S+) (\S+): (\{.*\}) \(", line)
             if m:
-                runs.setdefault(m.group(2), {})[m.group(1)] = json.loads(m.group(3))
+                name = m.group(2) if m.group(2) == "full" else prefix + m.group(2)
+                runs.setdefault(name, {})[m.group(1)] = json.loads(m.group(3))
     print_summary(runs)
 
 
@@ -100,7 +113,7 @@ def main() -> None:
     ap.add_argument("--kinds", default="multifact")
     ap.add_argument("--limit", type=int, default=20)
     ap.add_argument("--skip", type=int, default=0)
-    ap.add_argument("--keep", type=float, default=0.33)
+    ap.add_argument("--keep", type=float, default=DEFAULT_KEEP)
     ap.add_argument("--protect", type=int, default=64)
     ap.add_argument("--variants", default="full,evict,mergev,bias,mergevb")
     ap.add_argument("--assign", default="cos", help="cos | prev")
@@ -108,7 +121,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from bench.lowbit_probe import full_cache
+    from bench.lowbit_probe import full_cache, klt_code
+    from kdnctl.quant import transforms as tf
     from kdnctl.compress import _cat_stats
     from kdnctl.compress_ec import shared_keep
     from kdnctl.engine.hf import LoadedContext
@@ -131,6 +145,7 @@ def main() -> None:
         L = len(keys)
         H, T, D = keys[0].shape
         header = int(bundles[0].meta.get("header_tokens", 0))
+        theta = float((bundles[0].meta["model"].get("rope") or {}).get("rope_theta", 10000.0))
         stats = _cat_stats(bundles)
         imp = compute_importance("sentences-local", stats, lm=lm, keys=keys, values=values,
                                  token_ids=token_ids, n_layers=L, n_heads=H)
@@ -145,6 +160,7 @@ def main() -> None:
         mask = torch.ones(T, dtype=torch.bool)
         mask[kept] = False
         evicted = mask.nonzero().flatten()
+        extra: dict[str, float] = {}  # variant -> estimated bytes of the coarsely coded rows
         for var in variants:
             t0 = time.perf_counter()
             ks, vs, bias = [], [], {}
@@ -171,6 +187,25 @@ def main() -> None:
                 if var == "evict":
                     ks.append(k[:, kept]), vs.append(v[:, kept])
                     continue
+                if var.startswith(("low:", "lowe:")):  # low:A-B:KB:VB  evicted rows coded coarsely in A..B
+                    _, rng, kb, vb = var.split(":")
+                    a, _, b = rng.partition("-")
+                    if not int(a) <= i <= int(b):
+                        ks.append(k[:, kept]), vs.append(v[:, kept])
+                        continue
+                    pe = evicted.expand(H, -1)
+                    ku = tf.unrope(k[:, evicted], pe, theta)
+                    basis = "prev" if var.startswith("low:") else "eye"
+                    ve = v[:, evicted] if basis == "prev" else tf.rotate(v[:, evicted])
+                    kq, kbytes = klt_code(ku, float(kb), 0, (i, "k"), basis)
+                    vq, vbytes = klt_code(ve, float(vb), 0, (i, "v"), basis)
+                    vq = vq if basis == "prev" else tf.rotate(vq)
+                    kk, vv = k.clone(), v.clone()
+                    kk[:, evicted] = tf.rope(kq, pe, theta)
+                    vv[:, evicted] = vq
+                    extra[var] = extra.get(var, 0.0) + kbytes + vbytes
+                    ks.append(kk), vs.append(vv)
+                    continue
                 if var.startswith("bg"):  # + background tokens: mean key/value of evicted spans, bias log n
                     nb = int(var[2:] or 1)
                     parts = evicted.tensor_split(nb)
@@ -188,6 +223,8 @@ def main() -> None:
             ctx = LoadedContext(keys=[x[None] for x in ks], values=[x[None] for x in vs], next_position=T,
                                 token_ids=token_ids, bias=bias, label=var, doc_id=task.id)
             r = run_task(lm, ctx, task, fmt, 24)
+            if var in extra:  # the coded evicted rows as a fraction of the document's fp16 K/V
+                r["extra_fp16"] = round(extra[var] / (L * H * T * D * 4), 5)
             name = var if args.assign == "cos" or var in ("full", "evict") else f"{var}-{args.assign}"
             runs.setdefault(name, {})[task.id] = r
             print(f"{task.id} {name}: {json.dumps(r)} ({time.perf_counter() - t0:.1f}s)", flush=True)
