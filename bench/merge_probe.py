@@ -19,6 +19,8 @@ tokens, one set for every layer and KV head), then per variant:
   one entropy-coded uniform step per head; "no token left behind" where eviction costs);
   ``lowe:`` the same without the rotation into principal axes (per-channel steps on keys
   before RoPE and Hadamard-rotated values: no basis to store);
+* ``q:B[:A-B:E]``  the kept rows coded like ``lowe`` at B bits per element (the header in fp16),
+  and in layers A..B the evicted rows at E bits: equal-bytes trades with the kept set quantized;
 * ``bgN``     the kept tokens plus N background tokens per layer and KV head: the mean key and
   value of N consecutive runs of evicted tokens, with bias log(run length).
 
@@ -67,6 +69,21 @@ def merged(k, v, kept, evicted, how, merge_values: bool):
         acc.scatter_add_(1, a[..., None].expand(-1, -1, D), v[:, evicted])
         vv = acc / (1 + cnt)[..., None]
     return kk, vv, cnt
+
+
+def coded(k, v, rows, kb: float, vb: float, basis: str, layer: int, header: int, theta: float):
+    """(keys, values, bytes) of ``rows`` of k, v [H, T, D] coded by ``lowbit_probe.klt_code`` at
+    kb / vb bits per element: keys before RoPE, values Hadamard-rotated unless basis is ``prev``
+    (principal axes); the first ``header`` rows in fp16."""
+    from bench.lowbit_probe import klt_code
+    from kdnctl.quant import transforms as tf
+
+    pos = rows.expand(k.shape[0], -1)
+    ku = tf.unrope(k[:, rows], pos, theta)
+    ve = v[:, rows] if basis == "prev" else tf.rotate(v[:, rows])
+    kq, kbytes = klt_code(ku, kb, header, (layer, "k"), basis)
+    vq, vbytes = klt_code(ve, vb, header, (layer, "v"), basis)
+    return tf.rope(kq, pos, theta), vq if basis == "prev" else tf.rotate(vq), kbytes + vbytes
 
 
 def summarize(logs: list[str]) -> None:
@@ -121,8 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from bench.lowbit_probe import full_cache, klt_code
-    from kdnctl.quant import transforms as tf
+    from bench.lowbit_probe import full_cache
     from kdnctl.compress import _cat_stats
     from kdnctl.compress_ec import shared_keep
     from kdnctl.engine.hf import LoadedContext
@@ -193,18 +209,25 @@ def main() -> None:
                     if not int(a) <= i <= int(b):
                         ks.append(k[:, kept]), vs.append(v[:, kept])
                         continue
-                    pe = evicted.expand(H, -1)
-                    ku = tf.unrope(k[:, evicted], pe, theta)
                     basis = "prev" if var.startswith("low:") else "eye"
-                    ve = v[:, evicted] if basis == "prev" else tf.rotate(v[:, evicted])
-                    kq, kbytes = klt_code(ku, float(kb), 0, (i, "k"), basis)
-                    vq, vbytes = klt_code(ve, float(vb), 0, (i, "v"), basis)
-                    vq = vq if basis == "prev" else tf.rotate(vq)
                     kk, vv = k.clone(), v.clone()
-                    kk[:, evicted] = tf.rope(kq, pe, theta)
-                    vv[:, evicted] = vq
-                    extra[var] = extra.get(var, 0.0) + kbytes + vbytes
+                    kk[:, evicted], vv[:, evicted], nb = coded(k, v, evicted, float(kb), float(vb), basis, i, 0, theta)
+                    extra[var] = extra.get(var, 0.0) + nb
                     ks.append(kk), vs.append(vv)
+                    continue
+                if var.startswith("q:"):  # q:B[:A-B:E]  kept rows at B bits, evicted rows of A..B at E bits
+                    parts = var.split(":")
+                    kk, vv = k.clone(), v.clone()
+                    kk[:, kept], vv[:, kept], nb = coded(k, v, kept, float(parts[1]), float(parts[1]), "eye", i, header, theta)
+                    extra[var] = extra.get(var, 0.0) + nb
+                    a, _, b = (parts[2] if len(parts) > 2 else "-1--1").partition("-")
+                    if len(parts) > 2 and int(a) <= i <= int(b):
+                        eb = float(parts[3])
+                        kk[:, evicted], vv[:, evicted], nb = coded(k, v, evicted, eb, eb, "eye", i, 0, theta)
+                        extra[var] += nb
+                        ks.append(kk), vs.append(vv)
+                    else:
+                        ks.append(kk[:, kept]), vs.append(vv[:, kept])
                     continue
                 if var.startswith("bg"):  # + background tokens: mean key/value of evicted spans, bias log n
                     nb = int(var[2:] or 1)
@@ -223,7 +246,7 @@ def main() -> None:
             ctx = LoadedContext(keys=[x[None] for x in ks], values=[x[None] for x in vs], next_position=T,
                                 token_ids=token_ids, bias=bias, label=var, doc_id=task.id)
             r = run_task(lm, ctx, task, fmt, 24)
-            if var in extra:  # the coded evicted rows as a fraction of the document's fp16 K/V
+            if var in extra:  # the coded rows as a fraction of the document's fp16 K/V
                 r["extra_fp16"] = round(extra[var] / (L * H * T * D * 4), 5)
             name = var if args.assign == "cos" or var in ("full", "evict") else f"{var}-{args.assign}"
             runs.setdefault(name, {})[task.id] = r

@@ -29,6 +29,9 @@ from .versions import child_recipe
 PROTECT_LEVEL = 2
 LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
+# --backfill: in its layers the evicted tokens are kept at steps 2**BACKFILL_SHIFT coarser than the
+# kept tokens' (bench/merge_probe.py: ~1 bit per element where the kept tokens get ~3-4)
+BACKFILL_SHIFT = 3
 
 
 def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,6 +84,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     q = EntropyQuantizer(key_rope_theta=theta)
     header = int(bundles[0].meta.get("header_tokens", 0))
     rows = None
+    all_keys, all_values = keys, values
     if recipe.keep < 1:
         if importance is None:
             raise UsageError("--quant ec with --keep needs a scorer to rank tokens", param="keep")
@@ -89,7 +93,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         values = [v[:, rows] for v in values]
         lift = lift[..., rows] if lift is not None else None
     n_tokens = keys[0].shape[1]
-    positions = torch.cat([b.layer_positions(0)[0] for b in bundles])
+    all_positions = torch.cat([b.layer_positions(0)[0] for b in bundles])
+    positions = all_positions
     if rows is not None:
         positions = positions[rows]
         # chunk c's kept tokens in the kept sequence: [kept_bounds[c][0], kept_bounds[c][1])
@@ -97,13 +102,20 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     else:
         kept_bounds = local_bounds
     levels = token_levels(n_tokens, header, recipe.protect, lift)
+    backfill = [i for i in recipe.backfill_layers if i < n_layers] if rows is not None else []
+    if backfill:  # these layers keep every token: the evicted ones at level 0, the kept ones shifted up
+        full_levels = torch.zeros(n_all, dtype=torch.uint8)
+        full_levels[rows] = levels + BACKFILL_SHIFT
     finest = int(levels.max()) if levels.numel() else 0
-    assert finest <= MAX_LEVEL
+    assert finest + (BACKFILL_SHIFT if backfill else 0) <= MAX_LEVEL
     kw = key_weights(lm, token_ids, n_layers, n_heads, d, rope=theta is not None)
     vw = value_weights(lm, n_layers, n_heads, d)
-    xs = [q.forward(k, v, positions.expand(n_heads, -1)) for k, v in zip(keys, values)]  # [(k, v)] transformed
-    base = [(relative_steps(k, kw[i]), relative_steps(v, vw[i])) for i, (k, v) in enumerate(xs)]
-    floors = [(step_floor(k, finest), step_floor(v, finest)) for k, v in xs]
+    xs = [q.forward(all_keys[i], all_values[i], all_positions.expand(n_heads, -1)) if i in backfill
+          else q.forward(k, v, positions.expand(n_heads, -1)) for i, (k, v) in enumerate(zip(keys, values))]
+    # a backfilled layer's steps are those of its kept tokens: 2**BACKFILL_SHIFT x the level-0 step
+    base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * (2.0 ** BACKFILL_SHIFT if i in backfill else 1)
+                  for x, w in zip(xs[i], (kw, vw))) for i in range(n_layers)]
+    floors = [tuple(step_floor(x, finest + (BACKFILL_SHIFT if i in backfill else 0)) for x in xs[i]) for i in range(n_layers)]
     if recipe.layers == "fisher" and n_tokens > header:
         probe = lf.probe_ids(lm, token_ids, header)  # the document's own text, over the kept tokens' cache
         fisher = lf.channel_fisher(lm, keys, values, probe, int(positions.max()) + 1, 0.25 ** levels.float(), recipe.seed)
@@ -115,13 +127,13 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
 
     def encoded(alpha: float):
         out = []
-        for ls, le in kept_bounds:
-            lv = levels[ls:le]
+        for (ks, ke), (ls, le) in zip(kept_bounds, local_bounds):
             chunk = {}
             for i, (k, v) in enumerate(xs):
+                a, b, lv = (ls, le, full_levels[ls:le]) if i in backfill else (ks, ke, levels[ks:ke])
                 for role, x, s in zip(("keys", "values"), (k, v), steps_at(alpha, i)):
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
-                        encode_role(x[:, ls:le], s, lv, q.zstd_level)
+                        encode_role(x[:, a:b], s, lv, q.zstd_level)
             out.append(chunk)
         return out
 
@@ -142,16 +154,21 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                              hint="raise --budget or use --quant auto (which evicts)")
         new_tensors, metas = [], []
         for b, (ls, le), (ks, ke), chunk in zip(bundles, local_bounds, kept_bounds, encoded(alpha)):
-            t = {"token_ids": b.tensors["token_ids"], "positions": b.tensors["positions"],
-                 "token_levels": levels[ks:ke].clone(), **chunk}
+            t = {"token_ids": b.tensors["token_ids"], "positions": b.tensors["positions"], **chunk}
+            if backfill:  # layers of two lengths: each layer its own levels (a backfilled one: every token)
+                for i in range(n_layers):
+                    t[tensor_name(i, "levels")] = (full_levels[ls:le] if i in backfill else levels[ks:ke]).clone()
+            else:
+                t["token_levels"] = levels[ks:ke].clone()
             local = None if rows is None else rows[ks:ke] - ls
             for i in range(n_layers):
-                if rows is not None:  # the same kept tokens in every layer and head (own tensors: safetensors refuses shared memory)
-                    t[tensor_name(i, "positions")] = _chunk_positions(b.tensors["positions"], local, n_heads)
+                kept_here = local if i not in backfill else None
+                if kept_here is not None:  # the same kept tokens in every such layer and head (own tensors: safetensors refuses shared memory)
+                    t[tensor_name(i, "positions")] = _chunk_positions(b.tensors["positions"], kept_here, n_heads)
                 bias = b.layer(i, "bias")
                 if bias is not None:
-                    t[tensor_name(i, "bias")] = bias if local is None else bias[..., local].contiguous()
-            n_rows = n_heads * (ke - ks) * n_layers
+                    t[tensor_name(i, "bias")] = bias if kept_here is None else bias[..., kept_here].contiguous()
+            n_rows = n_heads * sum(le - ls if i in backfill else ke - ks for i in range(n_layers))
             metas.append({"quant": {**qmeta, "alpha": round(alpha, 6),
                                     "mix": {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}}})
             new_tensors.append(t)
@@ -159,7 +176,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                                                                   recipe=recipe_meta, **m), tensors=t)))
                     for b, t, m in zip(bundles, new_tensors, metas)) + STAMP_BYTES * len(bundles)
         if total <= cap:
-            n_rows = n_heads * n_tokens * n_layers
-            return new_tensors, metas, n_tokens / n_all, {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}
+            per_layer = [n_all if i in backfill else n_tokens for i in range(n_layers)]
+            n_rows = n_heads * sum(per_layer)
+            return new_tensors, metas, sum(per_layer) / (n_layers * n_all), {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}
         overhead = total - payload(alpha) + 256
     raise UsageError(f"could not fit {recipe.budget:g} x the fp16 size with --quant ec", hint="raise --budget")

@@ -43,6 +43,7 @@ class CompressRecipe:
     lift: str | None = None  # size budget: a second scorer whose top tokens are also lifted first (ec: finer steps)
     key_weight: float = sizing.KEY_WEIGHT  # size budget: a key row's damage relative to a value row's (solver)
     layers: str | None = None  # ec: "fisher" (steps per layer and role scaled by a Fisher estimate of their damage) | "even"
+    backfill: str | None = None  # ec with --keep: "A-B", layers where the evicted tokens are kept too, at coarse steps
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -76,6 +77,11 @@ class CompressRecipe:
         self.layers = self.layers or self.auto_layers  # after auto: it depends on keep
         if self.layers not in ("fisher", "even"):
             raise UsageError(f"unknown layer split {self.layers!r}", hint="fisher or even", param="layers")
+        if self.backfill is not None:
+            self.backfill_layers  # noqa: B018 (parses: a bad range is refused here)
+            if not (self.sized and self.quant == "ec" and self.keep < 1 and self.layers == "even"):
+                raise UsageError("--backfill keeps the tokens ec's --keep evicts, coarsely, in some layers",
+                                 hint="use it with --budget B --quant ec --keep K (even layer split)", param="backfill")
         wrapper, _, inner = str(self.method).partition(":")
         if wrapper in _LEGACY_WRAPPED:
             opts = dict(self.method_options)
@@ -99,9 +105,22 @@ class CompressRecipe:
         if self.key_weight != sizing.KEY_WEIGHT:
             d["key_weight"] = self.key_weight
         if self.quant == "ec": d["layers"] = self.layers  # noqa: E701 (absent: the even split of older versions)
+        if self.backfill:
+            d["backfill"] = self.backfill
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
+
+    @property
+    def backfill_layers(self) -> range:
+        """The layers ``backfill`` ("A-B", both included) names; empty without one."""
+        if self.backfill is None:
+            return range(0)
+        a, sep, b = str(self.backfill).partition("-")
+        if not (sep and a.isdigit() and b.isdigit() and int(a) <= int(b)):
+            raise UsageError(f"backfill must be a layer range A-B, got {self.backfill!r}", hint="e.g. 12-23",
+                             param="backfill")
+        return range(int(a), int(b) + 1)
 
     @property
     def sized(self) -> bool:
@@ -127,6 +146,8 @@ class CompressRecipe:
             if self.key_weight != sizing.KEY_WEIGHT:
                 label += f"-kw{self.key_weight:g}"
             if self.quant == "ec" and self.layers != self.auto_layers: label += f"-{self.layers}"  # noqa: E701
+            if self.backfill:
+                label += f"-bf{self.backfill}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):

@@ -19,6 +19,7 @@ from kdnctl.compress import CompressRecipe, compress_document
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
 EVICT = "ec-b0.083-k0.33-p64-sentences-local"  # the default at 0.083: eviction first, a third of the tokens
+BACKFILL = "ec-b0.083-k0.33-p64-bf12-23-sentences-local"  # the same, and layers 12-23 keep every token
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +32,8 @@ def store(tmp_path_factory, lm):
             compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even"), lm=lm)
             assert CompressRecipe(budget=0.083).default_label() == EVICT
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
+            assert CompressRecipe(budget=0.083, backfill="12-23").default_label() == BACKFILL
+            compress_document(st, doc, CompressRecipe(budget=0.083, backfill="12-23"), lm=lm)
     yield st
     st.close()
 
@@ -88,7 +91,7 @@ def _by_hand(b, i, role):
     """One layer/role decoded from docs/bundle-format.md's ec section alone."""
     q = b.meta["quant"]
     h, d = q["n_heads"], q["head_dim"]
-    levels = b.tensors["token_levels"].float()
+    levels = b.tensors.get(f"layers.{i}.levels", b.tensors.get("token_levels")).float()  # a layer's own first
     t = levels.numel()
     blob = b.tensors[f"layers.{i}.{role}.codes"].numpy().tobytes()
     dtype = {1: torch.int8, 2: torch.int16}[blob[0]]
@@ -151,6 +154,48 @@ def test_eviction_first_keeps_one_token_set(store, doc):
 
 def test_eviction_first_loads_locally_and_remotely(lm, store):
     assert_loads_as_decoded(lm, store, "faq.md", EVICT, _by_hand)
+
+
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc):
+    v = store.get_version(doc, BACKFILL)
+    stored = sum(len(store.read_object(c.object)) for c in v.chunks)
+    assert 0.97 * 0.083 * fp16_size(store, doc) <= stored <= 0.083 * fp16_size(store, doc)
+    evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, EVICT).chunks]
+    bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
+    assert "token_levels" not in bundles[0].tensors
+    for b, e in zip(bundles, evict):
+        kept = e.layer_positions(0)[0]  # the kept set is the one the plain eviction keeps
+        local = kept - int(b.tensors["positions"][0])
+        for i in range(b.n_layers):
+            levels = b.tensors[f"layers.{i}.levels"]
+            if 12 <= i <= 23:  # every token; the kept ones 2**3 finer than the evicted ones
+                assert b.layer_len(i) == b.n_tokens and torch.equal(b.layer_positions(i)[0], b.tensors["positions"].long())
+                assert torch.equal(levels[local], e.tensors["token_levels"] + 3)
+                rest = torch.ones(b.n_tokens, dtype=torch.bool)
+                rest[local] = False
+                assert bool((levels[rest] == 0).all()) and bool(rest.any())
+            else:
+                assert torch.equal(b.layer_positions(i)[0], kept) and torch.equal(levels, e.tensors["token_levels"])
+    # the evicted tokens of a backfilled layer come back coarser than the kept ones, but come back
+    full = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, "full").chunks]
+    k = torch.cat([b.layer_kv(15)[0] for b in bundles], 1)
+    ref = torch.cat([f.layer_kv(15)[0] for f in full], 1).float()
+    kept = torch.cat([e.layer_positions(0)[0] for e in evict])
+    evicted = torch.ones(ref.shape[1], dtype=torch.bool)
+    evicted[kept] = False
+    rel = [float((k[:, m] - ref[:, m]).norm() / ref[:, m].norm()) for m in (~evicted, evicted)]
+    assert rel[0] < rel[1] < 1.0
+
+
+def test_backfill_loads_locally_and_remotely(lm, store):
+    assert_loads_as_decoded(lm, store, "faq.md", BACKFILL, _by_hand)
+
+
+def test_backfill_needs_ec_with_eviction(store):
+    for args in (["--budget", "0.25", "--backfill", "12-23"], ["--budget", "0.083", "--backfill", "23-12"]):
+        res = run_cli("compress", *args, "faq.md", store=store.root)
+        assert res.returncode != 0 and "backfill" in res.stderr and "Traceback" not in res.stderr
 
 
 def test_ec_refuses_tiny_budgets(store):

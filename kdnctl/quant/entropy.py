@@ -25,7 +25,8 @@ Tensors per layer ``i`` and role (``keys``/``values``):
   uint8 ``bin [H, D]``.
 
 And per chunk ``token_levels`` uint8 ``[T]``: token ``t`` is quantized with ``step / 2**level``
-(the prompt header and the last tokens get finer steps: they precede every question).
+(the prompt header and the last tokens get finer steps: they precede every question); where
+layers keep different token sets (``--backfill``), each layer's own ``layers.i.levels``.
 Decoding: ``x[h, t, c] = code * step[h, c] / 2**level[t] + mean[h, c]``; keys are stored before
 RoPE (``key_rope_theta``) and rotated back to their positions after decoding.
 """
@@ -262,7 +263,7 @@ class EntropyQuantizer(Quantizer):
         h, d = quant_meta.get("n_heads"), quant_meta.get("head_dim")
         if not all(isinstance(x, int) and x > 0 for x in (h, d)):
             raise BundleFormatError("ec meta needs n_heads and head_dim")
-        levels = tensors.get("token_levels", tensors.get(f"{layer}.levels"))
+        levels = tensors.get(f"{layer}.levels", tensors.get("token_levels"))  # a layer's own first (--backfill)
         if levels is None or levels.dtype != torch.uint8 or levels.dim() != 1:
             raise BundleFormatError(f"{layer}: token_levels must be uint8 [T]")
         levels = levels.cpu()
