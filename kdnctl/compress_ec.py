@@ -9,7 +9,8 @@ one scale per document is fitted so the encoded bundles fill the byte cap
 (``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default where every token is kept)
 each layer's and role's steps are first scaled by how much its error costs the model
 (``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are
-quantized ``2**PROTECT_LEVEL`` times finer: they precede every question.
+quantized ``2**PROTECT_LEVEL`` times finer: they precede every question. With ``backfill``
+("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**BACKFILL_SHIFT`` times coarser.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ PROTECT_LEVEL = 2
 LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 # --backfill: in its layers the evicted tokens are kept at steps 2**BACKFILL_SHIFT coarser than the
-# kept tokens' (bench/merge_probe.py: ~1 bit per element where the kept tokens get ~3-4)
+# kept tokens'. The probe (bench/merge_probe.py) pays at ~1 bit per evicted element; this shift
+# gives them ~0.3 once zstd-coded and measured worse than the default (docs/compression.md)
 BACKFILL_SHIFT = 3
 
 
