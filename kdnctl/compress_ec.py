@@ -32,7 +32,7 @@ LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of to
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 # --backfill: in its layers the evicted tokens are kept at steps 2**BACKFILL_SHIFT coarser than the
 # kept tokens'. The probe (bench/merge_probe.py) pays at ~1 bit per evicted element; this shift
-# gives them ~0.3 once zstd-coded and measured worse than the default (docs/compression.md)
+# leaves them far less once zstd-coded and measured worse than the default (docs/compression.md)
 BACKFILL_SHIFT = 3
 
 
