@@ -10,7 +10,7 @@ one scale per document is fitted so the encoded bundles fill the byte cap
 each layer's and role's steps are first scaled by how much its error costs the model
 (``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are
 quantized ``2**PROTECT_LEVEL`` times finer: they precede every question. With ``backfill``
-("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**BACKFILL_SHIFT`` times coarser.
+("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**backfill_shift`` times coarser.
 """
 
 from __future__ import annotations
@@ -30,10 +30,6 @@ from .versions import child_recipe
 PROTECT_LEVEL = 2
 LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
-# --backfill: in its layers the evicted tokens are kept at steps 2**BACKFILL_SHIFT coarser than the
-# kept tokens'. The probe (bench/merge_probe.py) pays at ~1 bit per evicted element; this shift
-# leaves them far less once zstd-coded and measured worse than the default (docs/compression.md)
-BACKFILL_SHIFT = 3
 
 
 def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,19 +101,20 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         kept_bounds = local_bounds
     levels = token_levels(n_tokens, header, recipe.protect, lift)
     backfill = [i for i in recipe.backfill_layers if i < n_layers] if rows is not None else []
+    shift = recipe.backfill_shift if backfill else 0
     if backfill:  # these layers keep every token: the evicted ones at level 0, the kept ones shifted up
         full_levels = torch.zeros(n_all, dtype=torch.uint8)
-        full_levels[rows] = levels + BACKFILL_SHIFT
+        full_levels[rows] = levels + shift
     finest = int(levels.max()) if levels.numel() else 0
-    assert finest + (BACKFILL_SHIFT if backfill else 0) <= MAX_LEVEL
+    assert finest + shift <= MAX_LEVEL
     kw = key_weights(lm, token_ids, n_layers, n_heads, d, rope=theta is not None)
     vw = value_weights(lm, n_layers, n_heads, d)
     xs = [q.forward(all_keys[i], all_values[i], all_positions.expand(n_heads, -1)) if i in backfill
           else q.forward(k, v, positions.expand(n_heads, -1)) for i, (k, v) in enumerate(zip(keys, values))]
-    # a backfilled layer's steps are those of its kept tokens: 2**BACKFILL_SHIFT x the level-0 step
-    base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * (2.0 ** BACKFILL_SHIFT if i in backfill else 1)
+    # a backfilled layer's steps are those of its kept tokens: 2**shift x the level-0 step
+    base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * (2.0 ** shift if i in backfill else 1)
                   for x, w in zip(xs[i], (kw, vw))) for i in range(n_layers)]
-    floors = [tuple(step_floor(x, finest + (BACKFILL_SHIFT if i in backfill else 0)) for x in xs[i]) for i in range(n_layers)]
+    floors = [tuple(step_floor(x, finest + (shift if i in backfill else 0)) for x in xs[i]) for i in range(n_layers)]
     if recipe.layers == "fisher" and n_tokens > header:
         probe = lf.probe_ids(lm, token_ids, header)  # the document's own text, over the kept tokens' cache
         fisher = lf.channel_fisher(lm, keys, values, probe, int(positions.max()) + 1, 0.25 ** levels.float(), recipe.seed)

@@ -18,6 +18,10 @@ from .scoring import DEFAULT_SCORER, NEEDS_MODEL, SCORERS
 
 # Old spellings of the per-layer allocators, once presses wrapping a press ("pyramid:kvcrush", ...).
 _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
+# --backfill: the evicted tokens' steps are 2**shift x the kept tokens' (the first version's 3 is the
+# default so its recipes and labels still match; bench/ec_bits.py measures what each shift stores)
+BACKFILL_SHIFT = 3
+MAX_BACKFILL_SHIFT = 4  # the protected tokens sit 2 levels up and ec's finest level is 6
 
 
 @dataclass
@@ -44,6 +48,7 @@ class CompressRecipe:
     key_weight: float = sizing.KEY_WEIGHT  # size budget: a key row's damage relative to a value row's (solver)
     layers: str | None = None  # ec: "fisher" (steps per layer and role scaled by a Fisher estimate of their damage) | "even"
     backfill: str | None = None  # ec with --keep: "A-B", layers where the evicted tokens are kept too, at coarse steps
+    backfill_shift: int = BACKFILL_SHIFT  # their steps: 2**backfill_shift x the kept tokens'
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -82,6 +87,13 @@ class CompressRecipe:
             if not (self.sized and self.quant == "ec" and self.keep < 1 and self.layers == "even"):
                 raise UsageError("--backfill keeps the tokens ec's --keep evicts, coarsely, in some layers",
                                  hint="use it with --budget B --quant ec --keep K (even layer split)", param="backfill")
+        shift = self.backfill_shift
+        if isinstance(shift, bool) or not isinstance(shift, int) or not 1 <= shift <= MAX_BACKFILL_SHIFT:
+            raise UsageError(f"backfill_shift must be a whole number from 1 to {MAX_BACKFILL_SHIFT}, got {shift!r}",
+                             hint="2**shift is how much coarser the backfilled tokens' steps are", param="backfill_shift")
+        if shift != BACKFILL_SHIFT and self.backfill is None:
+            raise UsageError("--backfill-shift sets how coarse --backfill's tokens are", hint="add --backfill A-B",
+                             param="backfill_shift")
         wrapper, _, inner = str(self.method).partition(":")
         if wrapper in _LEGACY_WRAPPED:
             opts = dict(self.method_options)
@@ -107,6 +119,8 @@ class CompressRecipe:
         if self.quant == "ec": d["layers"] = self.layers  # noqa: E701 (absent: the even split of older versions)
         if self.backfill:
             d["backfill"] = self.backfill
+        if self.backfill_shift != BACKFILL_SHIFT:
+            d["backfill_shift"] = self.backfill_shift
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -148,6 +162,8 @@ class CompressRecipe:
             if self.quant == "ec" and self.layers != self.auto_layers: label += f"-{self.layers}"  # noqa: E701
             if self.backfill:
                 label += f"-bf{self.backfill}"
+                if self.backfill_shift != BACKFILL_SHIFT:
+                    label += f"s{self.backfill_shift}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):

@@ -20,6 +20,8 @@ pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
 EVICT = "ec-b0.083-k0.33-p64-sentences-local"  # the default at 0.083: eviction first, a third of the tokens
 BACKFILL = "ec-b0.083-k0.33-p64-bf12-23-sentences-local"  # the same, and layers 12-23 keep every token
+BACKFILL_S1 = "ec-b0.083-k0.33-p64-bf15-22s1-sentences-local"  # layers 15-22, the evicted tokens 2x coarser
+BACKFILLS = {BACKFILL: (range(12, 24), 3), BACKFILL_S1: (range(15, 23), 1)}  # label: (layers, shift)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +36,9 @@ def store(tmp_path_factory, lm):
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
             assert CompressRecipe(budget=0.083, backfill="12-23").default_label() == BACKFILL
             compress_document(st, doc, CompressRecipe(budget=0.083, backfill="12-23"), lm=lm)
+            s1 = CompressRecipe(budget=0.083, backfill="15-22", backfill_shift=1)
+            assert s1.default_label() == BACKFILL_S1 and s1.as_dict()["backfill_shift"] == 1
+            compress_document(st, doc, s1, lm=lm)
     yield st
     st.close()
 
@@ -156,9 +161,11 @@ def test_eviction_first_loads_locally_and_remotely(lm, store):
     assert_loads_as_decoded(lm, store, "faq.md", EVICT, _by_hand)
 
 
+@pytest.mark.parametrize("label", list(BACKFILLS))
 @pytest.mark.parametrize("doc", list(DOCS))
-def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc):
-    v = store.get_version(doc, BACKFILL)
+def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
+    layers, shift = BACKFILLS[label]
+    v = store.get_version(doc, label)
     stored = sum(len(store.read_object(c.object)) for c in v.chunks)
     assert 0.97 * 0.083 * fp16_size(store, doc) <= stored <= 0.083 * fp16_size(store, doc)
     evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, EVICT).chunks]
@@ -169,9 +176,9 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc):
         local = kept - int(b.tensors["positions"][0])
         for i in range(b.n_layers):
             levels = b.tensors[f"layers.{i}.levels"]
-            if 12 <= i <= 23:  # every token; the kept ones 2**3 finer than the evicted ones
+            if i in layers:  # every token; the kept ones 2**shift finer than the evicted ones
                 assert b.layer_len(i) == b.n_tokens and torch.equal(b.layer_positions(i)[0], b.tensors["positions"].long())
-                assert torch.equal(levels[local], e.tensors["token_levels"] + 3)
+                assert torch.equal(levels[local], e.tensors["token_levels"] + shift)
                 rest = torch.ones(b.n_tokens, dtype=torch.bool)
                 rest[local] = False
                 assert bool((levels[rest] == 0).all()) and bool(rest.any())
@@ -188,14 +195,37 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc):
     assert rel[0] < rel[1] < 1.0
 
 
-def test_backfill_loads_locally_and_remotely(lm, store):
-    assert_loads_as_decoded(lm, store, "faq.md", BACKFILL, _by_hand)
+@pytest.mark.parametrize("label", list(BACKFILLS))
+def test_backfill_loads_locally_and_remotely(lm, store, label):
+    assert_loads_as_decoded(lm, store, "faq.md", label, _by_hand)
+
+
+def test_backfill_shift_sets_how_coarse(store):
+    # the same kept set and cap: a smaller shift spends more of it on the backfilled rows, so
+    # they come back closer to the full cache's and the kept rows further from it
+    doc = "faq.md"
+    full = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[1]
+                      for c in store.get_version(doc, "full").chunks], 1).float()
+    kept = torch.cat([decode_bundle(store.read_object(c.object)).layer_positions(0)[0]
+                      for c in store.get_version(doc, EVICT).chunks])
+    evicted = torch.ones(full.shape[1], dtype=torch.bool)
+    evicted[kept] = False
+    err = {}
+    for label in (BACKFILL, BACKFILL_S1):
+        v = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[1]
+                       for c in store.get_version(doc, label).chunks], 1)
+        err[label] = [float((v[:, m] - full[:, m]).norm() / full[:, m].norm()) for m in (~evicted, evicted)]
+    assert err[BACKFILL_S1][1] < err[BACKFILL][1] and err[BACKFILL_S1][0] > err[BACKFILL][0]
 
 
 def test_backfill_needs_ec_with_eviction(store):
-    for args in (["--budget", "0.25", "--backfill", "12-23"], ["--budget", "0.083", "--backfill", "23-12"]):
+    for args in (["--budget", "0.25", "--backfill", "12-23"], ["--budget", "0.083", "--backfill", "23-12"],
+                 ["--budget", "0.083", "--backfill-shift", "1"],
+                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "0"],
+                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "5"]):
         res = run_cli("compress", *args, "faq.md", store=store.root)
         assert res.returncode != 0 and "backfill" in res.stderr and "Traceback" not in res.stderr
+    assert {v.label for v in store.list_versions("faq.md") if "-bf" in v.label} == set(BACKFILLS)  # nothing written
 
 
 def test_ec_refuses_tiny_budgets(store):

@@ -138,12 +138,8 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
     ``compress`` (bytes -> bytes) replaces the zstd coder of the code frames, for measuring
-    other coders on the same frames (``bench/rate_probe.py``); bundles use the default.
-
-    The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
-    one zstd frame: one Huffman table over channels whose steps differ by orders of magnitude
-    spends ~0.9 bits per element more than their entropy (``bench/ec_probe.py``)."""
-    h, t, d = x.shape
+    other coders on the same frames (``bench/rate_probe.py``); bundles use the default."""
+    t = x.shape[1]
     step = step.to(torch.float16).float()
     mean = x.mean(1).to(torch.float16).float() if t else torch.zeros_like(step)
     codes = quantize_codes(x, step, mean, levels)
@@ -151,6 +147,20 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_
     if lim > 32767:
         raise InputError(f"a quantization step of {float(step.min()):.3g} is too fine for values up to "
                          f"{float(x.abs().max()):.3g}", hint="use a smaller --budget or --quant auto")
+    blob, bins = encode_codes(codes, zstd_level, compress)
+    params = zstd_compress(torch.cat([step.half().flatten(), mean.half().flatten()]).numpy().tobytes()
+                           + bins.numpy().tobytes(), zstd_level)
+    return blob, _u8(params)
+
+
+def encode_codes(codes: torch.Tensor, zstd_level: int = ZSTD_LEVEL, compress: Callable[[bytes], bytes] | None = None):
+    """``(codes blob, bins [H, D])`` of integer ``codes [H, T, D]`` (as float, within int16).
+
+    The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
+    one zstd frame: one Huffman table over channels whose steps differ by orders of magnitude
+    spends ~0.9 bits per element more than their entropy (``bench/ec_probe.py``)."""
+    h, t, d = codes.shape
+    lim = float(codes.abs().max()) if codes.numel() else 0.0
     width, dtype = (1, torch.int8) if lim <= 127 else (2, torch.int16)
     bins = spread_bins(codes)
     flat = codes.permute(0, 2, 1).reshape(h * d, t)  # channel-major rows
@@ -168,9 +178,14 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_
     sizes = torch.tensor([len(f) for f in frames], dtype=torch.int32)
     blob = bytes([width, len(frames)]) + sizes.numpy().tobytes() + \
         torch.tensor(peaks, dtype=torch.int16).numpy().tobytes() + b"".join(frames)
-    params = zstd_compress(torch.cat([step.half().flatten(), mean.half().flatten()]).numpy().tobytes()
-                           + bins.numpy().tobytes(), zstd_level)
-    return _u8(blob), _u8(params)
+    return _u8(blob), bins
+
+
+def decode_params(params: torch.Tensor, h: int, d: int, what: str):
+    """``(step, mean)`` float32 ``[H, D]`` and ``bins`` uint8 ``[H * D]`` of a params blob."""
+    par = zstd_decompress(params.numpy().tobytes(), 5 * h * d, f"{what}.params")
+    p = torch.frombuffer(bytearray(par[:4 * h * d]), dtype=torch.float16).float().view(2, h, d)
+    return p[0], p[1], torch.frombuffer(bytearray(par[4 * h * d:]), dtype=torch.uint8)
 
 
 def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str):
@@ -182,9 +197,7 @@ def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, level
     width, n_frames = raw[0], raw[1]
     if width not in (1, 2):
         raise BundleFormatError(f"{what}.codes has an unknown code width {width}")
-    par = zstd_decompress(params.numpy().tobytes(), 5 * h * d, f"{what}.params")
-    p = torch.frombuffer(bytearray(par[:4 * h * d]), dtype=torch.float16).float().view(2, h, d)
-    bins = torch.frombuffer(bytearray(par[4 * h * d:]), dtype=torch.uint8)
+    step, mean, bins = decode_params(params, h, d, what)
     order = torch.argsort(bins, stable=True)
     _, counts = torch.unique_consecutive(bins[order], return_counts=True)
     head = 2 + 6 * n_frames
@@ -210,7 +223,7 @@ def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, level
         elif size:
             raise BundleFormatError(f"{what}.codes: an all-zero frame holds bytes")
         o, pos = o + n, pos + size
-    return dequantize_codes(rows.view(h, d, t).transpose(1, 2), p[0], p[1], levels)
+    return dequantize_codes(rows.view(h, d, t).transpose(1, 2), step, mean, levels)
 
 
 @dataclass
