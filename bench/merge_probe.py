@@ -21,6 +21,11 @@ tokens, one set for every layer and KV head), then per variant:
   before RoPE and Hadamard-rotated values: no basis to store);
 * ``q:B[:A-B:E]``  the kept rows coded like ``lowe`` at B bits per element (the header in fp16),
   and in layers A..B the evicted rows at E bits: equal-bytes trades with the kept set quantized;
+* ``qw:B:A-B:E[:EV]``  as ``q:`` (keys at E bits, values at EV, default E), but the evicted rows coded the way ``compress --backfill`` codes
+  them: ec's attention-weighted steps (``relative_steps`` of the kept rows, keys weighted by the
+  document's query energy, values by ``o_proj``, no rotation), the mean of every token
+  subtracted, one scale per layer and role found by bisection for E bits (order-0 entropy);
+  where ``q:`` and ``qw:`` differ is what the real path's step shapes cost;
 * ``bgN``     the kept tokens plus N background tokens per layer and KV head: the mean key and
   value of N consecutive runs of evicted tokens, with bias log(run length).
 
@@ -86,6 +91,35 @@ def coded(k, v, rows, kb: float, vb: float, basis: str, layer: int, header: int,
     return tf.rope(kq, pos, theta), vq if basis == "prev" else tf.rotate(vq), kbytes + vbytes
 
 
+def weighted_coded(k, v, kept, evicted, kw, vw, key_bits: float, value_bits: float, theta: float):
+    """(keys, values, bytes) of the ``evicted`` rows coded like ``--backfill`` (see ``qw:``)."""
+    import math
+
+    from bench.lowbit_probe import code_rate
+    from kdnctl.allocate.rate import relative_steps
+    from kdnctl.quant import transforms as tf
+
+    H, T, D = k.shape
+    out, nbytes = [], 0.0
+    for x, w, bits in ((tf.unrope(k, torch.arange(T).expand(H, -1), theta), kw, key_bits), (v.float(), vw, value_bits)):
+        base, mean = relative_steps(x[:, kept], w), x.mean(1)
+        y = (x[:, evicted] - mean[:, None]) / base[:, None]
+        target = bits * y.numel()
+
+        def rate(scale):
+            return sum(code_rate(y[h], scale)[1] for h in range(H))
+        lo, hi = math.log(1e-3), math.log(4 * float(y.abs().max()) + 1e-9)
+        for _ in range(25):
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if rate(math.exp(mid)) > target else (lo, mid)
+        scale = math.exp(hi)
+        q = torch.stack([code_rate(y[h], scale)[0] for h in range(H)]).float()
+        out.append(q * scale * base[:, None] + mean[:, None])
+        nbytes += rate(scale) / 8 + H * D * 4
+    pos = evicted.expand(H, -1)
+    return tf.rope(out[0], pos, theta), out[1], nbytes
+
+
 def summarize(logs: list[str]) -> None:
     """Per variant over the tasks every variant in ``logs`` answered: accuracy (n), mean NLL,
     and answers gained / lost against ``evict`` (the plain kept set)."""
@@ -145,6 +179,7 @@ def main() -> None:
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
     from kdnctl.model import load_model
     from kdnctl.prompting import PromptFormat
+    from kdnctl.quant.sensitivity import key_weights, value_weights
     from kdnctl.scoring import compute_importance
     from kdnctl.store import Store
 
@@ -177,6 +212,9 @@ def main() -> None:
         mask[kept] = False
         evicted = mask.nonzero().flatten()
         extra: dict[str, float] = {}  # variant -> estimated bytes of the coarsely coded rows
+        if any(x.startswith("qw:") for x in variants):  # ec's channel weights (what compress uses)
+            kw = key_weights(lm, token_ids, L, H, D, rope=True)
+            vw = value_weights(lm, L, H, D)
         for var in variants:
             t0 = time.perf_counter()
             ks, vs, bias = [], [], {}
@@ -215,7 +253,7 @@ def main() -> None:
                     extra[var] = extra.get(var, 0.0) + nb
                     ks.append(kk), vs.append(vv)
                     continue
-                if var.startswith("q:"):  # q:B[:A-B:E]  kept rows at B bits, evicted rows of A..B at E bits
+                if var.startswith(("q:", "qw:")):  # q:B[:A-B:E]  kept rows at B bits, evicted rows of A..B at E bits
                     parts = var.split(":")
                     kk, vv = k.clone(), v.clone()
                     kk[:, kept], vv[:, kept], nb = coded(k, v, kept, float(parts[1]), float(parts[1]), "eye", i, header, theta)
@@ -223,7 +261,11 @@ def main() -> None:
                     a, _, b = (parts[2] if len(parts) > 2 else "-1--1").partition("-")
                     if len(parts) > 2 and int(a) <= i <= int(b):
                         eb = float(parts[3])
-                        kk[:, evicted], vv[:, evicted], nb = coded(k, v, evicted, eb, eb, "eye", i, 0, theta)
+                        if var.startswith("qw:"):  # qw:B:A-B:E[:EV]  keys at E bits, values at EV (default E)
+                            ev = float(parts[4]) if len(parts) > 4 else eb
+                            kk[:, evicted], vv[:, evicted], nb = weighted_coded(k, v, kept, evicted, kw[i], vw[i], eb, ev, theta)
+                        else:
+                            kk[:, evicted], vv[:, evicted], nb = coded(k, v, evicted, eb, eb, "eye", i, 0, theta)
                         extra[var] += nb
                         ks.append(kk), vs.append(vv)
                     else:
