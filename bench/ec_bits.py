@@ -6,7 +6,7 @@ and in ``--backfill`` layers the kept and the backfilled (evicted) rows coded ap
 Per layer and role: ``stored`` = 8 x (codes + params bytes) / (rows x head_dim), rows = tokens x
 KV heads the layer holds; the fraction of the document's tokens the layer holds. In a layer with
 its own token levels (``--backfill``), the integer codes are recovered from the bundle and the
-rows at level 0 (the backfilled ones: the kept ones sit ``backfill_shift`` levels up) and the rest
+rows whose value level is 0 (the backfilled ones: the kept ones sit ``backfill_shift`` levels up) and the rest
 are framed apart by the library's own coder (``entropy.encode_codes``) - what each would cost
 stored alone, without params - plus the backfilled rows' order-0 entropy per channel (what
 ``bench/merge_probe.py`` charges its coarse copies). The last line of each version: stored bytes
@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.bundle import decode_bundle, tensor_name  # noqa: E402
+from kdnctl.bundle import decode_bundle, role_levels, tensor_name  # noqa: E402
 from kdnctl.sizing import fp16_bytes  # noqa: E402
 from kdnctl.quant.entropy import ROLES, decode_params, decode_role, encode_codes  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
@@ -62,8 +62,9 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
             n_doc = int(b.tensors["token_ids"].numel())
             for i in range(n_layers):
                 a = acc[i]
-                own = b.tensors.get(tensor_name(i, "levels"))
-                levels = own if own is not None else b.tensors["token_levels"]
+                levels = {r: role_levels(b.tensors, f"layers.{i}", r) for r in ROLES}
+                own = None if levels["values"] is b.tensors.get("token_levels") else levels["values"]
+                levels = levels["values"]
                 a["rows"] += h * levels.numel()
                 a["doc_tokens"] += n_doc
                 for role in ROLES:
@@ -73,11 +74,11 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
                 # their own levels too, hold the kept set, where level 0 is an ordinary kept token
                 if own is None or tensor_name(i, "positions") in b.tensors:
                     continue
-                fill = own == 0
+                fill = own == 0  # the values' levels: their shift is >= 1 (the keys' may be 0)
                 a["fill_rows"] += h * int(fill.sum())
                 a["kept_rows"] += h * int((~fill).sum())
                 for role in ROLES:
-                    c = integer_codes(b.tensors, i, role, h, d, own)
+                    c = integer_codes(b.tensors, i, role, h, d, role_levels(b.tensors, f"layers.{i}", role))
                     for key, sel in (("fill_bits", fill), ("kept_bits", ~fill)):
                         if sel.any():
                             a[key][role] += 8.0 * encode_codes(c[:, sel])[0].numel()

@@ -27,10 +27,11 @@ from .bundle_header import (  # noqa: F401  (re-exported: the header format's na
 from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.4"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
+FORMAT_VERSION = "1.5"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
 # 1.2: ladder coding "zlib+params" (scales/zeros zlib-coded, stored as uint8)
 # 1.3: the entropy-coded ec layout (layers.i.<role>.codes/params zstd frames, token_levels)
 # 1.4: ec with layers of different lengths (--backfill): per-layer levels layers.i.levels
+# 1.5: ec with keys and values shifted apart (--backfill-key-shift): per-role levels layers.i.<role>.levels
 
 REQUIRED_META_KEYS = (
     "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",
@@ -55,6 +56,15 @@ def tensor_name(layer: int, role: str) -> str:
     """Name of layer ``layer``'s tensor ``role``: ``keys``, ``values``, ``positions``, ``bias``,
     or a quantized part such as ``keys.q`` (see docs/bundle-format.md)."""
     return f"layers.{layer}.{role}"
+
+
+def role_levels(tensors: dict, layer: str, role: str):
+    """The token levels one role of one layer (``layers.i``) was coded with: the role's own
+    (``--backfill-key-shift``, 1.5), else the layer's (``--backfill``, 1.4), else the chunk's."""
+    own = tensors.get(f"{layer}.{role}.levels")
+    if own is not None:
+        return own
+    return tensors.get(f"{layer}.levels", tensors.get("token_levels"))
 
 
 def stats_name(stat: str) -> str:
@@ -370,9 +380,10 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
                     raise BundleFormatError(f"layer {i} has entropy-coded {kind} but meta's quant scheme is not 'ec'")
                 if base + ".params" not in tensors:
                     raise BundleFormatError(f"layer {i}: missing tensor {base}.params")
-                levels = tensors.get(f"layers.{i}.levels", tensors.get("token_levels"))
+                levels = role_levels(tensors, f"layers.{i}", kind)
                 if levels is None or levels.dtype != torch.uint8 or list(levels.shape) != [t_i]:
-                    raise BundleFormatError(f"layer {i}: token_levels (or layers.{i}.levels) must be uint8 [{t_i}]")
+                    raise BundleFormatError(f"layer {i}: token_levels (or layers.{i}.levels, {base}.levels) "
+                                            f"must be uint8 [{t_i}]")
             elif coded:
                 if not quant:
                     raise BundleFormatError(f"layer {i} {kind} are quantized but meta has no 'quant'")

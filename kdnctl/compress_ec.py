@@ -10,7 +10,8 @@ one scale per document is fitted so the encoded bundles fill the byte cap
 each layer's and role's steps are first scaled by how much its error costs the model
 (``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are
 quantized ``2**PROTECT_LEVEL`` times finer: they precede every question. With ``backfill``
-("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**backfill_shift`` times coarser.
+("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**backfill_shift`` times coarser
+(the keys ``2**backfill_key_shift`` where it is set: per-role levels).
 """
 
 from __future__ import annotations
@@ -101,20 +102,23 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         kept_bounds = local_bounds
     levels = token_levels(n_tokens, header, recipe.protect, lift)
     backfill = [i for i in recipe.backfill_layers if i < n_layers] if rows is not None else []
-    shift = recipe.backfill_shift if backfill else 0
-    if backfill:  # these layers keep every token: the evicted ones at level 0, the kept ones shifted up
-        full_levels = torch.zeros(n_all, dtype=torch.uint8)
-        full_levels[rows] = levels + shift
+    shifts = recipe.backfill_shifts if backfill else (0, 0)  # (keys, values)
+    full_levels = []  # per role: these layers keep every token, the evicted ones at level 0, the kept ones shifted up
+    for shift in shifts:
+        full_levels.append(torch.zeros(n_all, dtype=torch.uint8))
+        if backfill:
+            full_levels[-1][rows] = levels + shift
     finest = int(levels.max()) if levels.numel() else 0
-    assert finest + shift <= MAX_LEVEL
+    assert finest + max(shifts) <= MAX_LEVEL
     kw = key_weights(lm, token_ids, n_layers, n_heads, d, rope=theta is not None)
     vw = value_weights(lm, n_layers, n_heads, d)
     xs = [q.forward(all_keys[i], all_values[i], all_positions.expand(n_heads, -1)) if i in backfill
           else q.forward(k, v, positions.expand(n_heads, -1)) for i, (k, v) in enumerate(zip(keys, values))]
     # a backfilled layer's steps are those of its kept tokens: 2**shift x the level-0 step
-    base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * (2.0 ** shift if i in backfill else 1)
-                  for x, w in zip(xs[i], (kw, vw))) for i in range(n_layers)]
-    floors = [tuple(step_floor(x, finest + (shift if i in backfill else 0)) for x in xs[i]) for i in range(n_layers)]
+    base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * (2.0 ** s if i in backfill else 1)
+                  for x, w, s in zip(xs[i], (kw, vw), shifts)) for i in range(n_layers)]
+    floors = [tuple(step_floor(x, finest + (s if i in backfill else 0)) for x, s in zip(xs[i], shifts))
+              for i in range(n_layers)]
     if recipe.layers == "fisher" and n_tokens > header:
         probe = lf.probe_ids(lm, token_ids, header)  # the document's own text, over the kept tokens' cache
         fisher = lf.channel_fisher(lm, keys, values, probe, int(positions.max()) + 1, 0.25 ** levels.float(), recipe.seed)
@@ -129,8 +133,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         for (ks, ke), (ls, le) in zip(kept_bounds, local_bounds):
             chunk = {}
             for i, (k, v) in enumerate(xs):
-                a, b, lv = (ls, le, full_levels[ls:le]) if i in backfill else (ks, ke, levels[ks:ke])
-                for role, x, s in zip(("keys", "values"), (k, v), steps_at(alpha, i)):
+                for role, x, s, fl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels):
+                    a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, levels[ks:ke])
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
                         encode_role(x[:, a:b], s, lv, q.zstd_level)
             out.append(chunk)
@@ -156,7 +160,13 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             t = {"token_ids": b.tensors["token_ids"], "positions": b.tensors["positions"], **chunk}
             if backfill:  # layers of two lengths: each layer its own levels (a backfilled one: every token)
                 for i in range(n_layers):
-                    t[tensor_name(i, "levels")] = (full_levels[ls:le] if i in backfill else levels[ks:ke]).clone()
+                    if i not in backfill:
+                        t[tensor_name(i, "levels")] = levels[ks:ke].clone()
+                    elif shifts[0] == shifts[1]:
+                        t[tensor_name(i, "levels")] = full_levels[0][ls:le].clone()
+                    else:  # keys and values shifted apart: each role its own levels (format 1.5)
+                        for role, fl in zip(("keys", "values"), full_levels):
+                            t[tensor_name(i, f"{role}.levels")] = fl[ls:le].clone()
             else:
                 t["token_levels"] = levels[ks:ke].clone()
             local = None if rows is None else rows[ks:ke] - ls

@@ -49,6 +49,7 @@ class CompressRecipe:
     layers: str | None = None  # ec: "fisher" (steps per layer and role scaled by a Fisher estimate of their damage) | "even"
     backfill: str | None = None  # ec with --keep: "A-B", layers where the evicted tokens are kept too, at coarse steps
     backfill_shift: int = BACKFILL_SHIFT  # their steps: 2**backfill_shift x the kept tokens'
+    backfill_key_shift: int | None = None  # the keys' own shift (0 to MAX): None = backfill_shift
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -94,6 +95,15 @@ class CompressRecipe:
         if shift != BACKFILL_SHIFT and self.backfill is None:
             raise UsageError("--backfill-shift sets how coarse --backfill's tokens are", hint="add --backfill A-B",
                              param="backfill_shift")
+        ks = self.backfill_key_shift
+        if ks is not None:
+            if isinstance(ks, bool) or not isinstance(ks, int) or not 0 <= ks <= MAX_BACKFILL_SHIFT:
+                raise UsageError(f"backfill_key_shift must be a whole number from 0 to {MAX_BACKFILL_SHIFT}, got {ks!r}",
+                                 hint="2**shift is how much coarser the backfilled tokens' keys are",
+                                 param="backfill_key_shift")
+            if self.backfill is None:
+                raise UsageError("--backfill-key-shift sets how coarse --backfill's keys are", hint="add --backfill A-B",
+                                 param="backfill_key_shift")
         wrapper, _, inner = str(self.method).partition(":")
         if wrapper in _LEGACY_WRAPPED:
             opts = dict(self.method_options)
@@ -121,6 +131,8 @@ class CompressRecipe:
             d["backfill"] = self.backfill
         if self.backfill_shift != BACKFILL_SHIFT:
             d["backfill_shift"] = self.backfill_shift
+        if self.backfill_key_shift is not None:
+            d["backfill_key_shift"] = self.backfill_key_shift
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -135,6 +147,12 @@ class CompressRecipe:
             raise UsageError(f"backfill must be a layer range A-B, got {self.backfill!r}", hint="e.g. 12-23",
                              param="backfill")
         return range(int(a), int(b) + 1)
+
+    @property
+    def backfill_shifts(self) -> tuple[int, int]:
+        """(keys, values): the backfilled tokens' steps are 2**shift x the kept tokens' in that role."""
+        ks = self.backfill_shift if self.backfill_key_shift is None else self.backfill_key_shift
+        return ks, self.backfill_shift
 
     @property
     def sized(self) -> bool:
@@ -164,6 +182,8 @@ class CompressRecipe:
                 label += f"-bf{self.backfill}"
                 if self.backfill_shift != BACKFILL_SHIFT:
                     label += f"s{self.backfill_shift}"
+                if self.backfill_key_shift is not None:
+                    label += f"ks{self.backfill_key_shift}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):

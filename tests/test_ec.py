@@ -67,6 +67,28 @@ def test_wide_codes_use_int16_and_stay_exact():
     assert (y - x).abs().max() <= 0.0251
 
 
+def test_per_role_levels_come_first():
+    """A role's own levels (``layers.i.<role>.levels``, 1.5) before the layer's and the chunk's."""
+    torch.manual_seed(4)
+    h, t, d = 2, 23, 16
+    k, v = torch.randn(h, t, d), torch.randn(h, t, d)
+    step = torch.full((h, d), 0.2)
+    lk, lv = torch.randint(0, 2, (t,), dtype=torch.uint8), torch.randint(2, 5, (t,), dtype=torch.uint8)
+    meta = EntropyQuantizer().meta(h, d)
+    tensors = {"token_levels": torch.zeros(t, dtype=torch.uint8), "layers.0.levels": torch.zeros(t, dtype=torch.uint8),
+               "layers.0.keys.levels": lk, "layers.0.values.levels": lv}
+    for role, x, lev in (("keys", k, lk), ("values", v, lv)):
+        tensors[f"layers.0.{role}.codes"], tensors[f"layers.0.{role}.params"] = encode_role(x, step, lev)
+    for role, x, lev in (("keys", k, lk), ("values", v, lv)):
+        y = dequantize_tensors(tensors, f"layers.0.{role}", meta)
+        bound = 0.1 / 2 ** lev.float()[None, :, None]
+        assert bool(((y - x).abs() <= bound * (1 + 1e-3) + 1e-6).all())
+    bad = dict(tensors)
+    bad["layers.0.values.levels"] = lv[:-1].clone()  # one token fewer than was coded
+    with pytest.raises(BundleFormatError):
+        dequantize_tensors(bad, "layers.0.values", meta)
+
+
 def test_malformed_frames_are_refused():
     torch.manual_seed(3)
     k = v = torch.randn(2, 9, 8)

@@ -20,8 +20,9 @@ pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
 EVICT = "ec-b0.083-k0.33-p64-sentences-local"  # the default at 0.083: eviction first, a third of the tokens
 BACKFILL = "ec-b0.083-k0.33-p64-bf12-23-sentences-local"  # the same, and layers 12-23 keep every token
-BACKFILL_S1 = "ec-b0.083-k0.33-p64-bf15-22s1-sentences-local"  # layers 15-22, the evicted tokens 2x coarser
-BACKFILLS = {BACKFILL: (range(12, 24), 3), BACKFILL_S1: (range(15, 23), 1)}  # label: (layers, shift)
+# layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
+BACKFILL_S1 = "ec-b0.083-k0.33-p64-bf15-22s1ks0-sentences-local"
+BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1)}  # label: (layers, key/value shift)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,9 @@ def store(tmp_path_factory, lm):
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
             assert CompressRecipe(budget=0.083, backfill="12-23").default_label() == BACKFILL
             compress_document(st, doc, CompressRecipe(budget=0.083, backfill="12-23"), lm=lm)
-            s1 = CompressRecipe(budget=0.083, backfill="15-22", backfill_shift=1)
+            s1 = CompressRecipe(budget=0.083, backfill="15-22", backfill_shift=1, backfill_key_shift=0)
             assert s1.default_label() == BACKFILL_S1 and s1.as_dict()["backfill_shift"] == 1
+            assert s1.as_dict()["backfill_key_shift"] == 0
             compress_document(st, doc, s1, lm=lm)
     yield st
     st.close()
@@ -96,7 +98,9 @@ def _by_hand(b, i, role):
     """One layer/role decoded from docs/bundle-format.md's ec section alone."""
     q = b.meta["quant"]
     h, d = q["n_heads"], q["head_dim"]
-    levels = b.tensors.get(f"layers.{i}.levels", b.tensors.get("token_levels")).float()  # a layer's own first
+    # the role's own levels first, then the layer's, then the chunk's
+    levels = b.tensors.get(f"layers.{i}.{role}.levels", b.tensors.get(f"layers.{i}.levels", b.tensors.get("token_levels")))
+    levels = levels.float()
     t = levels.numel()
     blob = b.tensors[f"layers.{i}.{role}.codes"].numpy().tobytes()
     dtype = {1: torch.int8, 2: torch.int16}[blob[0]]
@@ -164,7 +168,7 @@ def test_eviction_first_loads_locally_and_remotely(lm, store):
 @pytest.mark.parametrize("label", list(BACKFILLS))
 @pytest.mark.parametrize("doc", list(DOCS))
 def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
-    layers, shift = BACKFILLS[label]
+    layers, key_shift, shift = BACKFILLS[label]
     v = store.get_version(doc, label)
     stored = sum(len(store.read_object(c.object)) for c in v.chunks)
     assert 0.97 * 0.083 * fp16_size(store, doc) <= stored <= 0.083 * fp16_size(store, doc)
@@ -175,19 +179,23 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
         kept = e.layer_positions(0)[0]  # the kept set is the one the plain eviction keeps
         local = kept - int(b.tensors["positions"][0])
         for i in range(b.n_layers):
-            levels = b.tensors[f"layers.{i}.levels"]
             if i in layers:  # every token; the kept ones 2**shift finer than the evicted ones
                 assert b.layer_len(i) == b.n_tokens and torch.equal(b.layer_positions(i)[0], b.tensors["positions"].long())
-                assert torch.equal(levels[local], e.tensors["token_levels"] + shift)
-                rest = torch.ones(b.n_tokens, dtype=torch.bool)
-                rest[local] = False
-                assert bool((levels[rest] == 0).all()) and bool(rest.any())
+                # keys and values shifted apart: each role its own levels, none for the layer
+                assert (f"layers.{i}.levels" in b.tensors) == (key_shift == shift)
+                for role, s in (("keys", key_shift), ("values", shift)):
+                    levels = b.tensors.get(f"layers.{i}.{role}.levels", b.tensors.get(f"layers.{i}.levels"))
+                    assert torch.equal(levels[local], e.tensors["token_levels"] + s)
+                    rest = torch.ones(b.n_tokens, dtype=torch.bool)
+                    rest[local] = False
+                    assert bool((levels[rest] == 0).all()) and bool(rest.any())
             else:
+                levels = b.tensors[f"layers.{i}.levels"]
                 assert torch.equal(b.layer_positions(i)[0], kept) and torch.equal(levels, e.tensors["token_levels"])
     # the evicted tokens of a backfilled layer come back coarser than the kept ones, but come back
     full = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, "full").chunks]
-    k = torch.cat([b.layer_kv(15)[0] for b in bundles], 1)
-    ref = torch.cat([f.layer_kv(15)[0] for f in full], 1).float()
+    k = torch.cat([b.layer_kv(15)[1] for b in bundles], 1)  # values: shifted by >= 1 in both versions
+    ref = torch.cat([f.layer_kv(15)[1] for f in full], 1).float()
     kept = torch.cat([e.layer_positions(0)[0] for e in evict])
     evicted = torch.ones(ref.shape[1], dtype=torch.bool)
     evicted[kept] = False
@@ -200,11 +208,13 @@ def test_backfill_loads_locally_and_remotely(lm, store, label):
     assert_loads_as_decoded(lm, store, "faq.md", label, _by_hand)
 
 
-def test_backfill_shift_sets_how_coarse(store):
-    # the same kept set and cap: a smaller shift spends more of it on the backfilled rows, so
-    # they come back closer to the full cache's and the kept rows further from it
+@pytest.mark.parametrize("role", [0, 1])
+def test_backfill_shift_sets_how_coarse(store, role):
+    # the same kept set and cap: a smaller shift (keys 0 and values 1 against 3 and 3) spends more
+    # of it on the backfilled rows, so they come back closer to the full cache's and the kept rows
+    # further from it; with the keys' shift 0 their evicted rows are about as close as the kept ones
     doc = "faq.md"
-    full = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[1]
+    full = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[role]
                       for c in store.get_version(doc, "full").chunks], 1).float()
     kept = torch.cat([decode_bundle(store.read_object(c.object)).layer_positions(0)[0]
                       for c in store.get_version(doc, EVICT).chunks])
@@ -212,17 +222,21 @@ def test_backfill_shift_sets_how_coarse(store):
     evicted[kept] = False
     err = {}
     for label in (BACKFILL, BACKFILL_S1):
-        v = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[1]
+        v = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[role]
                        for c in store.get_version(doc, label).chunks], 1)
         err[label] = [float((v[:, m] - full[:, m]).norm() / full[:, m].norm()) for m in (~evicted, evicted)]
     assert err[BACKFILL_S1][1] < err[BACKFILL][1] and err[BACKFILL_S1][0] > err[BACKFILL][0]
+    if role == 0:
+        assert err[BACKFILL_S1][1] < 2 * err[BACKFILL_S1][0]
 
 
 def test_backfill_needs_ec_with_eviction(store):
     for args in (["--budget", "0.25", "--backfill", "12-23"], ["--budget", "0.083", "--backfill", "23-12"],
                  ["--budget", "0.083", "--backfill-shift", "1"],
                  ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "0"],
-                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "5"]):
+                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "5"],
+                 ["--budget", "0.083", "--backfill-key-shift", "0"],
+                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-key-shift", "5"]):
         res = run_cli("compress", *args, "faq.md", store=store.root)
         assert res.returncode != 0 and "backfill" in res.stderr and "Traceback" not in res.stderr
     assert {v.label for v in store.list_versions("faq.md") if "-bf" in v.label} == set(BACKFILLS)  # nothing written

@@ -29,6 +29,7 @@ def compress(
     layers: Optional[str] = typer.Option(None, "--layers", help="With --quant ec: fisher (each layer's and role's steps scaled by a Fisher estimate of what its error costs; the default where every token is kept) | even (the same relative error everywhere; the default with eviction)."),
     backfill: Optional[str] = typer.Option(None, "--backfill", help="With --quant ec --keep K: layers A-B (e.g. 12-23) also keep the evicted tokens, at steps 2**S coarser than the kept ones' (S: --backfill-shift)."),
     backfill_shift: Optional[int] = typer.Option(None, "--backfill-shift", help="With --backfill: S from 1 to 4 (default 3), the evicted tokens' steps are 2**S x the kept ones'."),
+    backfill_key_shift: Optional[int] = typer.Option(None, "--backfill-key-shift", help="With --backfill: the keys' own S, 0 to 4 (default: --backfill-shift's); e.g. 0 keeps the evicted keys as fine as the kept ones."),
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
     label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),
@@ -59,6 +60,7 @@ def compress(
                                 method_options=opts, allocator=allocator, protect=protect or 0, lift=lift, layers=layers,
                                 backfill=backfill,
                                 **({"backfill_shift": backfill_shift} if backfill_shift is not None else {}),
+                                **({"backfill_key_shift": backfill_key_shift} if backfill_key_shift is not None else {}),
                                 **({"key_weight": key_weight} if key_weight is not None else {}))
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")

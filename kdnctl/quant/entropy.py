@@ -26,7 +26,9 @@ Tensors per layer ``i`` and role (``keys``/``values``):
 
 And per chunk ``token_levels`` uint8 ``[T]``: token ``t`` is quantized with ``step / 2**level``
 (the prompt header and the last tokens get finer steps: they precede every question); where
-layers keep different token sets (``--backfill``), each layer's own ``layers.i.levels``.
+layers keep different token sets (``--backfill``), each layer's own ``layers.i.levels``, and
+where keys and values of a layer are shifted apart (``--backfill-key-shift``), each role's own
+``layers.i.<role>.levels``.
 Decoding: ``x[h, t, c] = code * step[h, c] / 2**level[t] + mean[h, c]``; keys are stored before
 RoPE (``key_rope_theta``) and rotated back to their positions after decoding.
 """
@@ -39,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kdnctl.bundle import role_levels
 from kdnctl.errors import BundleFormatError, InputError
 
 from . import transforms as tf
@@ -276,7 +279,7 @@ class EntropyQuantizer(Quantizer):
         h, d = quant_meta.get("n_heads"), quant_meta.get("head_dim")
         if not all(isinstance(x, int) and x > 0 for x in (h, d)):
             raise BundleFormatError("ec meta needs n_heads and head_dim")
-        levels = tensors.get(f"{layer}.levels", tensors.get("token_levels"))  # a layer's own first (--backfill)
+        levels = role_levels(tensors, layer, role)
         if levels is None or levels.dtype != torch.uint8 or levels.dim() != 1:
             raise BundleFormatError(f"{layer}: token_levels must be uint8 [T]")
         levels = levels.cpu()
