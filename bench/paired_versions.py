@@ -1,7 +1,7 @@
 """Paired comparison of two versions in bench/quality.py results: per task, who answers what.
 
     python bench/paired_versions.py RESULTS.json A B
-        tasks only A / only B answers (exact McNemar p) and the mean answer NLL of A, B, full
+        per kind: tasks only A / only B answers (exact McNemar p) and the mean NLL of A, B, full
     python bench/paired_versions.py NEW.json LABEL --against OLD.json
         LABEL in two deterministic runs on the tasks both hold (the full cache must agree): counts,
         tasks only one run answers (exact McNemar p), identical answers, the largest NLL change
@@ -30,13 +30,19 @@ def main() -> None:
     tasks = json.load(open(args.results))["tasks"]
     if args.against is None:
         a_label, b_label = args.labels
-        only_a = sum(t["by_version"][a_label]["correct"] and not t["by_version"][b_label]["correct"] for t in tasks)
-        only_b = sum(t["by_version"][b_label]["correct"] and not t["by_version"][a_label]["correct"] for t in tasks)
-        nll = {k: sum(t["by_version"][k]["nll"] for t in tasks) for k in (a_label, b_label, "full")}
-        print(f"{len(tasks)} tasks, same run: only {a_label} answers {only_a}, only {b_label} answers {only_b}, "
-              f"exact McNemar p = {mcnemar(only_a, only_b):.3f}")
-        print(f"mean answer NLL: full {nll['full'] / len(tasks):.4f}, " + ", ".join(
-            f"{k} {nll[k] / len(tasks):.4f} ({nll[k] / nll['full'] * 100:.2f}%)" for k in (a_label, b_label)))
+        for kind in ("needle", "multifact", "continuation"):  # continuation tasks have an NLL, no answer
+            ts = [t for t in tasks if t["kind"] == kind]
+            if not ts:
+                continue
+            ok = [(bool(t["by_version"][a_label].get("correct")), bool(t["by_version"][b_label].get("correct"))) for t in ts]
+            only_a, only_b = sum(a and not b for a, b in ok), sum(b and not a for a, b in ok)
+            nll = {k: sum(t["by_version"][k]["nll"] for t in ts) for k in (a_label, b_label, "full")}
+            line = f"{kind}, {len(ts)} tasks, same run: "
+            if kind != "continuation":
+                line += (f"only {a_label} answers {only_a}, only {b_label} answers {only_b}, "
+                         f"exact McNemar p = {mcnemar(only_a, only_b):.3f}; ")
+            print(line + f"mean NLL: full {nll['full'] / len(ts):.4f}, " + ", ".join(
+                f"{k} {nll[k] / len(ts):.4f} ({nll[k] / nll['full'] * 100:.2f}%)" for k in (a_label, b_label)))
         return
     new = {t["id"]: t for t in tasks}
     old = {t["id"]: t for t in json.load(open(args.against))["tasks"]}
