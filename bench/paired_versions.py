@@ -1,7 +1,8 @@
 """Paired comparison of two versions in bench/quality.py results: per task, who answers what.
 
     python bench/paired_versions.py RESULTS.json A B
-        per kind: tasks only A / only B answers (exact McNemar p) and the mean NLL of A, B, full
+        per kind: how many each answers, tasks only A / only B answers (exact McNemar p) and the
+        mean NLL of A, B, full (``--tasks-of OTHER.json``: only the tasks another run holds)
     python bench/paired_versions.py NEW.json LABEL --against OLD.json
         LABEL in two deterministic runs on the tasks both hold (the full cache must agree): counts,
         tasks only one run answers (exact McNemar p), identical answers, the largest NLL change
@@ -26,8 +27,12 @@ def main() -> None:
     ap.add_argument("results")
     ap.add_argument("labels", nargs="+")
     ap.add_argument("--against", default=None)
+    ap.add_argument("--tasks-of", default=None, help="another results JSON: only the tasks it holds")
     args = ap.parse_args()
     tasks = json.load(open(args.results))["tasks"]
+    if args.tasks_of:
+        held = {t["id"] for t in json.load(open(args.tasks_of))["tasks"]}
+        tasks = [t for t in tasks if t["id"] in held]
     if args.against is None:
         a_label, b_label = args.labels
         for kind in ("needle", "multifact", "continuation"):  # continuation tasks have an NLL, no answer
@@ -39,7 +44,8 @@ def main() -> None:
             nll = {k: sum(t["by_version"][k]["nll"] for t in ts) for k in (a_label, b_label, "full")}
             line = f"{kind}, {len(ts)} tasks, same run: "
             if kind != "continuation":
-                line += (f"only {a_label} answers {only_a}, only {b_label} answers {only_b}, "
+                line += (f"{a_label} answers {sum(a for a, _ in ok)}, {b_label} {sum(b for _, b in ok)}; "
+                         f"only {a_label} answers {only_a}, only {b_label} answers {only_b}, "
                          f"exact McNemar p = {mcnemar(only_a, only_b):.3f}; ")
             print(line + f"mean NLL: full {nll['full'] / len(ts):.4f}, " + ", ".join(
                 f"{k} {nll[k] / len(ts):.4f} ({nll[k] / nll['full'] * 100:.2f}%)" for k in (a_label, b_label)))
