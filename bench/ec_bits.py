@@ -62,9 +62,9 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
             n_doc = int(b.tensors["token_ids"].numel())
             for i in range(n_layers):
                 a = acc[i]
-                levels = {r: role_levels(b.tensors, f"layers.{i}", r) for r in ROLES}
-                own = None if levels["values"] is b.tensors.get("token_levels") else levels["values"]
-                levels = levels["values"]
+                # the layer's own levels (the values': their shift is >= 1, the keys' may be 0)
+                own = b.tensors.get(tensor_name(i, "values.levels"), b.tensors.get(tensor_name(i, "levels")))
+                levels = own if own is not None else b.tensors["token_levels"]
                 a["rows"] += h * levels.numel()
                 a["doc_tokens"] += n_doc
                 for role in ROLES:
@@ -74,7 +74,7 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
                 # their own levels too, hold the kept set, where level 0 is an ordinary kept token
                 if own is None or tensor_name(i, "positions") in b.tensors:
                     continue
-                fill = own == 0  # the values' levels: their shift is >= 1 (the keys' may be 0)
+                fill = own == 0
                 a["fill_rows"] += h * int(fill.sum())
                 a["kept_rows"] += h * int((~fill).sum())
                 for role in ROLES:
