@@ -7,7 +7,7 @@ Per layer and role: ``stored`` = 8 x (codes + params bytes) / (rows x head_dim),
 KV heads the layer holds; the fraction of the document's tokens the layer holds. In a layer with
 its own token levels (``--backfill``), the integer codes are recovered from the bundle and the
 rows whose value level is 0 (the backfilled ones: the kept ones sit ``backfill_shift`` levels up) and the rest
-are framed apart by the library's own coder (``entropy.encode_codes``) - what each would cost
+are framed apart by the library's own coder (``entropy.encode_codes``, the version's coding) - what each would cost
 stored alone, without params - plus the backfilled rows' order-0 entropy per channel (what
 ``bench/merge_probe.py`` charges its coarse copies). The last line of each version: stored bytes
 of whole objects / fp16.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from kdnctl.bundle import decode_bundle, role_levels, tensor_name  # noqa: E402
 from kdnctl.sizing import fp16_bytes  # noqa: E402
-from kdnctl.quant.entropy import ROLES, decode_params, decode_role, encode_codes  # noqa: E402
+from kdnctl.quant.entropy import ROLES, encode_codes, integer_codes  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 
@@ -41,16 +41,6 @@ def order0_bits(codes: torch.Tensor) -> float:
     return total
 
 
-def integer_codes(tensors: dict, layer: int, role: str, h: int, d: int, levels: torch.Tensor) -> torch.Tensor:
-    """The integer codes (as float) of one role of one layer, recovered from the decoded values."""
-    prefix = tensor_name(layer, role)
-    codes, params = tensors[f"{prefix}.codes"], tensors[f"{prefix}.params"]
-    x = decode_role(codes, params, h, d, levels, prefix)
-    step, mean, _ = decode_params(params, h, d, prefix)
-    div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]
-    return torch.round((x - mean[:, None, :]) / div)
-
-
 def layer_rows(versions: dict, n_layers: int) -> list[dict]:
     """Per layer: sums of rows, stored bits and the split (see the module doc) over ``versions``."""
     acc = [dict(rows=0, doc_tokens=0, bits={r: 0.0 for r in ROLES}, kept_rows=0, fill_rows=0,
@@ -59,6 +49,7 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
     for bundles in versions.values():
         for b in bundles:
             h, d = b.meta["quant"]["n_heads"], b.meta["quant"]["head_dim"]
+            coding = b.meta["quant"].get("coding", "zstd")
             n_doc = int(b.tensors["token_ids"].numel())
             for i in range(n_layers):
                 a = acc[i]
@@ -78,10 +69,12 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
                 a["fill_rows"] += h * int(fill.sum())
                 a["kept_rows"] += h * int((~fill).sum())
                 for role in ROLES:
-                    c = integer_codes(b.tensors, i, role, h, d, role_levels(b.tensors, f"layers.{i}", role))
+                    p = tensor_name(i, role)
+                    c = integer_codes(b.tensors[f"{p}.codes"], b.tensors[f"{p}.params"], h, d,
+                                      role_levels(b.tensors, f"layers.{i}", role), p, coding)
                     for key, sel in (("fill_bits", fill), ("kept_bits", ~fill)):
                         if sel.any():
-                            a[key][role] += 8.0 * encode_codes(c[:, sel])[0].numel()
+                            a[key][role] += 8.0 * encode_codes(c[:, sel], coding)[0].numel()
                     if fill.any():
                         a["fill_ideal"][role] += order0_bits(c[:, fill])
     return acc

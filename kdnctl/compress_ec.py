@@ -136,7 +136,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                 for role, x, s, fl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels):
                     a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, levels[ks:ke])
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
-                        encode_role(x[:, a:b], s, lv, q.zstd_level)
+                        encode_role(x[:, a:b], s, lv, q.coding)
             out.append(chunk)
         return out
 

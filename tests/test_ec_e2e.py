@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import zstandard
+import zlib
 
 from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, rope_by_hand, trimmed_store
 from conftest import run_cli
@@ -56,7 +56,7 @@ def test_byte_cap_every_token_kept(store, doc, budget):
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
     assert all(b.layer_len(i) == b.n_tokens for b in bundles for i in range(b.n_layers))
     q = bundles[0].meta["quant"]
-    assert q["scheme"] == "ec" and q["coding"] == "zstd" and set(q["mix"]) == {"keys", "values"}
+    assert q["scheme"] == "ec" and q["coding"] == "deflate" and set(q["mix"]) == {"keys", "values"}
     levels = torch.cat([b.tensors["token_levels"] for b in bundles])
     header = int(bundles[0].meta["header_tokens"])
     assert bool((levels[:header] == 2).all()) and bool((levels[-64:] == 2).all())
@@ -107,7 +107,8 @@ def _by_hand(b, i, role):
     n_frames = blob[1]
     sizes = [int.from_bytes(blob[2 + 4 * j:6 + 4 * j], "little") for j in range(n_frames)]
     peaks = [int.from_bytes(blob[2 + 4 * n_frames + 2 * j:4 + 4 * n_frames + 2 * j], "little") for j in range(n_frames)]
-    par = zstandard.ZstdDecompressor().decompress(b.tensors[f"layers.{i}.{role}.params"].numpy().tobytes())
+    assert q["coding"] == "deflate"  # raw deflate streams (format 1.6)
+    par = zlib.decompress(b.tensors[f"layers.{i}.{role}.params"].numpy().tobytes(), -15)
     params = torch.frombuffer(bytearray(par[:4 * h * d]), dtype=torch.float16).float().view(2, h, d)
     bins = list(par[4 * h * d:])
     rows = torch.zeros(h * d, t)
@@ -117,11 +118,11 @@ def _by_hand(b, i, role):
         n, radix = len(chans) * t, 2 * peak + 1
         per = max([k for k in range(1, 9) if radix ** k <= 256], default=1) if peak else 0
         if per > 1:  # base-radix digits, least significant first
-            data = zstandard.ZstdDecompressor().decompress(blob[pos:pos + size])
+            data = zlib.decompress(blob[pos:pos + size], -15)
             vals = [(byte // radix ** j) % radix - peak for byte in data for j in range(per)][:n]
             rows[chans] = torch.tensor(vals, dtype=torch.float32).view(len(chans), t)
         elif per == 1:
-            data = zstandard.ZstdDecompressor().decompress(blob[pos:pos + size])
+            data = zlib.decompress(blob[pos:pos + size], -15)
             rows[chans] = torch.frombuffer(bytearray(data), dtype=dtype).view(len(chans), t).float()
         pos += size
     codes = rows

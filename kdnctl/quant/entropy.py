@@ -6,23 +6,26 @@ values but what attention does with them: a key error ``e`` moves a later query'
 ``q . e``, a value error moves the head's output by ``W_o e``. So each channel gets its own step,
 finer where queries (keys) or the output projection (values) are large (high-rate optimum for a
 weighted squared error: step ~ 1 / sqrt(weight)), codes are unbounded integers (no clipping, no
-per-group scale), and an entropy coder (zstd, whose literal Huffman stage reaches the codes'
-order-0 entropy within a few percent) stores them. Channels the weights make irrelevant cost
-almost nothing (their codes are nearly all 0). ``bench/ec_probe.py`` measured on real K/V: at
-the query-weighted logit error of int4, keys take ~3.0 bits per element instead of int4's 5.0;
-values at int4's W_o-weighted output error ~3.9 instead of 5.0.
+per-group scale), and an entropy coder stores them: raw deflate with Huffman coding only
+(zlib's ``Z_HUFFMAN_ONLY``, ``meta["quant"]["coding"] = "deflate"``, format 1.6), which reaches
+the codes' order-0 entropy within ~10%; the codes are noise to a string matcher, and zstd (the
+coder before 1.6, still read) spends ~6% more bits on the same frames (``bench/ec_coders.py``).
+Channels the weights make irrelevant cost almost nothing (their codes are nearly all 0).
+``bench/ec_probe.py`` measured on real K/V (zstd frames): at the query-weighted logit error of
+int4, keys take ~3.0 bits per element instead of int4's 5.0; values at int4's W_o-weighted
+output error ~3.9 instead of 5.0.
 
 Tensors per layer ``i`` and role (``keys``/``values``):
 
 - ``layers.i.<role>.codes`` uint8 ``[n]``: the code width (1: int8, 2: int16), the number of
-  frames F, F int32 frame sizes, F int16 peaks (largest ``|code|`` of the frame), then F zstd
-  frames: the channels (rows of ``T`` codes) of each spread bin in bin order,
+  frames F, F int32 frame sizes, F int16 peaks (largest ``|code|`` of the frame), then F frames
+  (deflate; zstd before 1.6): the channels (rows of ``T`` codes) of each spread bin in bin order,
   ``(head, channel)``-ascending within a bin. A frame whose codes lie in ``[-p, p]`` with
   ``(2p+1)**2 <= 256`` stores them as base-``2p+1`` digits, as many to a byte as fit (a Huffman
   coder spends at least a bit per symbol; grouped codes can cost less); peak 0 stores nothing.
-- ``layers.i.<role>.params`` uint8 ``[n]``: one zstd frame of float16 ``step [H, D]``,
-  float16 ``mean [H, D]`` (the channel's mean over the chunk, subtracted before quantizing) and
-  uint8 ``bin [H, D]``.
+- ``layers.i.<role>.params`` uint8 ``[n]``: one frame (deflate, default strategy; zstd before
+  1.6) of float16 ``step [H, D]``, float16 ``mean [H, D]`` (the channel's mean over the chunk,
+  subtracted before quantizing) and uint8 ``bin [H, D]``.
 
 And per chunk ``token_levels`` uint8 ``[T]``: token ``t`` is quantized with ``step / 2**level``
 (the prompt header and the last tokens get finer steps: they precede every question); where
@@ -36,6 +39,7 @@ RoPE (``key_rope_theta``) and rotated back to their positions after decoding.
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -48,7 +52,10 @@ from . import transforms as tf
 from .base import Quantizer, check_kv, need
 
 ROLES = ("keys", "values")
-ZSTD_LEVEL = 3  # measured: higher levels gain < 1% on these codes at several times the time
+ZSTD_LEVEL = 3  # how bundles before format 1.6 were written
+CODINGS = ("deflate", "zstd")  # "deflate" is written; "zstd" is read (and written for bench/ec_coders.py)
+DEFAULT_CODING = "deflate"
+DEFLATE_LEVEL = 6  # measured: level 1 and 9 give the same Huffman-only frames within 0.1%
 MAX_LEVEL = 6  # finest token level (step / 64)
 
 
@@ -73,6 +80,39 @@ def zstd_decompress(blob: bytes, size: int, what: str) -> bytes:
     if len(out) != size:
         raise BundleFormatError(f"{what} decodes to {len(out)} bytes, expected {size}")
     return out
+
+
+def deflate_compress(data: bytes, huffman_only: bool = True) -> bytes:
+    """Raw deflate (no zlib header or checksum: the store hashes every object). Huffman coding
+    only for codes (a matcher finds nothing in them but spends bits on spurious matches)."""
+    z = zlib.compressobj(DEFLATE_LEVEL, zlib.DEFLATED, -15, 9,
+                         zlib.Z_HUFFMAN_ONLY if huffman_only else zlib.Z_DEFAULT_STRATEGY)
+    return z.compress(data) + z.flush()
+
+
+def deflate_decompress(blob: bytes, size: int, what: str) -> bytes:
+    z = zlib.decompressobj(-15)
+    try:
+        out = z.decompress(blob, size)
+    except zlib.error:
+        raise BundleFormatError(f"{what} is not a valid deflate stream") from None
+    if len(out) != size or not z.eof or z.unconsumed_tail or z.unused_data:
+        raise BundleFormatError(f"{what} does not decode to exactly {size} bytes")
+    return out
+
+
+def compress_frame(data: bytes, coding: str, codes: bool = True) -> bytes:
+    if coding == "deflate":
+        return deflate_compress(data, huffman_only=codes)
+    return zstd_compress(data)
+
+
+def decompress_frame(blob: bytes, size: int, what: str, coding: str) -> bytes:
+    if coding == "deflate":
+        return deflate_decompress(blob, size, what)
+    if coding == "zstd":
+        return zstd_decompress(blob, size, what)
+    raise BundleFormatError(f"{what}: unknown coding {coding!r} (this kdnctl reads {', '.join(CODINGS)})")
 
 
 def _u8(data: bytes) -> torch.Tensor:
@@ -136,12 +176,12 @@ def spread_bins(codes: torch.Tensor) -> torch.Tensor:
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
 
 
-def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_level: int = ZSTD_LEVEL,
+def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, coding: str = DEFAULT_CODING,
                 compress: Callable[[bytes], bytes] | None = None):
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
-    ``compress`` (bytes -> bytes) replaces the zstd coder of the code frames, for measuring
-    other coders on the same frames (``bench/rate_probe.py``); bundles use the default."""
+    ``compress`` (bytes -> bytes) replaces the coder of the code frames, for measuring
+    other coders on the same frames (``bench/rate_probe.py``); bundles use ``coding``."""
     t = x.shape[1]
     step = step.to(torch.float16).float()
     mean = x.mean(1).to(torch.float16).float() if t else torch.zeros_like(step)
@@ -150,17 +190,21 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, zstd_
     if lim > 32767:
         raise InputError(f"a quantization step of {float(step.min()):.3g} is too fine for values up to "
                          f"{float(x.abs().max()):.3g}", hint="use a smaller --budget or --quant auto")
-    blob, bins = encode_codes(codes, zstd_level, compress)
-    params = zstd_compress(torch.cat([step.half().flatten(), mean.half().flatten()]).numpy().tobytes()
-                           + bins.numpy().tobytes(), zstd_level)
-    return blob, _u8(params)
+    blob, bins = encode_codes(codes, coding, compress)
+    return blob, encode_params(step, mean, bins, coding)
 
 
-def encode_codes(codes: torch.Tensor, zstd_level: int = ZSTD_LEVEL, compress: Callable[[bytes], bytes] | None = None):
+def encode_params(step: torch.Tensor, mean: torch.Tensor, bins: torch.Tensor, coding: str = DEFAULT_CODING) -> torch.Tensor:
+    """The params blob: one frame of float16 ``step``, float16 ``mean`` (``[H, D]``), uint8 ``bins``."""
+    raw = torch.cat([step.half().flatten(), mean.half().flatten()]).numpy().tobytes() + bins.numpy().tobytes()
+    return _u8(compress_frame(raw, coding, codes=False))
+
+
+def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Callable[[bytes], bytes] | None = None):
     """``(codes blob, bins [H, D])`` of integer ``codes [H, T, D]`` (as float, within int16).
 
     The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
-    one zstd frame: one Huffman table over channels whose steps differ by orders of magnitude
+    one frame: one Huffman table over channels whose steps differ by orders of magnitude
     spends ~0.9 bits per element more than their entropy (``bench/ec_probe.py``)."""
     h, t, d = codes.shape
     lim = float(codes.abs().max()) if codes.numel() else 0.0
@@ -175,7 +219,7 @@ def encode_codes(codes: torch.Tensor, zstd_level: int = ZSTD_LEVEL, compress: Ca
         peak = int(rows.abs().max()) if rows.numel() else 0
         per = codes_per_byte(peak)
         data = b"" if per == 0 else pack_codes(rows, peak, per) if per > 1 else rows.to(dtype).numpy().tobytes()
-        frames.append((compress(data) if compress else zstd_compress(data, zstd_level)) if data else b"")
+        frames.append((compress(data) if compress else compress_frame(data, coding)) if data else b"")
         peaks.append(peak)
         o += n
     sizes = torch.tensor([len(f) for f in frames], dtype=torch.int32)
@@ -184,14 +228,15 @@ def encode_codes(codes: torch.Tensor, zstd_level: int = ZSTD_LEVEL, compress: Ca
     return _u8(blob), bins
 
 
-def decode_params(params: torch.Tensor, h: int, d: int, what: str):
+def decode_params(params: torch.Tensor, h: int, d: int, what: str, coding: str = DEFAULT_CODING):
     """``(step, mean)`` float32 ``[H, D]`` and ``bins`` uint8 ``[H * D]`` of a params blob."""
-    par = zstd_decompress(params.numpy().tobytes(), 5 * h * d, f"{what}.params")
+    par = decompress_frame(params.numpy().tobytes(), 5 * h * d, f"{what}.params", coding)
     p = torch.frombuffer(bytearray(par[:4 * h * d]), dtype=torch.float16).float().view(2, h, d)
     return p[0], p[1], torch.frombuffer(bytearray(par[4 * h * d:]), dtype=torch.uint8)
 
 
-def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str):
+def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str,
+                coding: str = DEFAULT_CODING):
     """Inverse of :func:`encode_role` (before the inverse transform): float32 ``[H, T, D]``."""
     t = levels.numel()
     if codes.dtype != torch.uint8 or params.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() < 2:
@@ -200,7 +245,7 @@ def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, level
     width, n_frames = raw[0], raw[1]
     if width not in (1, 2):
         raise BundleFormatError(f"{what}.codes has an unknown code width {width}")
-    step, mean, bins = decode_params(params, h, d, what)
+    step, mean, bins = decode_params(params, h, d, what, coding)
     order = torch.argsort(bins, stable=True)
     _, counts = torch.unique_consecutive(bins[order], return_counts=True)
     head = 2 + 6 * n_frames
@@ -217,16 +262,26 @@ def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, level
         per = codes_per_byte(peak)
         if per > 1:
             nbytes = -(-n * t // per)
-            data = zstd_decompress(raw[pos:pos + size], nbytes, f"{what}.codes") if nbytes else b""
+            data = decompress_frame(raw[pos:pos + size], nbytes, f"{what}.codes", coding) if nbytes else b""
             rows[order[o:o + n]] = unpack_codes(data, n * t, peak, per, what).view(n, t)
         elif per == 1:
-            data = zstd_decompress(raw[pos:pos + size], width * n * t, f"{what}.codes")
+            data = decompress_frame(raw[pos:pos + size], width * n * t, f"{what}.codes", coding)
             rows[order[o:o + n]] = torch.frombuffer(bytearray(data), dtype=dtype).view(n, t).float() if data \
                 else torch.zeros(n, t)
         elif size:
             raise BundleFormatError(f"{what}.codes: an all-zero frame holds bytes")
         o, pos = o + n, pos + size
     return dequantize_codes(rows.view(h, d, t).transpose(1, 2), step, mean, levels)
+
+
+def integer_codes(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str,
+                  coding: str = DEFAULT_CODING) -> torch.Tensor:
+    """The integer codes ``[H, T, D]`` (as float) of one stored role, recovered from its decoded
+    values (for re-framing the same codes: ``bench/ec_bits.py``, ``bench/ec_coders.py``)."""
+    x = decode_role(codes, params, h, d, levels, what, coding)
+    step, mean, _ = decode_params(params, h, d, what, coding)
+    div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]
+    return torch.round((x - mean[:, None, :]) / div)
 
 
 @dataclass
@@ -236,7 +291,7 @@ class EntropyQuantizer(Quantizer):
 
     name = "ec"
     key_rope_theta: float | None = None  # set: keys are quantized before RoPE
-    zstd_level: int = ZSTD_LEVEL
+    coding: str = DEFAULT_CODING  # "zstd" only to measure against bundles before format 1.6
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
         k = tf.unrope(keys, positions, self.key_rope_theta) if self.key_rope_theta else keys.float()
@@ -250,13 +305,13 @@ class EntropyQuantizer(Quantizer):
             raise InputError(f"steps must be [{h}, {d}] and levels [{t}]")
         out: dict[str, torch.Tensor] = {}
         for role, x, step in zip(ROLES, (k, v), steps):
-            out[f"{role}.codes"], out[f"{role}.params"] = encode_role(x, step, levels, self.zstd_level)
+            out[f"{role}.codes"], out[f"{role}.params"] = encode_role(x, step, levels, self.coding)
         return out
 
     def meta(self, n_heads: int, d: int) -> dict:
         m = self.base_meta(torch.empty(0, 0, d), torch.empty(0, 0, d))
         m.pop("shapes")
-        m.update(head_dim=d, n_heads=n_heads, key_rope_theta=self.key_rope_theta, coding="zstd")
+        m.update(head_dim=d, n_heads=n_heads, key_rope_theta=self.key_rope_theta, coding=self.coding)
         return m
 
     def quantize_layer(self, keys, values, *, importance=None, positions=None, steps=None, levels=None):
@@ -285,8 +340,11 @@ class EntropyQuantizer(Quantizer):
         levels = levels.cpu()
         if levels.numel() and int(levels.max()) > MAX_LEVEL:
             raise BundleFormatError(f"{layer}: a token level above {MAX_LEVEL}")
+        coding = quant_meta.get("coding", "zstd")
+        if coding not in CODINGS:
+            raise BundleFormatError(f"{prefix}: unknown ec coding {coding!r} (this kdnctl reads {', '.join(CODINGS)})")
         x = decode_role(need(tensors, f"{prefix}.codes").cpu(), need(tensors, f"{prefix}.params").cpu(), h, d,
-                        levels, prefix)
+                        levels, prefix, coding)
         theta = quant_meta.get("key_rope_theta")
         if role == "keys" and theta:
             pos = tensors.get(f"{layer}.positions")
