@@ -80,15 +80,23 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
     return acc
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def ec_report_args(doc: str, repeat: bool = False):
+    """``(args, store, documents)`` of an ec report (this one, ``bench/ec_coders.py``): --store,
+    --versions, --docs (default: every document), and --repeat where timed."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--store", required=True)
     ap.add_argument("--versions", required=True, help="comma-separated ec version labels")
     ap.add_argument("--docs", default=None, help="comma-separated documents (default: all)")
+    if repeat:
+        ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
     st = Store(args.store, create=False)
-    docs = args.docs.split(",") if args.docs else [r.doc_id for r in st.list_documents()]
+    return args, st, args.docs.split(",") if args.docs else [r.doc_id for r in st.list_documents()]
+
+
+def main() -> None:
+    args, st, docs = ec_report_args(__doc__)
     for label in args.versions.split(","):
         per_doc, stored, fp16 = {}, 0, 0
         for doc in docs:

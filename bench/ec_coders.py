@@ -13,7 +13,6 @@ params; whole-object bytes / fp16; and the time to decode every layer and role o
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -22,12 +21,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from kdnctl.bundle import KVBundle, decode_bundle, encode_bundle, role_levels, tensor_name  # noqa: E402
 from kdnctl.quant.entropy import (CODINGS, ROLES, EntropyQuantizer, decode_params,  # noqa: E402
                                   encode_codes, encode_params, integer_codes)
 from kdnctl.sizing import fp16_bytes  # noqa: E402
-from kdnctl.store import Store  # noqa: E402
+from ec_bits import ec_report_args  # noqa: E402
 
 
 def recoded(b: KVBundle, coding: str) -> KVBundle:
@@ -62,15 +62,7 @@ def best_time(fn, repeat: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--versions", required=True, help="comma-separated ec version labels")
-    ap.add_argument("--docs", default=None, help="comma-separated documents (default: all)")
-    ap.add_argument("--repeat", type=int, default=5)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    st = Store(args.store, create=False)
-    docs = args.docs.split(",") if args.docs else [r.doc_id for r in st.list_documents()]
+    args, st, docs = ec_report_args(__doc__, repeat=True)
     print(f"python bench/ec_coders.py --versions {args.versions} --docs {','.join(docs)} --repeat {args.repeat}")
     for label in args.versions.split(","):
         bits = {c: {r: [0.0, 0.0] for r in ROLES} for c in CODINGS}  # coding -> role -> [codes, params]

@@ -148,7 +148,7 @@ def test_huffman_only_frames_are_smaller_than_zstd_on_noise_like_codes():
     step = torch.full((3, 64), 0.25)
     lv = torch.zeros(256, dtype=torch.uint8)
     sizes = {c: encode_role(x, step, lv, c)[0].numel() for c in ("zstd", "deflate")}
-    assert sizes["deflate"] < 0.99 * sizes["zstd"], sizes  # 2% here; 5-6% on real K/V (bench/ec_coders.py)
+    assert sizes["deflate"] < 0.99 * sizes["zstd"], sizes  # 2% here; 2-8% per role on real K/V (bench/ec_coders.py)
 
 
 def test_relative_steps_equalise_each_heads_weighted_error():

@@ -7,9 +7,10 @@ values but what attention does with them: a key error ``e`` moves a later query'
 finer where queries (keys) or the output projection (values) are large (high-rate optimum for a
 weighted squared error: step ~ 1 / sqrt(weight)), codes are unbounded integers (no clipping, no
 per-group scale), and an entropy coder stores them: raw deflate with Huffman coding only
-(zlib's ``Z_HUFFMAN_ONLY``, ``meta["quant"]["coding"] = "deflate"``, format 1.6), which reaches
-the codes' order-0 entropy within ~10%; the codes are noise to a string matcher, and zstd (the
-coder before 1.6, still read) spends ~6% more bits on the same frames (``bench/ec_coders.py``).
+(zlib's ``Z_HUFFMAN_ONLY``, ``meta["quant"]["coding"] = "deflate"``, format 1.6): the codes are
+noise to a string matcher, and zstd (the coder before 1.6, still read) spends more on the same
+frames: whole objects are 3.6% smaller at the 0.25 default and 6.8% at 0.083, and decode as fast
+(``bench/ec_coders.py``, ``bench/results/ec-bits/coders.md``).
 Channels the weights make irrelevant cost almost nothing (their codes are nearly all 0).
 ``bench/ec_probe.py`` measured on real K/V (zstd frames): at the query-weighted logit error of
 int4, keys take ~3.0 bits per element instead of int4's 5.0; values at int4's W_o-weighted
