@@ -2,10 +2,11 @@
 
     python bench/coding.py --store DIR [--doc realtext/needle-000] [--layers 0,10,20,29] [--group 32]
 
-Per tier (int3, int2; keys before RoPE per channel, values Hadamard-rotated per token, the
-ladder's layout) it prints bits per element of: the raw packed codes, zlib on them (what the
-ladder stores), the order-0 entropy of the codes, zlib and lzma on the unpacked codes (one byte
-per code), zlib on bit planes, and the fp16 scales + zeros raw and zlib-coded. This is the
+Per tier (int8, int4, int3, int2; keys before RoPE per channel, values Hadamard-rotated per
+token, the ladder's layout) it prints bits per element of: the raw packed codes, zlib on them
+(what the ladder stores), deflate with Huffman coding only on them (what ``ec`` frames use since
+format 1.6), the order-0 entropy of the codes, zlib and lzma on the unpacked codes (one byte per
+code), zlib on bit planes, and the fp16 scales + zeros raw and zlib-coded. This is the
 measurement behind ``coding = "zlib+params"`` (docs/compression.md).
 """
 
@@ -25,6 +26,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from kdnctl.kernels.quant import reference as ref  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
+from kdnctl.quant.entropy import deflate_compress  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 from tiers import THETA, load_full  # noqa: E402
 
@@ -45,10 +47,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     keys, values, pos = load_full(Store(args.store, create=False), args.doc)
-    cols = ["raw", "zlib", "H0", "unpacked zlib", "unpacked lzma", "bit planes zlib", "params raw", "params zlib"]
+    cols = ["raw", "zlib", "Huffman-only", "H0", "unpacked zlib", "unpacked lzma", "bit planes zlib", "params raw", "params zlib"]
     print("| tier | " + " | ".join(cols) + " |")
     print("|---|" + "---:|" * len(cols))
-    for fmt in ("int3", "int2"):
+    for fmt in ("int8", "int4", "int3", "int2"):
         acc = dict.fromkeys(cols, 0.0)
         n = 0
         for i in (int(x) for x in args.layers.split(",")):
@@ -60,6 +62,7 @@ def main() -> None:
                 params = torch.cat([s.reshape(-1), z.reshape(-1)]).numpy().tobytes()
                 acc["raw"] += 8 * len(packed)
                 acc["zlib"] += 8 * len(zlib.compress(packed, 9))
+                acc["Huffman-only"] += 8 * len(deflate_compress(packed))
                 acc["H0"] += entropy_bits(codes)
                 acc["unpacked zlib"] += 8 * len(zlib.compress(unpacked, 9))
                 acc["unpacked lzma"] += 8 * len(lzma.compress(unpacked, preset=6))

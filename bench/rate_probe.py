@@ -14,7 +14,7 @@ times the head's weighted RMS (what ``compress --quant ec`` does at scale ``alph
    store: 64 x 64 per layer, role and head); the principal axes of *another* document (what a
    basis shared per model would give); closed-loop prediction from the previous token (DPCM).
 2. Coders on ec's codes per 256-token chunk (what a bundle stores): the zstd frames ``ec``
-   writes (codes; params apart) against the codes' order-0 entropy per channel (an ideal
+   wrote before format 1.6 (codes; params apart) against the codes' order-0 entropy per channel (an ideal
    coder with free tables) and the cross-entropy under a discretized Gaussian or Laplace
    with the channel's spread quantized to 1/8 octave (what an arithmetic or rANS coder with
    one byte of model per channel and chunk would spend, plus that byte); and deflate with
@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import sys
-import zlib
 from pathlib import Path
 
 import torch
@@ -84,12 +83,6 @@ def xent_bits(codes: torch.Tensor, family: str) -> float:
             return torch.where(x < 0, 0.5 * torch.exp(x / s), 1 - 0.5 * torch.exp(-x / s))
         p = cdf(codes + 0.5) - cdf(codes - 0.5)
     return float(-p.clamp_min(2 ** -16).log2().sum())
-
-
-def huffman_only(data: bytes) -> bytes:
-    """Raw deflate with Huffman coding only: noise-like codes have no strings worth matching."""
-    z = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_HUFFMAN_ONLY)
-    return z.compress(data) + z.flush()
 
 
 def main() -> None:
@@ -150,7 +143,7 @@ def main() -> None:
         for name, (bits, err, var) in acc.items():
             print(f"| {role} | {name} | {bits / n_el:.3f} | {err / var:.5f} |")
 
-    print("\n| role | zstd frames (ec as stored) | Huffman-only frames | params | order-0 per channel "
+    print("\n| role | zstd frames (ec as stored before format 1.6) | Huffman-only frames | params | order-0 per channel "
           "| Gaussian model | Laplace model | model byte |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for role in ("keys", "values"):
@@ -162,11 +155,11 @@ def main() -> None:
                 step = (args.alpha * relative_steps(x, w)).clamp_min(1e-4).half().float()
                 for s0 in range(0, x.shape[1], CHUNK):
                     xc = x[:, s0:s0 + CHUNK]
-                    cb, pb = encode_role(xc, step, torch.zeros(xc.shape[1], dtype=torch.uint8))
+                    cb, pb = encode_role(xc, step, torch.zeros(xc.shape[1], dtype=torch.uint8), "zstd")
                     tot[0] += 8 * cb.numel()
                     tot[1] += 8 * pb.numel()
                     tot[5] += 8 * encode_role(xc, step, torch.zeros(xc.shape[1], dtype=torch.uint8),
-                                              compress=huffman_only)[0].numel()
+                                              "deflate")[0].numel()
                     codes = torch.round((xc - xc.mean(1, keepdim=True).half().float()) / step[:, None])
                     for hh in range(h):
                         for c in range(d):
