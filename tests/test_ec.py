@@ -140,6 +140,44 @@ def test_zstd_bundles_before_1_6_still_decode():
         dequantize_tensors(full, "layers.0.keys", {**meta, "coding": "lz4"})
 
 
+@pytest.mark.parametrize("coding", ["deflate", "zstd"])
+def test_mutated_blobs_raise_only_format_errors(coding):
+    """Codes and params blobs behind a valid digest (a hostile remote store) are decoded, not
+    trusted: random flips, overwrites, truncations and insertions give a BundleFormatError or
+    K/V of the right shape, never another exception or an unbounded allocation."""
+    import random
+    torch.manual_seed(7)
+    k, v = torch.randn(3, 29, 16) * 2, torch.randn(3, 29, 16)
+    tensors, meta = EntropyQuantizer(coding=coding).quantize_layer(k, v)
+    full = _layer(tensors, meta, 29)
+    rng = random.Random(20261126)
+    outcomes = {"error": 0, "decoded": 0}
+    for case in range(600):
+        name = rng.choice(["layers.0.keys.codes", "layers.0.keys.params"])
+        b = bytearray(full[name].numpy().tobytes())
+        op = rng.randrange(4)
+        i = rng.randrange(len(b))
+        if op == 0:
+            b[i] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            b[i] = rng.randrange(256)
+        elif op == 2:
+            del b[i:]
+        else:
+            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+        bad = dict(full)
+        bad[name] = torch.frombuffer(b, dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
+        try:
+            y = dequantize_tensors(bad, "layers.0.keys", meta)
+            assert y.shape == k.shape
+            outcomes["decoded"] += 1
+        except BundleFormatError:
+            outcomes["error"] += 1
+        except Exception as exc:  # noqa: BLE001 - the point of the test
+            pytest.fail(f"case {case} ({name}, op {op}): {type(exc).__name__}: {str(exc)[:200]}")
+    assert outcomes["error"] > 300, outcomes
+
+
 def test_huffman_only_frames_are_smaller_than_zstd_on_noise_like_codes():
     """The reason for the 1.6 coder: Gaussian codes of a few bits (what K/V at ec's steps look
     like) cost fewer bytes as Huffman-only deflate than as zstd frames."""
