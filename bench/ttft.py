@@ -15,8 +15,9 @@ Columns (time to first token, seconds):
   function with its boolean causal mask, logits for the last token only) and ``oracle (old)`` as
   before (``DynamicCache``, whose forward concatenates the whole cache, the model's default
   attention with transformers' masks, and logits for every question token).
-* kdnctl full / b1-int8: ``load_document`` (read, check every byte, decode, dequantize, place
-  into the cache) + the question + the first token.
+* kdnctl full / b1-int8 / default: ``load_document`` (read, check every byte, decode, dequantize,
+  place into the cache) + the question + the first token. ``default`` is what ``kdnctl compress``
+  with no options stores (``--budget 0.25``: ``ec``, entropy-coded codes decoded on the host).
 * torch.load / safetensors: what a user would do without kdnctl: ``torch.load`` of the raw
   per-layer K/V (``weights_only``) or safetensors ``load_file`` (no integrity check either),
   then ``DynamicCache`` and the question with last-token logits.
@@ -232,6 +233,7 @@ def main() -> None:
             ingest_s = time.perf_counter() - t
             with store.writer():
                 compress_document(store, doc.doc_id, CompressRecipe(budget=None, keep=1.0, quant="int8"), label="b1-int8")
+                compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="default")
             ctx = load_document(lm, store, doc.doc_id)
             pt, st = save_user_files(tmp, ctx)
             n_layers = len(ctx.keys)
@@ -244,12 +246,14 @@ def main() -> None:
                     ("oracle_old", lambda: oracle_seconds(lm, ctx, question, old=True)),
                     ("full_kv", lambda: stored_ttft(lm, store, doc.doc_id, "full", question)),
                     ("int8_kv", lambda: stored_ttft(lm, store, doc.doc_id, "b1-int8", question)),
+                    ("ec_kv", lambda: stored_ttft(lm, store, doc.doc_id, "default", question)),
                     ("tl", lambda: user_ttft(lm, torch_loader(pt, lm.device), question, ctx.next_position)),
                     ("sl", lambda: user_ttft(lm, st_loader(st, n_layers, lm.device), question, ctx.next_position)),
                 ):
                     runs.setdefault(name, []).append(fn())
             med_of = {k: statistics.median(v) for k, v in runs.items() if k not in ("tl", "sl")}
-            oracle, oracle_old, full_kv, int8_kv = (med_of[k] for k in ("oracle", "oracle_old", "full_kv", "int8_kv"))
+            oracle, oracle_old, full_kv, int8_kv, ec_kv = (med_of[k] for k in ("oracle", "oracle_old", "full_kv", "int8_kv",
+                                                                                "ec_kv"))
             tl, sl = runs["tl"], runs["sl"]
             # load alone: each loader's repetitions back to back after one untimed warm-up, so each
             # reuses the memory its previous call freed (glibc for torch.load / load_file, the
@@ -257,7 +261,8 @@ def main() -> None:
             load_alone, load_cpu = {}, {}
             for name, fn in (("tl", torch_loader(pt, lm.device)), ("sl", st_loader(st, n_layers, lm.device)),
                              ("kd", lambda: load_document(lm, store, doc.doc_id)),
-                             ("i8", lambda: load_document(lm, store, doc.doc_id, "b1-int8"))):
+                             ("i8", lambda: load_document(lm, store, doc.doc_id, "b1-int8")),
+                             ("ec", lambda: load_document(lm, store, doc.doc_id, "default"))):
                 fn()
                 both = [_timed_cpu(fn, lm) for _ in range(reps)]
                 load_alone[name] = statistics.median(w for w, _ in both)
@@ -265,34 +270,36 @@ def main() -> None:
             kd_load, i8_load = load_alone["kd"], load_alone["i8"]
             full = med(lambda: full_prefill_generate(lm, ctx.token_ids, question, max_new_tokens=1).ttft_s, slow_reps)
             m = statistics.median
-            rows.append((len(ids), oracle, oracle_old, full_kv, int8_kv, m(x[1] for x in tl), m(x[1] for x in sl), full))
-            loads.append((len(ids), ctx.nbytes / 1e6, kd_load, i8_load, load_alone["tl"], load_alone["sl"],
-                          load_cpu["kd"], load_cpu["tl"]))
+            rows.append((len(ids), oracle, oracle_old, full_kv, int8_kv, ec_kv, m(x[1] for x in tl), m(x[1] for x in sl),
+                         full))
+            loads.append((len(ids), ctx.nbytes / 1e6, kd_load, i8_load, load_alone["ec"], load_alone["tl"],
+                          load_alone["sl"], load_cpu["kd"], load_cpu["tl"]))
             ingests.append((len(ids), len(ids) / ingest_s, len(ids) / bare, report))
             if args.profile:
-                for label in ("full", "b1-int8"):
+                for label in ("full", "b1-int8", "default"):
                     profiles.append((len(ids), label, profile_row(lm, store, doc.doc_id, label, question, reps)))
             print(f"# done {size}: ttft {rows[-1]} load {loads[-1]} ingest {ingests[-1][:3]} "
                   f"prefill+stats {report.prefill_seconds:.3f} write {report.write_seconds:.3f} "
-                  f"profile {profiles[-2:] if args.profile else ''}", file=sys.stderr, flush=True)
+                  f"profile {profiles[-3:] if args.profile else ''}", file=sys.stderr, flush=True)
             del ctx
             pt.unlink()
             st.unlink()
     where = torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda" else "CPU"
     print(f"device: {where}, model dtype {args.dtype}; question: {len(question)} tokens; medians of {args.repeats} "
           f"(full prefill: fewer at 8k); torch threads: {torch.get_num_threads()}\n")
-    print("| context tokens | oracle (in-memory) | oracle (old forward) | kdnctl full | kdnctl b1-int8 | torch.load | "
-          "safetensors (no check) | full prefill | kdnctl speedup vs prefill | kdnctl / oracle (full, b1-int8) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n, o, oo, f, i8, tl, sl, pf in rows:
-        print(f"| {n} | {o:.3f} | {oo:.3f} | {f:.3f} | {i8:.3f} | {tl:.3f} | {sl:.3f} | {pf:.3f} | {pf / f:.1f}x | "
-              f"{f / o:.2f}, {i8 / o:.2f} |")
+    print("| context tokens | oracle (in-memory) | oracle (old forward) | kdnctl full | kdnctl b1-int8 | kdnctl default "
+          "(0.25) | torch.load | safetensors (no check) | full prefill | kdnctl speedup vs prefill (full, default) | "
+          "kdnctl / oracle (full, b1-int8, default) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, o, oo, f, i8, ec, tl, sl, pf in rows:
+        print(f"| {n} | {o:.3f} | {oo:.3f} | {f:.3f} | {i8:.3f} | {ec:.3f} | {tl:.3f} | {sl:.3f} | {pf:.3f} | "
+              f"{pf / f:.1f}x, {pf / ec:.1f}x | {f / o:.2f}, {i8 / o:.2f}, {ec / o:.2f} |")
     print("\nLoad alone (no question), seconds:\n")
-    print("| context tokens | MB (full) | kdnctl load full | kdnctl load b1-int8 | torch.load | safetensors load_file | "
-          "kdnctl full / torch.load | CPU s: kdnctl full, torch.load | kdnctl full / torch.load (CPU) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for n, mb, kd, i8, tl, sl, kd_cpu, tl_cpu in loads:
-        print(f"| {n} | {mb:.0f} | {kd:.3f} | {i8:.3f} | {tl:.3f} | {sl:.3f} | {kd / tl:.2f} | "
+    print("| context tokens | MB (full) | kdnctl load full | kdnctl load b1-int8 | kdnctl load default | torch.load | "
+          "safetensors load_file | kdnctl full / torch.load | CPU s: kdnctl full, torch.load | kdnctl full / torch.load (CPU) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, mb, kd, i8, ec, tl, sl, kd_cpu, tl_cpu in loads:
+        print(f"| {n} | {mb:.0f} | {kd:.3f} | {i8:.3f} | {ec:.3f} | {tl:.3f} | {sl:.3f} | {kd / tl:.2f} | "
               f"{kd_cpu:.3f}, {tl_cpu:.3f} | {kd_cpu / max(tl_cpu, 1e-9):.2f} |")
     print("\nIngest vs bare prefill:\n")
     print("| context tokens | ingest tok/s | bare prefill tok/s | ingest/bare | prefill + statistics s | "
