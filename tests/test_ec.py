@@ -89,6 +89,39 @@ def test_per_role_levels_come_first():
         dequantize_tensors(bad, "layers.0.values", meta)
 
 
+@pytest.mark.parametrize("own_positions", [False, True])
+def test_stacked_layers_decode_as_each_layer_alone(own_positions):
+    """``dequantize_into`` (what a load runs: integers decoded on the host, then one stacked
+    dequantize + RoPE per chunk on a GPU, one layer at a time on a CPU) gives every layer
+    exactly what decoding that layer alone gives: one-byte and two-byte layers mixed, per-role
+    levels, the chunk's positions or each layer's own (``--backfill``), into an fp16 cache."""
+    torch.manual_seed(5)
+    h, t, d, n_layers = 3, 29, 16, 4
+    meta = EntropyQuantizer(key_rope_theta=10000.0).meta(h, d)
+    tensors = {"token_levels": torch.randint(0, 3, (t,), dtype=torch.uint8), "positions": torch.arange(7, 7 + t)}
+    for i in range(n_layers):
+        v = torch.randn(h, t, d)
+        if i == 2:
+            v[1, 4, 3] = 200.0  # int16 codes in this layer only
+        lv = torch.randint(0, 4, (t,), dtype=torch.uint8)
+        for role, x, lev in (("keys", torch.randn(h, t, d), tensors["token_levels"]), ("values", v, lv)):
+            tensors[f"layers.{i}.{role}.codes"], tensors[f"layers.{i}.{role}.params"] = encode_role(
+                x, torch.full((h, d), 0.5), lev)
+        tensors[f"layers.{i}.values.levels"] = lv
+        if own_positions:
+            tensors[f"layers.{i}.positions"] = torch.stack([torch.randperm(60)[:t].sort().values for _ in range(h)])
+    assert int(tensors["layers.2.values.codes"][0]) == 2 and int(tensors["layers.1.values.codes"][0]) == 1
+    for role in ("keys", "values"):
+        names = [f"layers.{i}.{role}" for i in range(n_layers)]
+        alone = torch.stack([EntropyQuantizer.dequantize(tensors, n, meta) for n in names])
+        for block, dtype in ((n_layers, torch.float32), (1, torch.float32), (3, torch.float16)):
+            out = torch.full((n_layers, h, t, d), float("nan"), dtype=dtype)
+            EntropyQuantizer.dequantize_into(out, tensors, names, meta, block=block)
+            assert torch.equal(out, alone.to(dtype)), (role, block, dtype)
+    with pytest.raises(BundleFormatError):  # a slot of the wrong size is refused, not broadcast into
+        EntropyQuantizer.dequantize_into(torch.empty(n_layers, h, t + 1, d), tensors, names, meta)
+
+
 def test_malformed_frames_are_refused():
     torch.manual_seed(3)
     k = v = torch.randn(2, 9, 8)

@@ -16,7 +16,10 @@ import torch
 from kdnctl.errors import BundleFormatError
 from kdnctl.kernels.quant import out_shapes, unpack_int4
 
-FAST_SCHEMES = ("int8", "int4", "fp8")
+FAST_SCHEMES = ("int8", "int4", "fp8")  # decoded wholly on the cache's device (a GPU load ships the object)
+# ...and ec, whose frames are entropy-decoded on the host into integers that go to the cache's
+# device to be dequantized there (EntropyQuantizer.dequantize_into)
+INTO_SCHEMES = (*FAST_SCHEMES, "ec")
 
 
 def _checked(tensors, name: str, fmt: str, group_size: int, layout: str):
@@ -42,9 +45,17 @@ def _quant_params(name: str, quant_meta: dict) -> tuple[str, int, str]:
     return fmt, group_size_of(quant_meta), layout_for(name, quant_meta)
 
 
+def _entropy():
+    from kdnctl.quant.entropy import EntropyQuantizer
+
+    return EntropyQuantizer
+
+
 def dequantize_into(out: torch.Tensor, tensors, name: str, quant_meta: dict) -> None:
     """Write the dense ``[H, T, D]`` tensor ``name`` (e.g. ``layers.3.keys``) into ``out``
     (a view of the same shape, any float dtype); BundleFormatError on malformed input."""
+    if quant_meta.get("scheme") == "ec":
+        return _entropy().dequantize_into(out[None], tensors, [name], quant_meta)
     fmt, g, layout = _quant_params(name, quant_meta)
     q, s, z, shape = _checked(tensors, name, fmt, g, layout)
     if tuple(out.shape) != tuple(shape):
@@ -62,6 +73,8 @@ def dequantize_layers_into(out: torch.Tensor, tensors, names: list[str], quant_m
     On a GPU the per-tensor path costs a handful of kernel launches per layer, which at 30
     layers x 2 roles x 32 chunks dominates a load; stacking the codes first makes it a
     handful per chunk. Every tensor is checked exactly as :func:`dequantize_into` checks it."""
+    if quant_meta.get("scheme") == "ec":
+        return _entropy().dequantize_into(out, tensors, names, quant_meta)
     fmt, g, layout = _quant_params(names[0], quant_meta)
     role = names[0].rsplit(".", 1)[-1]  # (the parameters depend on the name only through its role)
     if any(n.rsplit(".", 1)[-1] != role for n in names):

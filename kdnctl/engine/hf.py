@@ -33,7 +33,7 @@ from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
-from .dequant import FAST_SCHEMES, dequantize_into, dequantize_layers_into
+from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
@@ -166,7 +166,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
             return
         b, prof = bundles[c], LoadProfile()
         quant = b.meta.get("quant") or {}
-        fast = quant.get("scheme") in FAST_SCHEMES
+        fast = quant.get("scheme") in INTO_SCHEMES
         n_done, quantized = 0, [b.is_quantized(i) for i in range(n_layers)]
         if stacked is not None and len(set(offsets[c])) == 1 and len(set(lens[c])) == 1 and len(set(quantized)) == 1:
             t0, s, t = time.perf_counter(), offsets[c][0], lens[c][0]

@@ -44,6 +44,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kdnctl.bundle import role_levels
@@ -129,8 +130,9 @@ def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, leve
 
 
 def dequantize_codes(codes: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]
-    return codes * div + mean[:, None, :]
+    """``codes [..., H, T, D]`` with ``step``/``mean`` ``[..., H, D]`` and ``levels [..., T]``."""
+    div = step[..., None, :] / torch.pow(2.0, levels.float())[..., None, :, None]
+    return codes * div + mean[..., None, :]
 
 
 def codes_per_byte(peak: int) -> int:
@@ -155,19 +157,21 @@ def pack_codes(codes: torch.Tensor, peak: int, per: int) -> bytes:
     return digits.sum(1).to(torch.uint8).numpy().tobytes()
 
 
-def unpack_codes(data: bytes, n: int, peak: int, per: int, what: str) -> torch.Tensor:
+def unpack_codes(data, n: int, peak: int, per: int, what: str) -> np.ndarray:
+    """int8 codes (flat, ``n``) of a frame of base-``2 peak + 1`` digits, ``per`` to a byte."""
     radix = 2 * peak + 1
-    b = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() if data else torch.zeros(0, dtype=torch.long)
-    if b.numel() * per < n or (b.numel() and int(b.max()) >= radix ** per):
+    b = np.frombuffer(data, dtype=np.uint8)
+    if b.size * per < n or (b.size and int(b.max()) >= radix ** per):
         raise BundleFormatError(f"{what}: packed codes out of range")
     return _digit_table(peak, per)[b].reshape(-1)[:n]
 
 
 @functools.lru_cache(maxsize=64)
-def _digit_table(peak: int, per: int) -> torch.Tensor:
-    """``[256, per]`` float codes of every byte value (a gather beats integer division per code)."""
+def _digit_table(peak: int, per: int) -> np.ndarray:
+    """``[256, per]`` int8 codes of every byte value (a gather beats integer division per code;
+    packing needs ``(2 peak + 1)**2 <= 256``, so every digit fits an int8)."""
     radix = 2 * peak + 1
-    return ((torch.arange(256)[:, None] // radix ** torch.arange(per)) % radix - peak).float()
+    return ((np.arange(256)[:, None] // radix ** np.arange(per)) % radix - peak).astype(np.int8)
 
 
 def spread_bins(codes: torch.Tensor) -> torch.Tensor:
@@ -233,48 +237,68 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
 
 def decode_params(params: torch.Tensor, h: int, d: int, what: str, coding: str = DEFAULT_CODING):
     """``(step, mean)`` float32 ``[H, D]`` and ``bins`` uint8 ``[H * D]`` of a params blob."""
-    par = decompress_frame(params.numpy().tobytes(), 5 * h * d, f"{what}.params", coding)
-    p = torch.frombuffer(bytearray(par[:4 * h * d]), dtype=torch.float16).float().view(2, h, d)
-    return p[0], p[1], torch.frombuffer(bytearray(par[4 * h * d:]), dtype=torch.uint8)
+    par = decompress_frame(params.numpy(), 5 * h * d, f"{what}.params", coding)
+    p = torch.from_numpy(np.frombuffer(par, dtype=np.float16, count=2 * h * d).astype(np.float32)).view(2, h, d)
+    return p[0], p[1], torch.from_numpy(np.frombuffer(par, dtype=np.uint8, offset=4 * h * d).copy())
+
+
+def decode_role_ints(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, t: int, what: str,
+                     coding: str = DEFAULT_CODING) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The entropy-decoding half of :func:`decode_role` (host work: inflate, unpack, reorder):
+    integer codes ``[H * D, T]`` (channel-major; int8 where the role's codes are one byte wide,
+    else int16) and float32 ``step``, ``mean`` ``[H, D]``. Integers are what a GPU load ships:
+    a half or a quarter of the float32 bytes, dequantized on the device. The bookkeeping is
+    numpy (a load runs this 60 times per chunk; torch's per-call overhead was most of it)."""
+    if codes.dtype != torch.uint8 or params.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() < 2:
+        raise BundleFormatError(f"{what}: codes and params must be uint8 [n]")
+    raw = memoryview(codes.numpy())  # frames are sliced out without copies
+    width, n_frames = raw[0], raw[1]
+    if width not in (1, 2):
+        raise BundleFormatError(f"{what}.codes has an unknown code width {width}")
+    step, mean, bins = decode_params(params, h, d, what, coding)
+    order = np.argsort(bins.numpy(), kind="stable")
+    counts = np.bincount(bins.numpy())
+    counts = counts[counts > 0].tolist()
+    head = 2 + 6 * n_frames
+    if len(counts) != n_frames or len(raw) < head:
+        raise BundleFormatError(f"{what}.codes holds {n_frames} frames, its bins need {len(counts)}")
+    sizes = np.frombuffer(raw, dtype="<i4", count=n_frames, offset=2).tolist()
+    peaks = np.frombuffer(raw, dtype="<i2", count=n_frames, offset=2 + 4 * n_frames).tolist()
+    if any(s < 0 for s in sizes) or any(p < 0 for p in peaks) or head + sum(sizes) != len(raw):
+        raise BundleFormatError(f"{what}.codes: its frame sizes do not add up")
+    dtype = np.int8 if width == 1 else np.dtype("<i2")
+    ints = np.zeros((h * d, t), dtype=dtype)
+    o, pos = 0, head
+    for n, size, peak in zip(counts, sizes, peaks):  # each bin's channels, in bin order
+        per = codes_per_byte(peak)
+        rows = order[o:o + n]
+        if per > 1:
+            nbytes = -(-n * t // per)
+            data = decompress_frame(raw[pos:pos + size], nbytes, f"{what}.codes", coding) if nbytes else b""
+            ints[rows] = unpack_codes(data, n * t, peak, per, what).reshape(n, t)
+        elif per == 1:
+            data = decompress_frame(raw[pos:pos + size], width * n * t, f"{what}.codes", coding)
+            ints[rows] = np.frombuffer(data, dtype=dtype).reshape(n, t)
+        elif size:
+            raise BundleFormatError(f"{what}.codes: an all-zero frame holds bytes")
+        o, pos = o + n, pos + size
+    return torch.from_numpy(ints), step, mean
+
+
+def dequantize_ints(ints: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,
+                    h: int, d: int) -> torch.Tensor:
+    """Integer codes ``[L, H * D, T]`` -> float32 ``[L, H, T, D]`` (``step``/``mean`` ``[L, H, D]``,
+    ``levels`` ``[L, T]``), on whatever device the inputs are: :func:`dequantize_codes` for
+    several layers at once."""
+    n_layers, t = ints.shape[0], ints.shape[-1]
+    return dequantize_codes(ints.view(n_layers, h, d, t).transpose(2, 3).float(), step, mean, levels)
 
 
 def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str,
                 coding: str = DEFAULT_CODING):
     """Inverse of :func:`encode_role` (before the inverse transform): float32 ``[H, T, D]``."""
-    t = levels.numel()
-    if codes.dtype != torch.uint8 or params.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() < 2:
-        raise BundleFormatError(f"{what}: codes and params must be uint8 [n]")
-    raw = codes.numpy().tobytes()
-    width, n_frames = raw[0], raw[1]
-    if width not in (1, 2):
-        raise BundleFormatError(f"{what}.codes has an unknown code width {width}")
-    step, mean, bins = decode_params(params, h, d, what, coding)
-    order = torch.argsort(bins, stable=True)
-    _, counts = torch.unique_consecutive(bins[order], return_counts=True)
-    head = 2 + 6 * n_frames
-    if len(counts) != n_frames or len(raw) < head:
-        raise BundleFormatError(f"{what}.codes holds {n_frames} frames, its bins need {len(counts)}")
-    sizes = torch.frombuffer(bytearray(raw[2:2 + 4 * n_frames]), dtype=torch.int32).tolist() if n_frames else []
-    peaks = torch.frombuffer(bytearray(raw[2 + 4 * n_frames:head]), dtype=torch.int16).tolist() if n_frames else []
-    if any(s < 0 for s in sizes) or any(p < 0 for p in peaks) or head + sum(sizes) != len(raw):
-        raise BundleFormatError(f"{what}.codes: its frame sizes do not add up")
-    dtype = torch.int8 if width == 1 else torch.int16
-    rows = torch.zeros(h * d, t, dtype=torch.float32)
-    o, pos = 0, head
-    for n, size, peak in zip(counts.tolist(), sizes, peaks):
-        per = codes_per_byte(peak)
-        if per > 1:
-            nbytes = -(-n * t // per)
-            data = decompress_frame(raw[pos:pos + size], nbytes, f"{what}.codes", coding) if nbytes else b""
-            rows[order[o:o + n]] = unpack_codes(data, n * t, peak, per, what).view(n, t)
-        elif per == 1:
-            data = decompress_frame(raw[pos:pos + size], width * n * t, f"{what}.codes", coding)
-            rows[order[o:o + n]] = torch.frombuffer(bytearray(data), dtype=dtype).view(n, t).float() if data \
-                else torch.zeros(n, t)
-        elif size:
-            raise BundleFormatError(f"{what}.codes: an all-zero frame holds bytes")
-        o, pos = o + n, pos + size
-    return dequantize_codes(rows.view(h, d, t).transpose(1, 2), step, mean, levels)
+    ints, step, mean = decode_role_ints(codes, params, h, d, levels.numel(), what, coding)
+    return dequantize_ints(ints[None], step[None], mean[None], levels[None], h, d)[0]
 
 
 def integer_codes(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str,
@@ -331,8 +355,11 @@ class EntropyQuantizer(Quantizer):
             levels = torch.zeros(t, dtype=torch.uint8)
         return {**self.encode_layer(k, v, steps, levels), "levels": levels.to(torch.uint8)}, self.meta(h, d)
 
-    @classmethod
-    def dequantize(cls, tensors, prefix, quant_meta):
+    @staticmethod
+    def _decoded(tensors, prefix: str, quant_meta: dict):
+        """Host half of decoding one role of one layer (``layers.i.keys``): its checked integer
+        codes, step, mean and levels, and the positions RoPE needs (None: values, or keys
+        stored after RoPE; a ``[T]`` tensor: the chunk's; ``[H, T]``: the layer's own)."""
         layer, role = prefix.rsplit(".", 1)
         h, d = quant_meta.get("n_heads"), quant_meta.get("head_dim")
         if not all(isinstance(x, int) and x > 0 for x in (h, d)):
@@ -344,12 +371,54 @@ class EntropyQuantizer(Quantizer):
         if levels.numel() and int(levels.max()) > MAX_LEVEL:
             raise BundleFormatError(f"{layer}: a token level above {MAX_LEVEL}")
         coding = quant_meta.get("coding", "zstd")  # bundles before 1.6 may predate the key; the frames refuse others
-        x = decode_role(need(tensors, f"{prefix}.codes").cpu(), need(tensors, f"{prefix}.params").cpu(), h, d,
-                        levels, prefix, coding)
-        theta = quant_meta.get("key_rope_theta")
-        if role == "keys" and theta:
+        ints, step, mean = decode_role_ints(need(tensors, f"{prefix}.codes").cpu(), need(tensors, f"{prefix}.params").cpu(),
+                                            h, d, levels.numel(), prefix, coding)
+        pos = None
+        if role == "keys" and quant_meta.get("key_rope_theta"):
             pos = tensors.get(f"{layer}.positions")
-            if pos is None:
-                pos = need(tensors, "positions").unsqueeze(0).expand(h, -1)
-            x = tf.rope(x, pos.cpu(), float(theta))
-        return x.contiguous()
+            pos = need(tensors, "positions") if pos is None else pos
+        return ints, step, mean, levels, pos
+
+    @classmethod
+    def dequantize(cls, tensors, prefix, quant_meta):
+        return cls._dense(tensors, [prefix], quant_meta, torch.device("cpu"))[0].contiguous()
+
+    @classmethod
+    def dequantize_into(cls, out: torch.Tensor, tensors, prefixes: list[str], quant_meta: dict,
+                        block: int | None = None) -> None:
+        """Several layers of one role (``prefixes``, e.g. ``layers.i.keys``) into ``out [L, H, T,
+        D]`` (a cache slice, any float dtype, any device): the codes are entropy-decoded on the
+        host, and the integers (1-2 bytes per element instead of float32's 4) go to ``out``'s
+        device. On a GPU every layer is dequantized and RoPE'd in one stacked pass (a few
+        launches per chunk); on a CPU one layer at a time, so its floats stay in the cache
+        (``block``: layers per pass, to test either way on any device)."""
+        block = block or (len(prefixes) if out.device.type != "cpu" else 1)
+        for i in range(0, len(prefixes), block):
+            x = cls._dense(tensors, prefixes[i:i + block], quant_meta, out.device)
+            if tuple(x.shape) != tuple(out[i:i + block].shape):
+                raise BundleFormatError(f"{prefixes[i]}: shape {list(x.shape[1:])} does not fit its cache slot "
+                                        f"{list(out.shape[1:])}")
+            out[i:i + block].copy_(x)
+
+    @classmethod
+    def _dense(cls, tensors, prefixes: list[str], quant_meta: dict, device: torch.device) -> torch.Tensor:
+        """float32 ``[L, H, T, D]`` of ``prefixes`` (one role) on ``device``."""
+        parts = [cls._decoded(tensors, p, quant_meta) for p in prefixes]
+        h, d = quant_meta["n_heads"], quant_meta["head_dim"]
+        if len({p[0].shape for p in parts}) != 1:
+            raise BundleFormatError(f"{prefixes[0]}..: layers hold different numbers of tokens; load them one by one")
+        wide = len({p[0].dtype for p in parts}) > 1  # one-byte and two-byte layers: stack as int16
+        ints = torch.stack([p[0].to(torch.int16) if wide else p[0] for p in parts])
+        step, mean, levels = (torch.stack([p[i] for p in parts]) for i in (1, 2, 3))
+        ints, step, mean, levels = (y.to(device, non_blocking=True) for y in (ints, step, mean, levels))
+        x = dequantize_ints(ints, step, mean, levels, h, d)
+        positions = [p[4] for p in parts]
+        if positions[0] is None:
+            return x
+        n_layers, t = x.shape[0], x.shape[2]
+        if all(p.dim() == 1 for p in positions) and all(p is positions[0] for p in positions):
+            pos = positions[0]  # the chunk's: one table for every layer and head
+        else:
+            pos = torch.stack([p if p.dim() == 2 else p.unsqueeze(0).expand(h, -1) for p in positions]).view(-1, t)
+        theta = float(quant_meta["key_rope_theta"])
+        return tf.rope(x.view(n_layers * h, t, d), pos.cpu(), theta).view(n_layers, h, t, d)
