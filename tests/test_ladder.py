@@ -68,6 +68,13 @@ def test_transforms_are_exact_inverses():
     torch.testing.assert_close(h @ h.T, torch.eye(64), rtol=0, atol=1e-6)
 
 
+def test_rope_tables_are_built_on_the_keys_device():
+    """A GPU load rotates decoded keys on the GPU: the angle tables must be made where the
+    positions are (the meta device stands in for CUDA here; a CPU-made table fails there)."""
+    k, pos = torch.empty(3, 5, 8, device="meta"), torch.arange(5, device="meta")
+    assert tf.rope(k, pos, 1e4).device.type == "meta" and tf.unrope(k, pos, 1e4).device.type == "meta"
+
+
 def test_pre_rope_keys_and_rotated_values_lower_the_error():
     """Real keys carry RoPE; here: channels with a stable offset, rotated by position."""
     g = torch.Generator().manual_seed(3)

@@ -54,7 +54,7 @@ def _cos_sin_cached(raw: bytes, dtype, shape: tuple, d: int, theta: float):
 
 
 def _cos_sin_of(positions: torch.Tensor, d: int, theta: float):
-    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) / d)
     ang = positions.to(torch.float64)[..., None] * inv  # [..., d/2]
     ang = torch.cat([ang, ang], dim=-1)
     return ang.cos().float(), ang.sin().float()
