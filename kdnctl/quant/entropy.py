@@ -130,9 +130,14 @@ def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, leve
 
 
 def dequantize_codes(codes: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """``codes [..., H, T, D]`` with ``step``/``mean`` ``[..., H, D]`` and ``levels [..., T]``."""
-    div = step[..., None, :] / torch.pow(2.0, levels.float())[..., None, :, None]
-    return codes * div + mean[..., None, :]
+    """``codes [..., H, T, D]`` with ``step``/``mean`` ``[..., H, D]`` and ``levels [..., T]``:
+    ``code * step / 2**level + mean``. Scaling by a power of two is exact, so multiplying by the
+    step first and by ``2**-level`` after (only where a level is set) gives the same floats
+    without a full-size ``step / 2**level`` temporary."""
+    x = codes * step[..., None, :]
+    if levels.numel() and bool(levels.any()):
+        x.mul_(torch.pow(2.0, -levels.float())[..., None, :, None])
+    return x.add_(mean[..., None, :])
 
 
 def codes_per_byte(peak: int) -> int:
@@ -356,7 +361,7 @@ class EntropyQuantizer(Quantizer):
         return {**self.encode_layer(k, v, steps, levels), "levels": levels.to(torch.uint8)}, self.meta(h, d)
 
     @staticmethod
-    def _decoded(tensors, prefix: str, quant_meta: dict):
+    def host_decode(tensors, prefix: str, quant_meta: dict):
         """Host half of decoding one role of one layer (``layers.i.keys``): its checked integer
         codes, step, mean and levels, and the positions RoPE needs (None: values, or keys
         stored after RoPE; a ``[T]`` tensor: the chunk's; ``[H, T]``: the layer's own)."""
@@ -403,7 +408,7 @@ class EntropyQuantizer(Quantizer):
     @classmethod
     def _dense(cls, tensors, prefixes: list[str], quant_meta: dict, device: torch.device) -> torch.Tensor:
         """float32 ``[L, H, T, D]`` of ``prefixes`` (one role) on ``device``."""
-        parts = [cls._decoded(tensors, p, quant_meta) for p in prefixes]
+        parts = [cls.host_decode(tensors, p, quant_meta) for p in prefixes]
         h, d = quant_meta["n_heads"], quant_meta["head_dim"]
         if len({p[0].shape for p in parts}) != 1:
             raise BundleFormatError(f"{prefixes[0]}..: layers hold different numbers of tokens; load them one by one")

@@ -1,0 +1,134 @@
+"""Where the load time of an entropy-coded (``ec``) version goes, on the host.
+
+    python bench/ec_decode.py [--tokens 2048] [--repeats 5] [--threads 1,2]
+
+Builds one document of ``--tokens`` tokens (the example corpus, as ``bench/ttft.py`` does),
+stores the shipped default (``kdnctl compress`` with no options: ``--budget 0.25``, ``ec``) and
+times, as medians of ``--repeats`` in one run:
+
+* inflate: the time spent inside the frame decoder (``entropy.decompress_frame``: zlib's
+  inflate, which releases the GIL) during a host decode of every chunk;
+* host decode: every layer and role of every chunk to integers, step, mean and levels
+  (``EntropyQuantizer.host_decode``: inflate + unpack + reorder), what a GPU load does on the
+  host before shipping the integers; with ``--threads`` worker threads over the chunks;
+* CPU load: ``load_document`` of the version onto the CPU (host decode + dequantize + RoPE +
+  placement), and of ``full`` for scale.
+
+The bytes and time per chunk say what a faster decoder would have to beat; the thread column
+says how far Python threads get while part of the work holds the GIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ttft import corpus_text  # noqa: E402
+
+from kdnctl.bundle import decode_bundle, tensor_name  # noqa: E402
+from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.corpus import Document  # noqa: E402
+from kdnctl.engine.hf import load_document  # noqa: E402
+from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
+from kdnctl.model import load_model  # noqa: E402
+from kdnctl.quant import entropy  # noqa: E402
+from kdnctl.store import Store  # noqa: E402
+
+
+def host_decode_all(bundles, n_layers: int, threads: int) -> None:
+    def one(b):
+        q = b.meta["quant"]
+        for i in range(n_layers):
+            for role in entropy.ROLES:
+                entropy.EntropyQuantizer.host_decode(b.tensors, tensor_name(i, role), q)
+
+    if threads <= 1:
+        for b in bundles:
+            one(b)
+        return
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(one, bundles))
+
+
+def inflate_seconds(bundles, n_layers: int) -> float:
+    """Seconds inside ``decompress_frame`` during one single-threaded host decode."""
+    spent = [0.0]
+    real = entropy.decompress_frame
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    entropy.decompress_frame = timed
+    try:
+        host_decode_all(bundles, n_layers, 1)
+    finally:
+        entropy.decompress_frame = real
+    return spent[0]
+
+
+def med(fn, n: int) -> float:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", default="1,2", help="worker threads for the host decode, comma-separated")
+    ap.add_argument("--torch-threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    lm = load_model()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = Store(Path(tmp) / "store")
+        text = corpus_text(lm.tokenizer, args.tokens)
+        doc = Document("bench.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
+        ingest_documents(store, lm, [doc], IngestOptions())
+        with store.writer():
+            res = compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="default")
+        version = store.get_version(doc.doc_id, "default")
+        bundles = [decode_bundle(store.read_object(c.object)) for c in version.chunks]
+        n_layers = bundles[0].n_layers
+        n_tokens = sum(b.n_tokens for b in bundles)
+        stored = sum(c.nbytes for c in version.chunks)
+        inflate = statistics.median(inflate_seconds(bundles, n_layers) for _ in range(args.repeats))
+        rows = [(th, med(lambda: host_decode_all(bundles, n_layers, th), args.repeats))
+                for th in (int(x) for x in args.threads.split(","))]
+        load_ec = med(lambda: load_document(lm, store, doc.doc_id, "default", workers=1), args.repeats)
+        load_full = med(lambda: load_document(lm, store, doc.doc_id, "full", workers=1), args.repeats)
+        store.close()
+    n_chunks = len(bundles)
+    single = rows[0][1]
+    print(f"{n_tokens} tokens, {n_chunks} chunks, default version {stored / 1e6:.1f} MB "
+          f"({res.fraction_of_fp16:.3f} of fp16); torch threads {args.torch_threads}; medians of {args.repeats}\n")
+    print("| step | seconds | ms per chunk | share of the host decode (1 thread) |")
+    print("|---|---:|---:|---:|")
+    print(f"| inflate (inside decompress_frame) | {inflate:.4f} | {1e3 * inflate / n_chunks:.2f} | {inflate / single:.0%} |")
+    for th, s in rows:
+        print(f"| host decode, {th} thread(s) | {s:.4f} | {1e3 * s / n_chunks:.2f} | {s / single:.0%} |")
+    print(f"| CPU load of the default (load_document, 1 worker) | {load_ec:.4f} | {1e3 * load_ec / n_chunks:.2f} | - |")
+    print(f"| CPU load of full (fp32, for scale) | {load_full:.4f} | {1e3 * load_full / n_chunks:.2f} | - |")
+
+
+if __name__ == "__main__":
+    main()
