@@ -11,8 +11,8 @@ times, as medians of ``--repeats`` in one run:
 * host decode: every layer and role of every chunk to integers, step, mean and levels
   (``EntropyQuantizer.host_decode``: inflate + unpack + reorder), what a GPU load does on the
   host before shipping the integers; with ``--threads`` worker threads over the chunks;
-* CPU load: ``load_document`` of the version onto the CPU (host decode + dequantize + RoPE +
-  placement), and of ``full`` for scale.
+* load: ``load_document`` of the version onto ``--device`` (host decode + dequantize + RoPE +
+  placement; on a GPU the integers are dequantized there), and of ``full`` for scale.
 
 The bytes and time per chunk say what a faster decoder would have to beat; the thread column
 says how far Python threads get while part of the work holds the GIL.
@@ -96,9 +96,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1,2", help="worker threads for the host decode, comma-separated")
     ap.add_argument("--torch-threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="where the loaded cache goes: cpu or cuda (model fp32)")
     args = ap.parse_args()
     torch.set_num_threads(args.torch_threads)
-    lm = load_model()
+    lm = load_model(device=args.device, dtype="float32")
     with tempfile.TemporaryDirectory() as tmp:
         store = Store(Path(tmp) / "store")
         text = corpus_text(lm.tokenizer, args.tokens)
@@ -114,20 +115,27 @@ def main() -> None:
         inflate = statistics.median(inflate_seconds(bundles, n_layers) for _ in range(args.repeats))
         rows = [(th, med(lambda: host_decode_all(bundles, n_layers, th), args.repeats))
                 for th in (int(x) for x in args.threads.split(","))]
-        load_ec = med(lambda: load_document(lm, store, doc.doc_id, "default", workers=1), args.repeats)
-        load_full = med(lambda: load_document(lm, store, doc.doc_id, "full", workers=1), args.repeats)
+        def load(label):
+            load_document(lm, store, doc.doc_id, label, workers=1)
+            if lm.device.type == "cuda":
+                torch.cuda.synchronize(lm.device)
+
+        load_ec = med(lambda: load("default"), args.repeats)
+        load_full = med(lambda: load("full"), args.repeats)
         store.close()
     n_chunks = len(bundles)
     single = rows[0][1]
     print(f"{n_tokens} tokens, {n_chunks} chunks, default version {stored / 1e6:.1f} MB "
-          f"({res.fraction_of_fp16:.3f} of fp16); torch threads {args.torch_threads}; medians of {args.repeats}\n")
+          f"({res.fraction_of_fp16:.3f} of fp16); loads onto {lm.device}; torch threads {args.torch_threads}; "
+          f"medians of {args.repeats}\n")
     print("| step | seconds | ms per chunk | share of the host decode (1 thread) |")
     print("|---|---:|---:|---:|")
     print(f"| inflate (inside decompress_frame) | {inflate:.4f} | {1e3 * inflate / n_chunks:.2f} | {inflate / single:.0%} |")
     for th, s in rows:
         print(f"| host decode, {th} thread(s) | {s:.4f} | {1e3 * s / n_chunks:.2f} | {s / single:.0%} |")
-    print(f"| CPU load of the default (load_document, 1 worker) | {load_ec:.4f} | {1e3 * load_ec / n_chunks:.2f} | - |")
-    print(f"| CPU load of full (fp32, for scale) | {load_full:.4f} | {1e3 * load_full / n_chunks:.2f} | - |")
+    where = lm.device.type.upper()
+    print(f"| {where} load of the default (load_document, 1 worker) | {load_ec:.4f} | {1e3 * load_ec / n_chunks:.2f} | - |")
+    print(f"| {where} load of full (fp32, for scale) | {load_full:.4f} | {1e3 * load_full / n_chunks:.2f} | - |")
 
 
 if __name__ == "__main__":

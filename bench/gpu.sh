@@ -7,9 +7,11 @@
 #   e2e        the real SmolLM2 on CUDA: load == prefill, int8 dequantized on device (pytest)
 #   ttft       bench/ttft.py --device cuda --profile (the README's GPU table)
 #   kbench     bench/kernels.py (Triton vs torch reference timings on the GPU)
+#   ecdecode   bench/ec_decode.py --device cuda (where an ec load's host time goes; threads 1-16)
 #   quality    bench/quality.py on CUDA with $QUALITY_ARGS
 #   qshards    the same split over $SHARDS processes (--shard I/N, one store each; the host CPU,
 #              where compress runs, is the limit), then --merge into $OUT/quality.json
+# bench/gpu_prepare.sh makes the wheels and model halves on the CPU machine first.
 # Logs go to $OUT (the device tool's folder) or ./gpu-out. The model travels as two halves
 # because one call carries at most 64 MiB; its sha256 is checked after joining.
 set -u
@@ -50,6 +52,7 @@ for s in "$@"; do
     e2e) stage e2e python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py ;;
     ttft) stage ttft python3 bench/ttft.py --device cuda --profile --sizes "${TTFT_SIZES:-1024,2048,4096,8000}" --repeats 5 ;;
     kbench) stage kbench python3 bench/kernels.py ;;
+    ecdecode) stage ecdecode python3 bench/ec_decode.py --device cuda --tokens 8000 --repeats 3 --threads 1,4,8,16 ;;
     quality) stage quality python3 bench/quality.py --device cuda ${QUALITY_ARGS:-} ;;
     qshards)
         n=${SHARDS:-12}
