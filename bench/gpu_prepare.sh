@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 for p in /.whl/ /.gguf/; do grep -qxF "$p" .git/info/exclude 2>/dev/null || echo "$p" >> .git/info/exclude; done
 # the versions installed here, for the GPU machine's Python 3.12
-pkgs=$($PY -m pip list --format=freeze 2>/dev/null | grep -iE '^(gguf|lmdb|starlette|uvicorn|blake3|zstandard)==')
+pkgs=$($PY -m pip list --format=freeze 2>/dev/null | grep -iE '^(gguf|lmdb|starlette|uvicorn|blake3|zstandard|isal)==')
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $pkgs

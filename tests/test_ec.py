@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdnctl.allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
-from kdnctl.errors import BundleFormatError
+from kdnctl.errors import BundleFormatError, InputError
 from kdnctl.quant import dequantize_tensors, get_quantizer
 from kdnctl.quant.entropy import EntropyQuantizer, encode_role
 from kdnctl.quant.sensitivity import key_weights, naive_key_weights, pair_mean, value_weights
@@ -173,12 +173,16 @@ def test_zstd_bundles_before_1_6_still_decode():
         dequantize_tensors(full, "layers.0.keys", {**meta, "coding": "lz4"})
 
 
-@pytest.mark.parametrize("coding", ["deflate", "zstd"])
-def test_mutated_blobs_raise_only_format_errors(coding):
+@pytest.mark.parametrize("coding,inflater", [("deflate", "isal"), ("deflate", "zlib"), ("zstd", "isal")])
+def test_mutated_blobs_raise_only_format_errors(coding, inflater, monkeypatch):
     """Codes and params blobs behind a valid digest (a hostile remote store) are decoded, not
     trusted: random flips, overwrites, truncations and insertions give a BundleFormatError or
-    K/V of the right shape, never another exception or an unbounded allocation."""
+    K/V of the right shape, never another exception or an unbounded allocation; with either
+    inflate (ISA-L's errors are not zlib's)."""
     import random
+
+    from kdnctl.quant import entropy
+    monkeypatch.setattr(entropy, "INFLATER", inflater)
     torch.manual_seed(7)
     k, v = torch.randn(3, 29, 16) * 2, torch.randn(3, 29, 16)
     tensors, meta = EntropyQuantizer(coding=coding).quantize_layer(k, v)
@@ -209,6 +213,23 @@ def test_mutated_blobs_raise_only_format_errors(coding):
         except Exception as exc:  # noqa: BLE001 - the point of the test
             pytest.fail(f"case {case} ({name}, op {op}): {type(exc).__name__}: {str(exc)[:200]}")
     assert outcomes["error"] > 300, outcomes
+
+
+def test_both_inflaters_decode_the_same_bytes(monkeypatch):
+    """ISA-L's inflate (the default where python-isal is installed) and zlib's give the same
+    bytes for the same frames, and both refuse a truncated frame with a format error."""
+    from kdnctl.quant import entropy
+    pytest.importorskip("isal")
+    assert entropy.inflate_module("isal") is not entropy.inflate_module("zlib")
+    data = bytes(torch.randint(0, 9, (10_000,), generator=torch.Generator().manual_seed(8)).to(torch.uint8).tolist())
+    frame = entropy.deflate_compress(data)
+    for name in ("isal", "zlib"):
+        monkeypatch.setattr(entropy, "INFLATER", name)
+        assert entropy.decompress_frame(frame, len(data), "x", "deflate") == data
+        with pytest.raises(BundleFormatError):
+            entropy.decompress_frame(frame[:-3], len(data), "x", "deflate")
+    with pytest.raises(InputError):
+        entropy.inflate_module("gzip")
 
 
 def test_huffman_only_frames_are_smaller_than_zstd_on_noise_like_codes():
