@@ -115,9 +115,11 @@ def test_stacked_layers_decode_as_each_layer_alone(own_positions):
         names = [f"layers.{i}.{role}" for i in range(n_layers)]
         alone = torch.stack([EntropyQuantizer.dequantize(tensors, n, meta) for n in names])
         for block, dtype in ((n_layers, torch.float32), (1, torch.float32), (3, torch.float16)):
-            out = torch.full((n_layers, h, t, d), float("nan"), dtype=dtype)
+            cache = torch.full((n_layers, h, t + 7, d), float("nan"), dtype=dtype)
+            out = cache[:, :, 2:2 + t]  # a slot of a cache with room around it, as a load writes
             EntropyQuantizer.dequantize_into(out, tensors, names, meta, block=block)
             assert torch.equal(out, alone.to(dtype)), (role, block, dtype)
+            assert cache[:, :, :2].isnan().all() and cache[:, :, 2 + t:].isnan().all()  # nothing else written
     with pytest.raises(BundleFormatError):  # a slot of the wrong size is refused, not broadcast into
         EntropyQuantizer.dequantize_into(torch.empty(n_layers, h, t + 1, d), tensors, names, meta)
 
