@@ -151,14 +151,9 @@ def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, leve
 
 
 def dequantize_codes(codes: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """``codes [..., H, T, D]`` with ``step``/``mean`` ``[..., H, D]`` and ``levels [..., T]``:
-    ``code * step / 2**level + mean``. Scaling by a power of two is exact, so multiplying by the
-    step first and by ``2**-level`` after (only where a level is set) gives the same floats
-    without a full-size ``step / 2**level`` temporary."""
-    x = codes * step[..., None, :]
-    if levels.device.type != "cpu" or bool(levels.any()):  # (on a GPU: multiply rather than sync to ask)
-        x.mul_(torch.pow(2.0, -levels.float())[..., None, :, None])
-    return x.add_(mean[..., None, :])
+    """``codes [..., H, T, D]`` with ``step``/``mean`` ``[..., H, D]`` and ``levels [..., T]``."""
+    div = step[..., None, :] / torch.pow(2.0, levels.float())[..., None, :, None]
+    return codes * div + mean[..., None, :]
 
 
 def codes_per_byte(peak: int) -> int:

@@ -60,28 +60,18 @@ def _cos_sin_of(positions: torch.Tensor, d: int, theta: float):
     return ang.cos().float(), ang.sin().float()
 
 
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+
+
 def rope(keys: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """Apply RoPE: ``keys [H, T, D]`` at ``positions [H, T]`` (or ``[T]``)."""
     cos, sin = _cos_sin(positions.to(keys.device), keys.shape[-1], theta)
     if cos.dim() == 2:
         cos, sin = cos.expand(keys.shape[0], -1, -1), sin.expand(keys.shape[0], -1, -1)
     k = keys.float()
-    return _rotate(k, cos, sin, 1.0)
-
-
-def _rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """``k * cos + sign * rotate_half(k) * sin`` with half-size temporaries only (a load of an
-    ``ec`` version rotates every decoded key; the same floats as the textbook formula)."""
-    h = k.shape[-1] // 2
-    out = k * cos
-    lo, hi = out[..., :h], out[..., h:]
-    if sign > 0:
-        lo -= k[..., h:] * sin[..., :h]
-        hi += k[..., :h] * sin[..., h:]
-    else:
-        lo += k[..., h:] * sin[..., :h]
-        hi -= k[..., :h] * sin[..., h:]
-    return out
+    return k * cos + _rotate_half(k) * sin
 
 
 def unrope(keys: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -90,4 +80,4 @@ def unrope(keys: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
     if cos.dim() == 2:
         cos, sin = cos.expand(keys.shape[0], -1, -1), sin.expand(keys.shape[0], -1, -1)
     k = keys.float()
-    return _rotate(k, cos, sin, -1.0)
+    return k * cos - _rotate_half(k) * sin
