@@ -85,20 +85,30 @@ def xent_bits(codes: torch.Tensor, family: str) -> float:
     return float(-p.clamp_min(2 ** -16).log2().sum())
 
 
+def probe_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options every K/V probe here shares (``bench/basis_probe.py`` too), parsed."""
+    ap.add_argument("--alpha", type=float, default=0.32)
+    ap.add_argument("--layers", default=",".join(str(i) for i in range(0, 30, 3)))
+    ap.add_argument("--max-tokens", type=int, default=1500)
+    return ap.parse_args()
+
+
+def probe_setup():
+    """``(lm, n_layers, kv heads, head dim, the realtext task rows)`` on one CPU thread."""
+    torch.set_num_threads(1)
+    lm = load_model()
+    cfg = lm.model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    rows = [json.loads(line) for line in open(ROOT / "examples/eval/realtext.jsonl")]
+    return lm, cfg.num_hidden_layers, cfg.num_key_value_heads, d, rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", default="10,11")
     ap.add_argument("--basis-doc", type=int, default=70)
-    ap.add_argument("--alpha", type=float, default=0.32)
-    ap.add_argument("--layers", default=",".join(str(i) for i in range(0, 30, 3)))
-    ap.add_argument("--max-tokens", type=int, default=1500)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    lm = load_model()
-    cfg = lm.model.config
-    n_layers, h = cfg.num_hidden_layers, cfg.num_key_value_heads
-    d = cfg.hidden_size // cfg.num_attention_heads
-    rows = [json.loads(line) for line in open(ROOT / "examples/eval/realtext.jsonl")]
+    args = probe_args(ap)
+    lm, n_layers, h, d, rows = probe_setup()
     layers = [int(i) for i in args.layers.split(",")]
     vw = value_weights(lm, n_layers, h, d)
 

@@ -27,12 +27,13 @@ from .bundle_header import (  # noqa: F401  (re-exported: the header format's na
 from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.6"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
+FORMAT_VERSION = "1.7"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
 # 1.2: ladder coding "zlib+params" (scales/zeros zlib-coded, stored as uint8)
 # 1.3: the entropy-coded ec layout (layers.i.<role>.codes/params zstd frames, token_levels)
 # 1.4: ec with layers of different lengths (--backfill): per-layer levels layers.i.levels
 # 1.5: ec with keys and values shifted apart (--backfill-key-shift): per-role levels layers.i.<role>.levels
 # 1.6: ec frames coded with raw deflate (meta quant.coding "deflate"; 1.3-1.5 wrote "zstd")
+# 1.7: ec keys coded in a per-model key basis (meta quant.key_basis, the basis file's sha256; --key-basis model)
 
 REQUIRED_META_KEYS = (
     "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",

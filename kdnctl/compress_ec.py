@@ -24,6 +24,7 @@ from .allocate import layer_fisher as lf
 from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
 from .bundle import KVBundle, derived_meta, encode_bundle, tensor_name
 from .errors import UsageError
+from .quant.basis import basis_for_model, load_basis
 from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
 from .quant.sensitivity import key_weights, value_weights
 from .versions import child_recipe
@@ -31,6 +32,18 @@ from .versions import child_recipe
 PROTECT_LEVEL = 2
 LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
+
+
+def key_basis_for(recipe, lm) -> str | None:
+    """The sha256 of the key basis ``recipe.key_basis`` asks for ("model": the one registered for
+    ``lm``'s fingerprint), or None ("none")."""
+    if recipe.key_basis == "none":
+        return None
+    sha = basis_for_model(lm.fingerprint)
+    if sha is None:
+        raise UsageError("--key-basis model: no key basis is registered for this model",
+                         hint="calibrate one with scripts/calibrate_key_basis.py, or pass --key-basis none")
+    return sha
 
 
 def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | None = None) -> torch.Tensor:
@@ -80,7 +93,12 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     cap = recipe.budget * fp16
     rope = bundles[0].meta["model"].get("rope") or {}
     theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
-    q = EntropyQuantizer(key_rope_theta=theta)
+    basis_sha = key_basis_for(recipe, lm)
+    q = EntropyQuantizer(key_rope_theta=theta, key_basis=basis_sha)
+    basis = load_basis(basis_sha) if basis_sha else None
+    if basis is not None and tuple(basis.shape) != (n_layers, n_heads, d, d):
+        raise UsageError(f"the key basis registered for this model is {list(basis.shape)}, its keys are "
+                         f"[{n_layers}, {n_heads}, {d}, {d}]", hint="re-calibrate it: scripts/calibrate_key_basis.py")
     header = int(bundles[0].meta.get("header_tokens", 0))
     rows = None
     all_keys, all_values = keys, values
@@ -117,7 +135,9 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     # a backfilled layer's steps are those of its kept tokens: 2**shift x the level-0 step
     base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * (2.0 ** s if i in backfill else 1)
                   for x, w, s in zip(xs[i], (kw, vw), shifts)) for i in range(n_layers)]
-    floors = [tuple(step_floor(x, finest + (s if i in backfill else 0)) for x, s in zip(xs[i], shifts))
+    # rotated rows reach sqrt(D) x a channel's largest code: the keys' floors make room for that
+    widen = (d ** 0.5 if basis is not None else 1.0, 1.0)
+    floors = [tuple(step_floor(x, finest + (s if i in backfill else 0)) * wd for x, s, wd in zip(xs[i], shifts, widen))
               for i in range(n_layers)]
     if recipe.layers == "fisher" and n_tokens > header:
         probe = lf.probe_ids(lm, token_ids, header)  # the document's own text, over the kept tokens' cache
@@ -135,8 +155,9 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             for i, (k, v) in enumerate(xs):
                 for role, x, s, fl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels):
                     a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, levels[ks:ke])
+                    axes = basis[i] if basis is not None and role == "keys" else None
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
-                        encode_role(x[:, a:b], s, lv, q.coding)
+                        encode_role(x[:, a:b], s, lv, q.coding, basis=axes)
             out.append(chunk)
         return out
 

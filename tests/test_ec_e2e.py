@@ -6,9 +6,14 @@ of kept tokens in every layer and head, the header and the last tokens among the
 
 from __future__ import annotations
 
+import zlib
+from pathlib import Path
+
 import pytest
 import torch
-import zlib
+from safetensors.torch import load_file
+
+import kdnctl
 
 from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, rope_by_hand, trimmed_store
 from conftest import run_cli
@@ -33,6 +38,7 @@ def store(tmp_path_factory, lm):
             for b in BUDGETS:
                 compress_document(st, doc, CompressRecipe(budget=b, quant="ec", protect=64), lm=lm)
             compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even"), lm=lm)
+            compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="model"), lm=lm)
             assert CompressRecipe(budget=0.083).default_label() == EVICT
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
             assert CompressRecipe(budget=0.083, backfill="12-23").default_label() == BACKFILL
@@ -127,7 +133,12 @@ def _by_hand(b, i, role):
         pos += size
     codes = rows
     step, mean = params
-    x = codes.view(h, d, t).transpose(1, 2) * (step[:, None, :] / 2 ** levels[None, :, None]) + mean[:, None, :]
+    codes = codes.view(h, d, t).transpose(1, 2)
+    if role == "keys" and q.get("key_basis"):  # codes in the basis's axes, in steps (format 1.7)
+        basis = load_file(str(Path(kdnctl.__file__).parent / "bases" / f"{q['key_basis']}.safetensors"))["basis"][i]
+        x = ((codes / 2 ** levels[None, :, None]) @ basis.transpose(1, 2)) * step[:, None, :] + mean[:, None, :]
+    else:
+        x = codes * (step[:, None, :] / 2 ** levels[None, :, None]) + mean[:, None, :]
     pos = b.tensors.get(f"layers.{i}.positions", b.tensors["positions"].expand(h, -1))
     return rope_by_hand(x, pos.long(), q["key_rope_theta"]) if role == "keys" else x
 
@@ -135,6 +146,25 @@ def _by_hand(b, i, role):
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_ec_bundle_loads_locally_and_remotely(lm, store, budget):
     assert_loads_as_decoded(lm, store, "faq.md", f"ec-b{budget:g}-p64", _by_hand)
+
+
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_key_basis_fills_the_same_cap_with_finer_steps(lm, store, doc):
+    """Keys coded in the shipped basis calibrated for this model (other man pages than any
+    evaluated one) take fewer bytes, so the same cap holds finer steps."""
+    from kdnctl.quant.basis import basis_for_model
+
+    v = store.get_version(doc, "ec-b0.25-p64-kbm")
+    cap = 0.25 * fp16_size(store, doc)
+    assert 0.97 * cap <= v.nbytes <= cap
+    meta = [read_meta(store.read_object(store.get_version(doc, lab).chunks[0].object)) for lab in ("ec-b0.25-p64", v.label)]
+    assert meta[1]["quant"]["key_basis"] == basis_for_model(lm.fingerprint) and "key_basis" not in meta[0]["quant"]
+    assert meta[1]["format_version"] == "1.7" and meta[1]["recipe"]["steps"][-1]["key_basis"] == "model"
+    assert meta[1]["quant"]["alpha"] < 0.95 * meta[0]["quant"]["alpha"]
+
+
+def test_key_basis_bundle_loads_locally_and_remotely(lm, store):
+    assert_loads_as_decoded(lm, store, "faq.md", "ec-b0.25-p64-kbm", _by_hand)
 
 
 @pytest.mark.parametrize("doc", list(DOCS))

@@ -52,6 +52,7 @@ from kdnctl.errors import BundleFormatError, InputError
 
 from . import transforms as tf
 from .base import Quantizer, check_kv, need
+from .basis import load_basis
 
 ROLES = ("keys", "values")
 ZSTD_LEVEL = 3  # how bundles before format 1.6 were written
@@ -144,16 +145,27 @@ def _u8(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
-def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Integer codes (as float) of ``x [H, T, D]``: ``round((x - mean) / (step / 2**level))``."""
-    div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]
-    return torch.round((x - mean[:, None, :]) / div)
+def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,
+                   basis: torch.Tensor | None = None) -> torch.Tensor:
+    """Integer codes (as float) of ``x [H, T, D]``: ``round((x - mean) / (step / 2**level))``;
+    with ``basis [H, D, D]`` (``kdnctl.quant.basis``) the step-normalised rows are first rotated
+    into its axes: ``round(((x - mean) / step) @ basis * 2**level)``."""
+    if basis is None:
+        div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]
+        return torch.round((x - mean[:, None, :]) / div)
+    u = (x - mean[:, None, :]) / step[:, None, :]
+    return torch.round((u @ basis) * torch.pow(2.0, levels.float())[None, :, None])
 
 
-def dequantize_codes(codes: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """``codes [..., H, T, D]`` with ``step``/``mean`` ``[..., H, D]`` and ``levels [..., T]``."""
-    div = step[..., None, :] / torch.pow(2.0, levels.float())[..., None, :, None]
-    return codes * div + mean[..., None, :]
+def dequantize_codes(codes: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,
+                     basis: torch.Tensor | None = None) -> torch.Tensor:
+    """``codes [..., H, T, D]`` with ``step``/``mean`` ``[..., H, D]``, ``levels [..., T]`` and
+    optionally ``basis [..., H, D, D]`` (the inverse of :func:`quantize_codes`)."""
+    if basis is None:
+        div = step[..., None, :] / torch.pow(2.0, levels.float())[..., None, :, None]
+        return codes * div + mean[..., None, :]
+    z = codes * torch.pow(2.0, -levels.float())[..., None, :, None]
+    return (z @ basis.transpose(-1, -2)) * step[..., None, :] + mean[..., None, :]
 
 
 def codes_per_byte(peak: int) -> int:
@@ -205,15 +217,16 @@ def spread_bins(codes: torch.Tensor) -> torch.Tensor:
 
 
 def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, coding: str = DEFAULT_CODING,
-                compress: Callable[[bytes], bytes] | None = None):
+                compress: Callable[[bytes], bytes] | None = None, basis: torch.Tensor | None = None):
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
     ``compress`` (bytes -> bytes) replaces the coder of the code frames, for measuring
-    other coders on the same frames (``bench/rate_probe.py``); bundles use ``coding``."""
+    other coders on the same frames (``bench/rate_probe.py``); bundles use ``coding``.
+    ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`)."""
     t = x.shape[1]
     step = step.to(torch.float16).float()
     mean = x.mean(1).to(torch.float16).float() if t else torch.zeros_like(step)
-    codes = quantize_codes(x, step, mean, levels)
+    codes = quantize_codes(x, step, mean, levels, basis)
     lim = float(codes.abs().max()) if codes.numel() else 0.0
     if lim > 32767:
         raise InputError(f"a quantization step of {float(step.min()):.3g} is too fine for values up to "
@@ -307,29 +320,29 @@ def decode_role_ints(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, 
 
 
 def dequantize_ints(ints: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,
-                    h: int, d: int) -> torch.Tensor:
+                    h: int, d: int, basis: torch.Tensor | None = None) -> torch.Tensor:
     """Integer codes ``[L, H * D, T]`` -> float32 ``[L, H, T, D]`` (``step``/``mean`` ``[L, H, D]``,
-    ``levels`` ``[L, T]``), on whatever device the inputs are: :func:`dequantize_codes` for
-    several layers at once."""
+    ``levels`` ``[L, T]``, ``basis`` None or ``[L, H, D, D]``), on whatever device the inputs
+    are: :func:`dequantize_codes` for several layers at once."""
     n_layers, t = ints.shape[0], ints.shape[-1]
-    return dequantize_codes(ints.view(n_layers, h, d, t).transpose(2, 3).float(), step, mean, levels)
+    return dequantize_codes(ints.view(n_layers, h, d, t).transpose(2, 3).float(), step, mean, levels, basis)
 
 
 def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str,
-                coding: str = DEFAULT_CODING):
+                coding: str = DEFAULT_CODING, basis: torch.Tensor | None = None):
     """Inverse of :func:`encode_role` (before the inverse transform): float32 ``[H, T, D]``."""
     ints, step, mean = decode_role_ints(codes, params, h, d, levels.numel(), what, coding)
-    return dequantize_ints(ints[None], step[None], mean[None], levels[None], h, d)[0]
+    return dequantize_ints(ints[None], step[None], mean[None], levels[None], h, d,
+                           None if basis is None else basis[None])[0]
 
 
 def integer_codes(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str,
-                  coding: str = DEFAULT_CODING) -> torch.Tensor:
+                  coding: str = DEFAULT_CODING, basis: torch.Tensor | None = None) -> torch.Tensor:
     """The integer codes ``[H, T, D]`` (as float) of one stored role, recovered from its decoded
     values (for re-framing the same codes: ``bench/ec_bits.py``, ``bench/ec_coders.py``)."""
-    x = decode_role(codes, params, h, d, levels, what, coding)
+    x = decode_role(codes, params, h, d, levels, what, coding, basis)
     step, mean, _ = decode_params(params, h, d, what, coding)
-    div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]
-    return torch.round((x - mean[:, None, :]) / div)
+    return quantize_codes(x, step, mean, levels, basis)
 
 
 @dataclass
@@ -340,6 +353,7 @@ class EntropyQuantizer(Quantizer):
     name = "ec"
     key_rope_theta: float | None = None  # set: keys are quantized before RoPE
     coding: str = DEFAULT_CODING  # "zstd" only to measure against bundles before format 1.6
+    key_basis: str | None = None  # sha256 of the per-model key basis (kdnctl.quant.basis) the keys are coded in
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
         k = tf.unrope(keys, positions, self.key_rope_theta) if self.key_rope_theta else keys.float()
@@ -360,6 +374,8 @@ class EntropyQuantizer(Quantizer):
         m = self.base_meta(torch.empty(0, 0, d), torch.empty(0, 0, d))
         m.pop("shapes")
         m.update(head_dim=d, n_heads=n_heads, key_rope_theta=self.key_rope_theta, coding=self.coding)
+        if self.key_basis:  # absent, not null: bundles before format 1.7 read the same
+            m["key_basis"] = self.key_basis
         return m
 
     def quantize_layer(self, keys, values, *, importance=None, positions=None, steps=None, levels=None):
@@ -432,7 +448,7 @@ class EntropyQuantizer(Quantizer):
         ints = torch.stack([p[0].to(torch.int16) if wide else p[0] for p in parts])
         step, mean, levels = (torch.stack([p[i] for p in parts]) for i in (1, 2, 3))
         ints, step, mean, levels = (y.to(device, non_blocking=True) for y in (ints, step, mean, levels))
-        x = dequantize_ints(ints, step, mean, levels, h, d)
+        x = dequantize_ints(ints, step, mean, levels, h, d, cls._basis(prefixes, quant_meta, h, d, device))
         positions = [p[4] for p in parts]
         if positions[0] is None:
             return x
@@ -443,3 +459,16 @@ class EntropyQuantizer(Quantizer):
             pos = torch.stack([p if p.dim() == 2 else p.unsqueeze(0).expand(h, -1) for p in positions]).view(-1, t)
         theta = float(quant_meta["key_rope_theta"])
         return tf.rope(x.view(n_layers * h, t, d), pos.cpu(), theta).view(n_layers, h, t, d)
+
+    @staticmethod
+    def _basis(prefixes: list[str], quant_meta: dict, h: int, d: int, device: torch.device) -> torch.Tensor | None:
+        """``[L, H, D, D]`` key axes of ``prefixes``' layers, or None (values; keys in channels)."""
+        sha = quant_meta.get("key_basis")
+        if sha is None or not prefixes[0].endswith(".keys"):
+            return None
+        basis = load_basis(sha)
+        layers = [int(p.split(".")[1]) for p in prefixes]
+        if tuple(basis.shape[1:]) != (h, d, d) or max(layers) >= basis.shape[0]:
+            raise BundleFormatError(f"key basis {sha[:12]} is {list(basis.shape)}, the bundle needs "
+                                    f"[>{max(layers)}, {h}, {d}, {d}]")
+        return basis[layers].to(device)
