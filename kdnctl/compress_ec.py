@@ -35,12 +35,12 @@ STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (di
 
 
 def key_basis_for(recipe, lm) -> str | None:
-    """The sha256 of the key basis ``recipe.key_basis`` asks for ("model": the one registered for
-    ``lm``'s fingerprint), or None ("none")."""
+    """The sha256 of the key basis ``recipe.key_basis`` asks for (the one registered for ``lm``'s
+    fingerprint: "auto" where there is one, "model" always), or None (keys in channels)."""
     if recipe.key_basis == "none":
         return None
     sha = basis_for_model(lm.fingerprint)
-    if sha is None:
+    if sha is None and recipe.key_basis == "model":
         raise UsageError("--key-basis model: no key basis is registered for this model",
                          hint="calibrate one with scripts/calibrate_key_basis.py, or pass --key-basis none")
     return sha

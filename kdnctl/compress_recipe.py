@@ -21,7 +21,7 @@ _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
 # --backfill: the evicted tokens' steps are 2**shift x the kept tokens' (the first version's 3 is the
 # default so its recipes and labels still match; bench/ec_bits.py measures what each shift stores)
 BACKFILL_SHIFT = 3
-KEY_BASES = ("none", "model")
+KEY_BASES = ("auto", "model", "none")
 MAX_BACKFILL_SHIFT = 4  # the protected tokens sit 2 levels up and ec's finest level is 6
 
 
@@ -51,7 +51,10 @@ class CompressRecipe:
     backfill: str | None = None  # ec with --keep: "A-B", layers where the evicted tokens are kept too, at coarse steps
     backfill_shift: int = BACKFILL_SHIFT  # their steps: 2**backfill_shift x the kept tokens'
     backfill_key_shift: int | None = None  # the keys' own shift (0 to MAX): None = backfill_shift
-    key_basis: str = "none"  # ec: "model" codes keys in the model's registered principal axes (kdnctl.quant.basis)
+    # ec: keys in the model's registered principal axes (kdnctl.quant.basis): "auto" where the
+    # model has a basis (unrecorded, like the frames' coder: versions made before keep their
+    # recipe and label), "model" (required), "none" (channels, as before format 1.7)
+    key_basis: str = "auto"
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -108,7 +111,7 @@ class CompressRecipe:
                                  param="backfill_key_shift")
         if self.key_basis not in KEY_BASES:
             raise UsageError(f"unknown key basis {self.key_basis!r}", hint=" or ".join(KEY_BASES), param="key_basis")
-        if self.key_basis != "none" and not (self.sized and self.quant == "ec"):
+        if self.key_basis != "auto" and not (self.sized and self.quant == "ec"):
             raise UsageError("--key-basis rotates the keys of the entropy-coded ec layout",
                              hint="use it with --budget B --quant ec", param="key_basis")
         wrapper, _, inner = str(self.method).partition(":")
@@ -140,7 +143,7 @@ class CompressRecipe:
             d["backfill_shift"] = self.backfill_shift
         if self.backfill_key_shift is not None:
             d["backfill_key_shift"] = self.backfill_key_shift
-        if self.key_basis != "none":  # absent: keys in channels, as every version before format 1.7
+        if self.key_basis != "auto":
             d["key_basis"] = self.key_basis
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
@@ -193,8 +196,8 @@ class CompressRecipe:
                     label += f"s{self.backfill_shift}"
                 if self.backfill_key_shift is not None:
                     label += f"ks{self.backfill_key_shift}"
-            if self.key_basis == "model":
-                label += "-kbm"
+            if self.key_basis != "auto":
+                label += {"model": "-kbm", "none": "-kb0"}[self.key_basis]
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):

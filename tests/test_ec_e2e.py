@@ -38,7 +38,7 @@ def store(tmp_path_factory, lm):
             for b in BUDGETS:
                 compress_document(st, doc, CompressRecipe(budget=b, quant="ec", protect=64), lm=lm)
             compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even"), lm=lm)
-            compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="model"), lm=lm)
+            compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="none"), lm=lm)
             assert CompressRecipe(budget=0.083).default_label() == EVICT
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
             assert CompressRecipe(budget=0.083, backfill="12-23").default_label() == BACKFILL
@@ -150,21 +150,23 @@ def test_ec_bundle_loads_locally_and_remotely(lm, store, budget):
 
 @pytest.mark.parametrize("doc", list(DOCS))
 def test_key_basis_fills_the_same_cap_with_finer_steps(lm, store, doc):
-    """Keys coded in the shipped basis calibrated for this model (other man pages than any
-    evaluated one) take fewer bytes, so the same cap holds finer steps."""
+    """By default keys are coded in the basis shipped for this model (calibrated on other man
+    pages than any evaluated one): they take fewer bytes, so the same cap holds finer steps than
+    keys in channels (``--key-basis none``, what every version before format 1.7 stored)."""
     from kdnctl.quant.basis import basis_for_model
 
-    v = store.get_version(doc, "ec-b0.25-p64-kbm")
     cap = 0.25 * fp16_size(store, doc)
-    assert 0.97 * cap <= v.nbytes <= cap
-    meta = [read_meta(store.read_object(store.get_version(doc, lab).chunks[0].object)) for lab in ("ec-b0.25-p64", v.label)]
-    assert meta[1]["quant"]["key_basis"] == basis_for_model(lm.fingerprint) and "key_basis" not in meta[0]["quant"]
-    assert meta[1]["format_version"] == "1.7" and meta[1]["recipe"]["steps"][-1]["key_basis"] == "model"
-    assert meta[1]["quant"]["alpha"] < 0.95 * meta[0]["quant"]["alpha"]
+    labels = ("ec-b0.25-p64", "ec-b0.25-p64-kb0")
+    assert all(0.97 * cap <= store.get_version(doc, lab).nbytes <= cap for lab in labels)
+    meta = [read_meta(store.read_object(store.get_version(doc, lab).chunks[0].object)) for lab in labels]
+    assert meta[0]["quant"]["key_basis"] == basis_for_model(lm.fingerprint) and "key_basis" not in meta[1]["quant"]
+    assert meta[0]["format_version"] == "1.7" and "key_basis" not in meta[0]["recipe"]["steps"][-1]
+    assert meta[1]["recipe"]["steps"][-1]["key_basis"] == "none"
+    assert meta[0]["quant"]["alpha"] < 0.95 * meta[1]["quant"]["alpha"]
 
 
-def test_key_basis_bundle_loads_locally_and_remotely(lm, store):
-    assert_loads_as_decoded(lm, store, "faq.md", "ec-b0.25-p64-kbm", _by_hand)
+def test_keys_in_channels_load_locally_and_remotely(lm, store):
+    assert_loads_as_decoded(lm, store, "faq.md", "ec-b0.25-p64-kb0", _by_hand)
 
 
 @pytest.mark.parametrize("doc", list(DOCS))

@@ -150,17 +150,92 @@ def test_recipe_validation_and_label():
 
     r = CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="model")
     assert r.default_label() == "ec-b0.25-p64-kbm" and r.as_dict()["key_basis"] == "model"
-    assert "key_basis" not in CompressRecipe(budget=0.25, quant="ec", protect=64).as_dict()
+    none = CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="none")
+    assert none.default_label() == "ec-b0.25-p64-kb0" and none.as_dict()["key_basis"] == "none"
+    # the default ("auto") is not recorded: versions made before keep their recipe and label
+    auto = CompressRecipe(budget=0.25)
+    assert auto.key_basis == "auto" and "key_basis" not in auto.as_dict() and auto.default_label() == "ec-b0.25-p64"
+    assert CompressRecipe(budget=0.083).default_label() == "ec-b0.083-k0.33-p64-sentences-local"
     with pytest.raises(UsageError, match="key basis"):
         CompressRecipe(budget=0.25, quant="ec", key_basis="pca")
-    with pytest.raises(UsageError, match="ec"):
-        CompressRecipe(budget=0.25, quant="uniform", key_basis="model")
+    for explicit in ("model", "none"):
+        with pytest.raises(UsageError, match="ec"):
+            CompressRecipe(budget=0.25, quant="uniform", key_basis=explicit)
+    CompressRecipe(budget=0.25, quant="uniform")  # auto means nothing outside ec, and is no error there
 
 
-def test_compress_without_a_registered_basis_is_refused(registry, tiny_lm, tmp_path):
+def test_which_basis_a_recipe_gets(registry, tiny_lm):
     from kdnctl.compress import CompressRecipe
     from kdnctl.compress_ec import key_basis_for
 
+    def asks(kind):
+        return CompressRecipe(budget=0.25, quant="ec", key_basis=kind)
+
     with pytest.raises(UsageError, match="no key basis is registered"):
-        key_basis_for(CompressRecipe(budget=0.25, quant="ec", key_basis="model"), tiny_lm)
-    assert key_basis_for(CompressRecipe(budget=0.25, quant="ec"), tiny_lm) is None
+        key_basis_for(asks("model"), tiny_lm)
+    assert key_basis_for(asks("auto"), tiny_lm) is None and key_basis_for(asks("none"), tiny_lm) is None
+    cfg = tiny_lm.model.config
+    d = cfg.hidden_size // cfg.num_attention_heads
+    sha = kb.register(_orthonormal(cfg.num_hidden_layers, cfg.num_key_value_heads, d, seed=12), tiny_lm.fingerprint, registry)
+    assert key_basis_for(asks("auto"), tiny_lm) == sha == key_basis_for(asks("model"), tiny_lm)
+    assert key_basis_for(asks("none"), tiny_lm) is None
+
+
+def test_default_compress_uses_a_registered_basis_end_to_end(registry, tiny_lm, tmp_path_factory):
+    """With a basis registered for the model, the default recipe codes keys in it (unrecorded in
+    the recipe, named in the bundle); the load equals decoding by hand, keys in channels load
+    too, `verify` is clean, and once the basis file is gone `verify` names it and loading refuses."""
+    from budgetkit import trimmed_store
+
+    from kdnctl.bundle import decode_bundle
+    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.engine.hf import load_document
+    from kdnctl.quant.entropy import decode_role_ints, dequantize_ints
+    from kdnctl.quant.transforms import rope
+
+    cfg = tiny_lm.model.config
+    n_layers, h = cfg.num_hidden_layers, cfg.num_key_value_heads
+    d = cfg.hidden_size // cfg.num_attention_heads
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
+    try:
+        st.close()
+        from kdnctl.store import Store
+
+        st = Store(st.root)
+        u = torch.cat(list(kb.key_samples(tiny_lm, [[1, 2, 3, 4, 5, 6, 7, 8] * 20])), 0)
+        sha = kb.register(kb.calibrate([u]), tiny_lm.fingerprint, registry)
+        with st.writer():
+            auto = compress_document(st, "faq.md", CompressRecipe(budget=0.5), lm=tiny_lm)
+            plain = compress_document(st, "faq.md", CompressRecipe(budget=0.5, key_basis="none"), lm=tiny_lm)
+        assert (auto.label, plain.label) == ("ec-b0.5-p64", "ec-b0.5-p64-kb0")
+        bundles = [decode_bundle(st.read_object(c.object)) for c in st.get_version("faq.md", auto.label).chunks]
+        q = bundles[0].meta["quant"]
+        assert q["key_basis"] == sha and "key_basis" not in bundles[0].meta["recipe"]["steps"][-1]
+        loaded = load_document(tiny_lm, st, "faq.md", auto.label)
+        basis = kb.load_basis(sha)
+        for i in (0, n_layers - 1):
+            parts = []
+            for b in bundles:
+                ints, step, mean = decode_role_ints(b.tensors[f"layers.{i}.keys.codes"], b.tensors[f"layers.{i}.keys.params"],
+                                                    h, d, b.n_tokens, "k")
+                lv = b.tensors["token_levels"]
+                z = ints.view(h, d, -1).transpose(1, 2).float() / 2.0 ** lv.float()[None, :, None]
+                x = (z @ basis[i].transpose(-1, -2)) * step[:, None] + mean[:, None]
+                parts.append(rope(x, b.tensors["positions"].expand(h, -1), float(q["key_rope_theta"])))
+            torch.testing.assert_close(loaded.keys[i][0].float(), torch.cat(parts, 1), rtol=1e-4, atol=1e-4)
+            # values never use the basis
+            want_v = torch.cat([dequantize_ints(*[y[None] for y in decode_role_ints(
+                b.tensors[f"layers.{i}.values.codes"], b.tensors[f"layers.{i}.values.params"], h, d, b.n_tokens, "v")],
+                b.tensors["token_levels"][None], h, d)[0] for b in bundles], 1)
+            torch.testing.assert_close(loaded.values[i][0].float(), want_v, rtol=1e-5, atol=1e-5)
+        load_document(tiny_lm, st, "faq.md", plain.label)
+        assert st.verify() == []
+        (registry / f"{sha}.safetensors").unlink()
+        kb.load_basis.cache_clear()
+        problems = st.verify()
+        assert problems and all(f"needs key basis {sha[:12]}" in p and "ec-b0.5-p64 chunk" in p for p in problems)
+        with pytest.raises(BundleFormatError, match="does not have"):
+            load_document(tiny_lm, st, "faq.md", auto.label)
+        load_document(tiny_lm, st, "faq.md", plain.label)  # keys in channels need no basis
+    finally:
+        st.close()

@@ -56,6 +56,23 @@ def object_files(store) -> Iterator[Path]:
                 yield from sorted(p for p in sub.iterdir() if p.is_file())
 
 
+def _key_basis_problem(meta: dict, seen: dict[str, str | None]) -> str | None:
+    """Why the key basis an ec bundle's keys are coded in (format 1.7) cannot be read here, or None:
+    the bundle itself is intact, but it would not load."""
+    sha = (meta.get("quant") or {}).get("key_basis") if isinstance(meta.get("quant"), dict) else None
+    if sha is None:
+        return None
+    if sha not in seen:
+        from kdnctl.quant.basis import load_basis
+
+        try:
+            load_basis(sha)
+            seen[sha] = None
+        except BundleFormatError as e:
+            seen[sha] = f"needs key basis {str(sha)[:12]}: {e.message}" + (f" ({e.hint})" if e.hint else "")
+    return seen[sha]
+
+
 def _bundle_meta(path: Path) -> dict:
     from kdnctl.bundle import header_size, read_meta
 
@@ -176,6 +193,7 @@ class Maintenance:
                 bad(f"object {sha[:12]} is missing, used by {'; '.join(used[:3])}")
         if check_bundles:
             metas: dict[str, dict | str] = {}
+            bases: dict[str, str | None] = {}  # key basis sha -> why it cannot be read (None: fine)
             for r in versions.values():
                 for c in r.chunks:
                     if c.object not in present:
@@ -193,6 +211,8 @@ class Maintenance:
                     why = bundle_mismatch(r, c, meta)
                     if why:
                         bad(why)
+                    elif (basis := _key_basis_problem(meta, bases)) is not None:
+                        bad(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}: object {c.object[:12]} {basis}")
         orphans = len(present - set(refs))
         if orphans:
             rep.info.append(f"{orphans} unreferenced object(s) (`kdnctl gc` removes them)")
