@@ -31,9 +31,9 @@ def _correlated_keys(h, t, d, seed, rank=4):
 @pytest.fixture
 def registry(tmp_path, monkeypatch):
     monkeypatch.setenv(kb.ENV, str(tmp_path))
-    kb.load_basis.cache_clear()
+    kb.clear_caches()
     yield tmp_path
-    kb.load_basis.cache_clear()
+    kb.clear_caches()
 
 
 @pytest.mark.parametrize("shape", [(3, 37, 64), (2, 5, 16)])
@@ -102,7 +102,7 @@ def test_registry_round_trip_and_refusals(registry):
     data = bytearray(path.read_bytes())
     data[-1] ^= 1
     path.write_bytes(bytes(data))
-    kb.load_basis.cache_clear()
+    kb.clear_caches()
     with pytest.raises(BundleFormatError, match="does not match its sha256"):
         kb.load_basis(sha)
     with pytest.raises(BundleFormatError, match="orthonormal"):
@@ -136,7 +136,7 @@ def test_quantizer_decodes_keys_in_the_registered_basis_and_values_in_channels(r
             torch.testing.assert_close(out, torch.stack([want[p] for p in prefixes]), rtol=1e-5, atol=1e-5)
     # without the basis file the bundle is refused, not decoded in the wrong axes
     (registry / f"{sha}.safetensors").unlink()
-    kb.load_basis.cache_clear()
+    kb.clear_caches()
     with pytest.raises(BundleFormatError, match="does not have"):
         q.dequantize_into(torch.zeros(1, h, t, d), tensors, ["layers.0.keys"], meta)
     # a basis of the wrong shape for the bundle is refused too
@@ -231,7 +231,7 @@ def test_default_compress_uses_a_registered_basis_end_to_end(registry, tiny_lm, 
         load_document(tiny_lm, st, "faq.md", plain.label)
         assert st.verify() == []
         (registry / f"{sha}.safetensors").unlink()
-        kb.load_basis.cache_clear()
+        kb.clear_caches()
         problems = st.verify()
         assert problems and all(f"needs key basis {sha[:12]}" in p and "ec-b0.5-p64 chunk" in p for p in problems)
         with pytest.raises(BundleFormatError, match="does not have"):

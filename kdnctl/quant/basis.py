@@ -78,8 +78,16 @@ def register(basis: torch.Tensor, fingerprint: str, directory: Path) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    load_basis.cache_clear()
+    clear_caches()
     return sha
+
+
+def clear_caches() -> None:
+    """Forget bases read so far (after registering one, or in tests that remove a file)."""
+    load_basis.cache_clear()
+    from kdnctl.quant import entropy
+
+    entropy._basis_on.cache_clear()
 
 
 def check_basis(basis: torch.Tensor, what: str) -> None:

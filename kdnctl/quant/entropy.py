@@ -466,9 +466,15 @@ class EntropyQuantizer(Quantizer):
         sha = quant_meta.get("key_basis")
         if sha is None or not prefixes[0].endswith(".keys"):
             return None
-        basis = load_basis(sha)
+        basis = _basis_on(sha, str(device))
         layers = [int(p.split(".")[1]) for p in prefixes]
         if tuple(basis.shape[1:]) != (h, d, d) or max(layers) >= basis.shape[0]:
             raise BundleFormatError(f"key basis {sha[:12]} is {list(basis.shape)}, the bundle needs "
                                     f"[>{max(layers)}, {h}, {d}, {d}]")
-        return basis[layers].to(device)
+        return basis[layers[0]:layers[-1] + 1] if layers == list(range(layers[0], layers[-1] + 1)) else basis[layers]
+
+
+@functools.lru_cache(maxsize=4)
+def _basis_on(sha: str, device: str) -> torch.Tensor:
+    """A key basis on ``device``, copied there once (not once per chunk)."""
+    return load_basis(sha).to(device)
