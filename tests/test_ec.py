@@ -124,6 +124,23 @@ def test_stacked_layers_decode_as_each_layer_alone(own_positions):
         EntropyQuantizer.dequantize_into(torch.empty(n_layers, h, t + 1, d), tensors, names, meta)
 
 
+@pytest.mark.parametrize("block", [1, 3])
+def test_a_chunk_that_kept_no_tokens_loads_as_empty(block):
+    """With eviction first a chunk may keep no token; each layer then has positions ``[H, 0]``
+    (the 0.083 default on real text hit this: the load crashed reshaping an empty stack)."""
+    h, d, n_layers = 3, 16, 3
+    meta = EntropyQuantizer(key_rope_theta=10000.0).meta(h, d)
+    tensors = {"token_levels": torch.zeros(0, dtype=torch.uint8), "positions": torch.arange(5, 9)}
+    for i in range(n_layers):
+        for role in ("keys", "values"):
+            tensors[f"layers.{i}.{role}.codes"], tensors[f"layers.{i}.{role}.params"] = encode_role(
+                torch.zeros(h, 0, d), torch.full((h, d), 0.5), tensors["token_levels"])
+        tensors[f"layers.{i}.positions"] = torch.zeros(h, 0, dtype=torch.int16)
+    for role in ("keys", "values"):
+        out = torch.empty(n_layers, h, 0, d)
+        EntropyQuantizer.dequantize_into(out, tensors, [f"layers.{i}.{role}" for i in range(n_layers)], meta, block=block)
+
+
 def test_malformed_frames_are_refused():
     torch.manual_seed(3)
     k = v = torch.randn(2, 9, 8)

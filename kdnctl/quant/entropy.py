@@ -456,7 +456,7 @@ class EntropyQuantizer(Quantizer):
         if all(p.dim() == 1 for p in positions) and all(p is positions[0] for p in positions):
             pos = positions[0]  # the chunk's: one table for every layer and head
         else:
-            pos = torch.stack([p if p.dim() == 2 else p.unsqueeze(0).expand(h, -1) for p in positions]).view(-1, t)
+            pos = torch.stack([p if p.dim() == 2 else p.unsqueeze(0).expand(h, -1) for p in positions]).view(n_layers * h, t)
         theta = float(quant_meta["key_rope_theta"])
         return tf.rope(x.view(n_layers * h, t, d), pos.cpu(), theta).view(n_layers, h, t, d)
 
