@@ -26,6 +26,9 @@ tokens, one set for every layer and KV head), then per variant:
   document's query energy, values by ``o_proj``, no rotation), the mean of every token
   subtracted, one scale per layer and role found by bisection for E bits (order-0 entropy);
   where ``q:`` and ``qw:`` differ is what the real path's step shapes cost;
+* ``refit:RHO``  the kept tokens, values refitted by ridge least squares (weight RHO) so that
+  the document's own queries, placed after it, get the full cache's attention output
+  (``kdnctl/value_refit.py``, what ``compress --refit`` does);
 * ``bgN``     the kept tokens plus N background tokens per layer and KV head: the mean key and
   value of N consecutive runs of evicted tokens, with bias log(run length).
 
@@ -215,6 +218,9 @@ def main() -> None:
         if any(x.startswith("qw:") for x in variants):  # ec's channel weights (what compress uses)
             kw = key_weights(lm, token_ids, L, H, D, rope=True)
             vw = value_weights(lm, L, H, D)
+        if any(x.startswith("refit:") for x in variants):
+            from kdnctl.value_refit import QUESTION_OFFSET, document_queries, refit_values
+            queries, scales = document_queries(lm, token_ids, L, T + QUESTION_OFFSET)
         for var in variants:
             t0 = time.perf_counter()
             ks, vs, bias = [], [], {}
@@ -270,6 +276,10 @@ def main() -> None:
                         ks.append(kk), vs.append(vv)
                     else:
                         ks.append(kk[:, kept]), vs.append(vv[:, kept])
+                    continue
+                if var.startswith("refit:"):  # refit:RHO  kept values refitted to the full attention
+                    ks.append(k[:, kept])
+                    vs.append(refit_values(queries[i], k, v, kept, scales[i], float(var[6:])).to(v.dtype))
                     continue
                 if var.startswith("bg"):  # + background tokens: mean key/value of evicted spans, bias log n
                     nb = int(var[2:] or 1)

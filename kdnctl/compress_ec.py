@@ -27,6 +27,7 @@ from .errors import UsageError
 from .quant.basis import basis_for_model, load_basis
 from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
 from .quant.sensitivity import key_weights, value_weights
+from .value_refit import QUESTION_OFFSET, document_queries, refit_values
 from .versions import child_recipe
 
 PROTECT_LEVEL = 2
@@ -74,6 +75,14 @@ def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int
     return torch.tensor(sorted(order[:want]), dtype=torch.int64)
 
 
+def refitted(lm, rho: float, token_ids: list[int], bundles: list[KVBundle], keys: list[torch.Tensor],
+             values: list[torch.Tensor], rows: torch.Tensor) -> list[torch.Tensor]:
+    """The kept ``rows``' values per layer, refitted to the full attention (``kdnctl.value_refit``)."""
+    last = max(int(b.layer_positions(0).max()) for b in bundles)
+    queries, scales = document_queries(lm, token_ids, len(keys), last + 1 + QUESTION_OFFSET)
+    return [refit_values(q, k, v, rows, s, rho).to(v.dtype) for q, k, v, s in zip(queries, keys, values, scales)]
+
+
 def _chunk_positions(chunk_positions: torch.Tensor, local: torch.Tensor, n_heads: int) -> torch.Tensor:
     """One layer's positions tensor for a chunk's kept tokens (int16 while they fit)."""
     p = chunk_positions[local]
@@ -107,7 +116,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             raise UsageError("--quant ec with --keep needs a scorer to rank tokens", param="keep")
         rows = shared_keep(importance, recipe.keep, header, recipe.protect)
         keys = [k[:, rows] for k in keys]
-        values = [v[:, rows] for v in values]
+        values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows) if recipe.refit \
+            else [v[:, rows] for v in values]
         lift = lift[..., rows] if lift is not None else None
     n_tokens = keys[0].shape[1]
     all_positions = torch.cat([b.layer_positions(0)[0] for b in bundles])

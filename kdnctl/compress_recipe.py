@@ -55,6 +55,10 @@ class CompressRecipe:
     # model has a basis (unrecorded, like the frames' coder: versions made before keep their
     # recipe and label), "model" (required), "none" (channels, as before format 1.7)
     key_basis: str = "auto"
+    # ec with --keep: the kept tokens' values refitted so that the document's own queries, placed
+    # after it, read the full cache's attention output (kdnctl.value_refit); the ridge weight,
+    # None = what --quant auto picks (0 = off)
+    refit: float | None = None
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -72,6 +76,8 @@ class CompressRecipe:
             if self.quant in (None, "auto"):
                 auto = sizing.auto_quant(self.budget, self.group_size)
                 self.quant, self.keep, self.protect = auto.quant, min(self.keep, auto.keep), max(self.protect, auto.protect)
+                if self.refit is None and auto.refit is not None and self.backfill is None:
+                    self.refit = auto.refit
                 if self.scorer is None and auto.scorer is not None:
                     self.scorer = auto.scorer
                 # the sentences scorer is the same in every head: KVCrush's head-behaviour
@@ -114,6 +120,13 @@ class CompressRecipe:
         if self.key_basis != "auto" and not (self.sized and self.quant == "ec"):
             raise UsageError("--key-basis rotates the keys of the entropy-coded ec layout",
                              hint="use it with --budget B --quant ec", param="key_basis")
+        if self.refit is not None:
+            if isinstance(self.refit, bool) or not isinstance(self.refit, (int, float)) or not self.refit >= 0:
+                raise UsageError(f"refit must be a ridge weight >= 0 (0: off), got {self.refit!r}", param="refit")
+            self.refit = float(self.refit) or None
+        if self.refit and not (self.sized and self.quant == "ec" and self.keep < 1 and self.backfill is None):
+            raise UsageError("--refit refits the values of the tokens ec's --keep keeps",
+                             hint="use it with --budget B --quant ec --keep K (no --backfill), or --refit 0", param="refit")
         wrapper, _, inner = str(self.method).partition(":")
         if wrapper in _LEGACY_WRAPPED:
             opts = dict(self.method_options)
@@ -145,6 +158,8 @@ class CompressRecipe:
             d["backfill_key_shift"] = self.backfill_key_shift
         if self.key_basis != "auto":
             d["key_basis"] = self.key_basis
+        if self.refit:
+            d["refit"] = self.refit
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -198,6 +213,8 @@ class CompressRecipe:
                     label += f"ks{self.backfill_key_shift}"
             if self.key_basis != "auto":
                 label += {"model": "-kbm", "none": "-kb0"}[self.key_basis]
+            if self.refit:
+                label += f"-rf{self.refit:g}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):

@@ -31,6 +31,7 @@ def compress(
     backfill_shift: Optional[int] = typer.Option(None, "--backfill-shift", help="With --backfill: S from 1 to 4 (default 3), the evicted tokens' steps are 2**S x the kept ones'."),
     backfill_key_shift: Optional[int] = typer.Option(None, "--backfill-key-shift", help="With --backfill: the keys' own S, 0 to 4 (default: --backfill-shift's); e.g. 0 keeps the evicted keys as fine as the kept ones."),
     key_basis: Optional[str] = typer.Option(None, "--key-basis", help="With --quant ec: auto (default: the model's key basis where one is registered, as for the default model) | model (require one) | none (keys in channels). A key basis codes keys in the model's principal axes, calibrated once per model on other text: ~16% fewer key bytes at the same error, so finer steps at the same budget."),
+    refit: Optional[float] = typer.Option(None, "--refit", help="With --quant ec --keep K: refit the kept tokens' values so that the document's own queries, placed after it, read the full cache's attention output; the ridge weight (auto below 0.25: 0.01; 0: off)."),
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
     label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),
@@ -63,7 +64,8 @@ def compress(
                                 **({"backfill_shift": backfill_shift} if backfill_shift is not None else {}),
                                 **({"backfill_key_shift": backfill_key_shift} if backfill_key_shift is not None else {}),
                                 **({"key_weight": key_weight} if key_weight is not None else {}),
-                                **({"key_basis": key_basis} if key_basis is not None else {}))
+                                **({"key_basis": key_basis} if key_basis is not None else {}),
+                                **({"refit": refit} if refit is not None else {}))
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)

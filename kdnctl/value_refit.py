@@ -1,0 +1,112 @@
+"""Value refit: what eviction takes from attention, given back through the kept tokens' values.
+
+Offline the question is unknown but the document's own queries are not. Placed after the
+document (RoPE at the position a question would take), they stand in for the queries that will
+read the cache. Per layer and KV head the kept tokens' values are refitted by ridge least
+squares so that attention over the kept keys alone gives those queries the full cache's
+attention output:
+
+    minimise  || A_S V' - A V ||^2 + lam || V' - V_S ||^2,   lam = rho * ||A_S||_F^2 / |S|
+
+with ``A = softmax(Q K^T * scale)`` over every token and ``A_S`` the same over the kept tokens
+(the group's query heads pooled). The keys, and so which tokens a query reads, are untouched;
+the same solution holds for every value channel, so ec's channel weights do not change it. The
+fit is solved in whichever of the kept tokens or the queries is the smaller space (the
+push-through identity), so its cost grows linearly with the document beyond ``max_queries``.
+Measured in docs/compression.md ("Value refit").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .quant.sensitivity import attention_modules
+
+QUESTION_OFFSET = 16  # the queries' position: this many tokens after the document (a prompt's question)
+MAX_QUERY_TOKENS = 1024  # document tokens whose queries are used (evenly spaced); x the group's query heads
+_BLOCK = 1024  # query rows per block of the full attention (memory: block x document tokens)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, -1)
+    return torch.cat((-b, a), -1)
+
+
+def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
+                     max_tokens: int = MAX_QUERY_TOKENS) -> tuple[list[torch.Tensor], list[float]]:
+    """(queries ``[Hq, N, D]`` per layer, RoPE'd at ``position``; the attention scale per layer)
+    for ``max_tokens`` evenly spaced tokens of the document, from one forward pass."""
+    model = lm.model
+    hq = model.config.num_attention_heads
+    mods = attention_modules(model, n_layers)
+    pick = torch.linspace(0, len(token_ids) - 1, min(len(token_ids), max_tokens)).round().long().unique()
+    raw: list[torch.Tensor | None] = [None] * n_layers
+
+    def hook(i):
+        def f(_mod, _inp, q):
+            q = q[0].detach()[pick.to(q.device)].float()  # [N, Hq * D]
+            raw[i] = q.view(q.shape[0], hq, -1).transpose(0, 1).cpu()
+        return f
+
+    handles = [m.q_proj.register_forward_hook(hook(i)) for i, m in enumerate(mods)]
+    try:
+        device = next(model.parameters()).device
+        with torch.no_grad():
+            model.base_model(torch.tensor([token_ids], device=device), use_cache=False)
+            rotary = model.base_model.rotary_emb  # the model's own RoPE (any rope type) at the question's position
+            probe = torch.zeros(1, 1, raw[0].shape[-1], device=device, dtype=next(model.parameters()).dtype)
+            cos, sin = rotary(probe, torch.tensor([[position]], device=device))
+    finally:
+        for h in handles:
+            h.remove()
+    cos, sin = cos[0].float().cpu(), sin[0].float().cpu()  # [1, D]
+    scales = [float(getattr(m, "scaling", raw[0].shape[-1] ** -0.5)) for m in mods]
+    return [q * cos + _rotate_half(q) * sin for q in raw], scales
+
+
+def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
+                 scale: float, rho: float) -> torch.Tensor:
+    """Refitted values ``[H, |S|, D]`` of the ``kept`` tokens (float32).
+
+    queries ``[Hq, N, D]`` (RoPE'd), keys ``[H, T, D]`` (RoPE'd, as stored), values ``[H, T, D]``."""
+    H, _, D = keys.shape
+    group = queries.shape[0] // H
+    out = []
+    for h in range(H):
+        q = queries[h * group:(h + 1) * group].reshape(-1, D).float()
+        k, v = keys[h].float(), values[h].float()
+        target = torch.cat([torch.softmax(b @ k.T * scale, -1) @ v for b in q.split(_BLOCK)])
+        a = torch.softmax(q @ k[kept].T * scale, -1)  # [N, S]
+        vs = v[kept]
+        lam = rho * float(a.pow(2).sum()) / kept.numel()
+        resid = target - a @ vs
+        if kept.numel() <= a.shape[0]:  # (A^T A + lam I) dV = A^T r
+            g = a.T @ a
+            g.diagonal().add_(lam)
+            out.append(vs + torch.linalg.solve(g, a.T @ resid))
+        else:  # the same, through A^T (A A^T + lam I)^-1 r: the queries' space is the smaller
+            g = a @ a.T
+            g.diagonal().add_(lam)
+            out.append(vs + a.T @ torch.linalg.solve(g, resid))
+    return torch.stack(out)
+
+
+def naive_refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
+                       scale: float, rho: float) -> torch.Tensor:
+    """Reference for :func:`refit_values`: the normal equations summed one query at a time."""
+    H, _, D = keys.shape
+    group = queries.shape[0] // H
+    S = kept.numel()
+    out = []
+    for h in range(H):
+        lhs, rhs, norm = torch.zeros(S, S, dtype=torch.float64), torch.zeros(S, D, dtype=torch.float64), 0.0
+        k, v = keys[h].double(), values[h].double()
+        for q in queries[h * group:(h + 1) * group].reshape(-1, D).double():
+            w = torch.softmax(k @ q * scale, 0)
+            ws = torch.softmax(k[kept] @ q * scale, 0)
+            lhs += torch.outer(ws, ws)
+            rhs += torch.outer(ws, w @ v)
+            norm += float(ws.pow(2).sum())
+        lam = rho * norm / S
+        out.append(torch.linalg.solve(lhs + lam * torch.eye(S, dtype=torch.float64), rhs + lam * v[kept]))
+    return torch.stack(out).float()

@@ -1,0 +1,115 @@
+"""Value refit (kdnctl/value_refit.py, ``--refit``): the kept tokens' values are refitted so that
+attention over the kept keys reproduces the full cache's output for the document's own queries.
+The fast solve equals the normal equations summed query by query (in both of its spaces),
+keeping every token changes nothing, the fit shrinks the error eviction leaves, and the recipe
+and a real compress with the tiny model carry it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdnctl.errors import UsageError
+from kdnctl.value_refit import naive_refit_values, refit_values
+
+TOL = {"rtol": 1e-3, "atol": 1e-4}  # float32 solve against the float64 reference
+
+
+def _case(h, group, n, t, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(h * group, n, d, generator=g)
+    k = torch.randn(h, t, d, generator=g)
+    v = torch.randn(h, t, d, generator=g)
+    return q, k, v
+
+
+@pytest.mark.parametrize("n,t,s", [(7, 37, 11), (29, 41, 13)])  # kept tokens fewer and more than the queries
+@pytest.mark.parametrize("rho", [0.01, 1.0])
+def test_refit_equals_the_naive_normal_equations(n, t, s, rho):
+    q, k, v = _case(3, 3, n, t, 17, seed=n + t)
+    kept = torch.randperm(t, generator=torch.Generator().manual_seed(s))[:s].sort().values
+    fast = refit_values(q, k, v, kept, 17 ** -0.5, rho)
+    ref = naive_refit_values(q, k, v, kept, 17 ** -0.5, rho)
+    assert fast.shape == (3, s, 17)
+    torch.testing.assert_close(fast, ref, **TOL)
+
+
+def test_keeping_every_token_changes_nothing():
+    q, k, v = _case(2, 3, 9, 23, 8, seed=3)
+    out = refit_values(q, k, v, torch.arange(23), 8 ** -0.5, 0.1)
+    torch.testing.assert_close(out, v, **TOL)
+
+
+def test_the_fit_shrinks_the_attention_error_eviction_leaves():
+    q, k, v = _case(3, 3, 64, 90, 16, seed=5)
+    kept = torch.arange(0, 90, 3)
+    scale = 16 ** -0.5
+
+    def err(vals):
+        total = 0.0
+        for h in range(3):
+            qh = q[h * 3:(h + 1) * 3].reshape(-1, 16)
+            full = torch.softmax(qh @ k[h].T * scale, -1) @ v[h]
+            total += float((torch.softmax(qh @ k[h, kept].T * scale, -1) @ vals[h] - full).pow(2).sum())
+        return total
+
+    plain = err(v[:, kept])
+    assert err(refit_values(q, k, v, kept, scale, 0.01)) < 0.5 * plain
+    # a heavier ridge stays nearer the kept values: less of the error is removed
+    assert err(refit_values(q, k, v, kept, scale, 0.01)) < err(refit_values(q, k, v, kept, scale, 10.0)) < plain
+
+
+def test_recipe_auto_refits_below_a_quarter_and_labels_it():
+    from kdnctl.compress import CompressRecipe
+
+    auto = CompressRecipe(budget=0.083)
+    assert auto.refit == 0.01 and auto.as_dict()["refit"] == 0.01
+    assert auto.default_label() == "ec-b0.083-k0.33-p64-rf0.01-sentences-local"
+    off = CompressRecipe(budget=0.083, refit=0)
+    assert off.refit is None and "refit" not in off.as_dict()
+    assert off.default_label() == "ec-b0.083-k0.33-p64-sentences-local"  # the label before --refit
+    assert CompressRecipe(budget=0.25).refit is None  # every token kept: nothing to refit
+    assert CompressRecipe(budget=0.083, backfill="12-23").refit is None
+    with pytest.raises(UsageError, match="--refit"):
+        CompressRecipe(budget=0.25, quant="ec", refit=0.1)
+    with pytest.raises(UsageError, match="ridge weight"):
+        CompressRecipe(budget=0.083, refit=-1)
+
+
+def test_compress_with_refit_end_to_end(tiny_lm, tmp_path_factory):
+    """The tiny model: a refitted version fits its cap, keeps the same tokens and keys as the
+    version without refit, stores other values, and those values read the full cache's
+    attention output more closely (the library's own queries, layer by layer)."""
+    from budgetkit import fp16_size, trimmed_store
+
+    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.engine.hf import load_document
+    from kdnctl.value_refit import document_queries
+
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
+    with st.writer():
+        on = compress_document(st, "faq.md", CompressRecipe(budget=0.3, quant="ec", keep=0.5, protect=16,
+                                                            scorer="sentences", refit=0.01), lm=tiny_lm)
+        off = compress_document(st, "faq.md", CompressRecipe(budget=0.3, quant="ec", keep=0.5, protect=16,
+                                                             scorer="sentences"), lm=tiny_lm)
+        full = load_document(tiny_lm, st, "faq.md", "full")
+    assert on.label.endswith("-rf0.01-sentences") and on.bytes <= 0.3 * fp16_size(st, "faq.md")
+    a, b = load_document(tiny_lm, st, "faq.md", on.label), load_document(tiny_lm, st, "faq.md", off.label)
+    assert a.keys[0].shape == b.keys[0].shape and a.keys[0].shape[2] < full.keys[0].shape[2]
+    assert not torch.allclose(a.values[-1], b.values[-1])
+    queries, scales = document_queries(tiny_lm, full.token_ids, len(full.keys), full.next_position + 16)
+    better = 0
+    for i in range(len(full.keys)):
+        fk, fv, h = full.keys[i][0].float(), full.values[i][0].float(), full.keys[i].shape[1]
+        group = queries[i].shape[0] // h
+
+        def err(ctx):
+            total = 0.0
+            for j in range(h):
+                q = queries[i][j * group:(j + 1) * group].reshape(-1, fk.shape[-1])
+                target = torch.softmax(q @ fk[j].T * scales[i], -1) @ fv[j]
+                kk, vv = ctx.keys[i][0, j].float(), ctx.values[i][0, j].float()
+                total += float((torch.softmax(q @ kk.T * scales[i], -1) @ vv - target).pow(2).sum())
+            return total
+        better += err(a) < err(b)
+    assert better >= 0.8 * len(full.keys)
