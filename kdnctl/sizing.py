@@ -75,7 +75,6 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
 FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the prompt header)
 LOSSLESS_TIER = "int8"  # from where this tier holds every token, auto stores it (lossless); below, ec
 EVICT_SCORER = "sentences-local"  # below EC_FROM: whole sentences, ranked given the document and their window
-EVICT_REFIT = 0.01  # below EC_FROM: the kept tokens' values refitted to the full attention (ridge weight)
 EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe keeps budget / EC_FROM of the tokens
 
 
@@ -88,7 +87,6 @@ class AutoRecipe:
     protect: int = 0
     scorer: str | None = None
     ratio: float | None = None  # KVCrush's share of representatives
-    refit: float | None = None  # ec with eviction: the kept values' refit (ridge weight), kdnctl.value_refit
 
 
 def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
@@ -125,7 +123,7 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
         return AutoRecipe("uniform")
     if budget >= EC_FROM:
         return AutoRecipe("ec", 1.0, FLOOR_PROTECT)
-    return AutoRecipe("ec", round(budget / EC_FROM, 2), FLOOR_PROTECT, EVICT_SCORER, refit=EVICT_REFIT)
+    return AutoRecipe("ec", round(budget / EC_FROM, 2), FLOOR_PROTECT, EVICT_SCORER)
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:

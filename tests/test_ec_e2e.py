@@ -23,7 +23,7 @@ from kdnctl.compress import CompressRecipe, compress_document
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
-EVICT = "ec-b0.083-k0.33-p64-rf0.01-sentences-local"  # the default at 0.083: eviction first, a third of the tokens, values refitted
+EVICT = "ec-b0.083-k0.33-p64-sentences-local"  # the default at 0.083: eviction first, a third of the tokens
 BACKFILL = "ec-b0.083-k0.33-p64-bf12-23-sentences-local"  # the same, and layers 12-23 keep every token
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
 BACKFILL_S1 = "ec-b0.083-k0.33-p64-bf15-22s1ks0-sentences-local"

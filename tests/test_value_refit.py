@@ -59,19 +59,21 @@ def test_the_fit_shrinks_the_attention_error_eviction_leaves():
     assert err(refit_values(q, k, v, kept, scale, 0.01)) < err(refit_values(q, k, v, kept, scale, 10.0)) < plain
 
 
-def test_recipe_auto_refits_below_a_quarter_and_labels_it():
+def test_recipe_refit_is_asked_for_recorded_and_labelled():
     from kdnctl.compress import CompressRecipe
 
-    auto = CompressRecipe(budget=0.083)
-    assert auto.refit == 0.01 and auto.as_dict()["refit"] == 0.01
-    assert auto.default_label() == "ec-b0.083-k0.33-p64-rf0.01-sentences-local"
+    auto = CompressRecipe(budget=0.083)  # not the default: it lost needles at 0.083 (docs/compression.md)
+    assert auto.refit is None and "refit" not in auto.as_dict()
+    assert auto.default_label() == "ec-b0.083-k0.33-p64-sentences-local"
+    on = CompressRecipe(budget=0.083, refit=0.01)
+    assert on.refit == 0.01 and on.as_dict()["refit"] == 0.01
+    assert on.default_label() == "ec-b0.083-k0.33-p64-rf0.01-sentences-local"
     off = CompressRecipe(budget=0.083, refit=0)
-    assert off.refit is None and "refit" not in off.as_dict()
-    assert off.default_label() == "ec-b0.083-k0.33-p64-sentences-local"  # the label before --refit
-    assert CompressRecipe(budget=0.25).refit is None  # every token kept: nothing to refit
-    assert CompressRecipe(budget=0.083, backfill="12-23").refit is None
-    with pytest.raises(UsageError, match="--refit"):
+    assert off.refit is None and off.default_label() == auto.default_label()
+    with pytest.raises(UsageError, match="--refit"):  # every token kept: nothing to refit
         CompressRecipe(budget=0.25, quant="ec", refit=0.1)
+    with pytest.raises(UsageError, match="--refit"):
+        CompressRecipe(budget=0.083, backfill="12-23", refit=0.1)
     with pytest.raises(UsageError, match="ridge weight"):
         CompressRecipe(budget=0.083, refit=-1)
 
