@@ -60,7 +60,7 @@ def _cos_sin_of(positions: torch.Tensor, d: int, theta: float):
     return ang.cos().float(), ang.sin().float()
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat([-x[..., h:], x[..., :h]], dim=-1)
 
@@ -71,7 +71,7 @@ def rope(keys: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Ten
     if cos.dim() == 2:
         cos, sin = cos.expand(keys.shape[0], -1, -1), sin.expand(keys.shape[0], -1, -1)
     k = keys.float()
-    return k * cos + _rotate_half(k) * sin
+    return k * cos + rotate_half(k) * sin
 
 
 def unrope(keys: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
@@ -80,4 +80,4 @@ def unrope(keys: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.T
     if cos.dim() == 2:
         cos, sin = cos.expand(keys.shape[0], -1, -1), sin.expand(keys.shape[0], -1, -1)
     k = keys.float()
-    return k * cos - _rotate_half(k) * sin
+    return k * cos - rotate_half(k) * sin
