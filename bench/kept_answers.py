@@ -1,0 +1,112 @@
+"""Probe: does the planted answer survive eviction? (the kept set of ``--quant ec --keep``)
+
+For every needle and multi-fact task: ingest its document (unchanged ones are skipped), score it
+with each ``--scorers`` entry (``kdnctl.scoring.compute_importance``), take the kept set that
+``compress --quant ec --keep K --protect P`` stores (``kdnctl.compress_ec.shared_keep``) for each
+``--protect`` value, and report whether every token of the answer (and of each distractor: the
+other planted facts of a multi-fact task) is in it. An answer that is not kept cannot be read
+back, whatever the quantizer does: this separates what selection loses from what precision
+loses. With ``--results`` (a ``bench/quality.py`` JSON) the summary also counts the answers kept
+among the tasks the full cache answered right. No quantization, no generation: a few seconds a
+task on the CPU::
+
+    python bench/kept_answers.py --store /tmp/kstore --protect 64,32,16 > kept.log
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def token_spans(texts: list[str], needle: str) -> list[list[int]]:
+    """Token indices covering each occurrence of ``needle`` in the concatenated token texts."""
+    starts, pos = [], 0
+    for t in texts:
+        starts.append(pos)
+        pos += len(t)
+    whole = "".join(texts)
+    return [[i for i, (s, t) in enumerate(zip(starts, texts)) if s < m.end() and s + len(t) > m.start()]
+            for m in re.finditer(re.escape(needle), whole)]
+
+
+def kept(spans: list[list[int]], rows: set[int]) -> bool:
+    """Some occurrence has every token kept."""
+    return any(span and all(i in rows for i in span) for span in spans)
+
+
+def full_correct(path: str | None) -> set[str] | None:
+    if not path:
+        return None
+    data = json.loads(Path(path).read_text())
+    return {t["id"] for t in data["tasks"] if t["by_version"].get("full", {}).get("correct")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--store", default="/tmp/kstore")
+    ap.add_argument("--kinds", default="needle,multifact")
+    ap.add_argument("--limit", type=int, default=100)
+    ap.add_argument("--keep", type=float, default=0.33)
+    ap.add_argument("--protect", default="64", help="comma-separated: the last P tokens always kept")
+    ap.add_argument("--scorers", default="sentences-local,sentences")
+    ap.add_argument("--results", default=None, help="a bench/quality.py JSON: split by the full cache's answers")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+
+    from bench.lowbit_probe import full_cache
+    from kdnctl.compress import _cat_stats
+    from kdnctl.compress_ec import shared_keep
+    from kdnctl.evaluation.tasks import ingest_tasks, load_tasks
+    from kdnctl.model import load_model
+    from kdnctl.scoring import compute_importance
+    from kdnctl.sentence_scores import token_texts
+    from kdnctl.store import Store
+
+    tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit)
+    lm = load_model()
+    store = Store(Path(args.store), create=True)
+    ingest_tasks(lm, store, tasks)
+    protects = [int(p) for p in args.protect.split(",")]
+    right = full_correct(args.results)
+    tally: dict[tuple, list[int]] = {}  # (scorer, protect, kind) -> [answers kept, tasks, kept where full right, full right]
+    for task in tasks:
+        bundles, keys, values, ids = full_cache(store, task.id)
+        L, (H, T, _) = len(keys), keys[0].shape
+        header = int(bundles[0].meta.get("header_tokens", 0))
+        texts = token_texts(lm.tokenizer, ids)
+        answer = token_spans(texts, task.answer)
+        others = [token_spans(texts, d) for d in (task.distractors or [])]
+        stats = _cat_stats(bundles)
+        for scorer in args.scorers.split(","):
+            imp = compute_importance(scorer, stats, lm=lm, keys=keys, values=values, token_ids=ids, n_layers=L, n_heads=H)
+            for p in protects:
+                rows = set(shared_keep(imp, args.keep, header, p).tolist())
+                ok = kept(answer, rows)
+                t = tally.setdefault((scorer, p, task.kind), [0, 0, 0, 0])
+                t[0] += ok
+                t[1] += 1
+                if right is not None and task.id in right:
+                    t[2] += ok
+                    t[3] += 1
+                print(json.dumps({"task": task.id, "scorer": scorer, "protect": p, "tokens": T, "answer_kept": ok,
+                                  "distractors_kept": sum(kept(o, rows) for o in others), "distractors": len(others)}),
+                      flush=True)
+    print(f"\nanswers whole in the kept set (keep {args.keep}):")
+    print("| scorer | protect | kind | answer kept | where the full cache answered right |")
+    print("|---|---:|---|---:|---:|")
+    for (scorer, p, kind), (ok, n, okr, nr) in sorted(tally.items()):
+        split = f"{okr}/{nr}" if right is not None else "-"
+        print(f"| {scorer} | {p} | {kind} | {ok}/{n} | {split} |")
+
+
+if __name__ == "__main__":
+    main()
