@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
@@ -27,20 +26,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def token_spans(texts: list[str], needle: str) -> list[list[int]]:
-    """Token indices covering each occurrence of ``needle`` in the concatenated token texts."""
-    starts, pos = [], 0
-    for t in texts:
-        starts.append(pos)
-        pos += len(t)
-    whole = "".join(texts)
-    return [[i for i, (s, t) in enumerate(zip(starts, texts)) if s < m.end() and s + len(t) > m.start()]
-            for m in re.finditer(re.escape(needle), whole)]
-
-
-def kept(spans: list[list[int]], rows: set[int]) -> bool:
-    """Some occurrence has every token kept."""
-    return any(span and all(i in rows for i in span) for span in spans)
+def kept(ranges: list[tuple[int, int]], rows: set[int]) -> bool:
+    """Some occurrence (a ``[start, end)`` token range) has every token kept."""
+    return any(all(i in rows for i in range(a, b)) for a, b in ranges)
 
 
 def full_correct(path: str | None) -> set[str] | None:
@@ -68,12 +56,14 @@ def main() -> None:
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks
     from kdnctl.model import load_model
     from kdnctl.scoring import compute_importance
-    from kdnctl.sentence_scores import token_texts
+    from kdnctl.prompting import PromptFormat
+    from kdnctl.steer.highlight import find_highlight
     from kdnctl.store import Store
 
     tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit)
     lm = load_model()
     store = Store(Path(args.store), create=True)
+    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     ingest_tasks(lm, store, tasks)
     protects = [int(p) for p in args.protect.split(",")]
     right = full_correct(args.results)
@@ -82,9 +72,10 @@ def main() -> None:
         bundles, keys, values, ids = full_cache(store, task.id)
         L, (H, T, _) = len(keys), keys[0].shape
         header = int(bundles[0].meta.get("header_tokens", 0))
-        texts = token_texts(lm.tokenizer, ids)
-        answer = token_spans(texts, task.answer)
-        others = [token_spans(texts, d) for d in (task.distractors or [])]
+        def ranges(literal: str) -> list[tuple[int, int]]:  # the steering edit's span finder
+            return find_highlight(lm.tokenizer, fmt, task.text, ids, ["lit:" + literal]).matches[0].token_ranges
+        answer = ranges(task.answer)
+        others = [ranges(d) for d in (task.distractors or [])]
         stats = _cat_stats(bundles)
         for scorer in args.scorers.split(","):
             imp = compute_importance(scorer, stats, lm=lm, keys=keys, values=values, token_ids=ids, n_layers=L, n_heads=H)
