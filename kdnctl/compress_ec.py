@@ -9,7 +9,7 @@ one scale per document is fitted so the encoded bundles fill the byte cap
 (``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default where every token is kept)
 each layer's and role's steps are first scaled by how much its error costs the model
 (``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are
-quantized ``2**PROTECT_LEVEL`` times finer: they precede every question. With ``backfill``
+quantized ``2**PROTECT_LEVEL`` times finer (``--protect-level``): they precede every question. With ``backfill``
 ("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**backfill_shift`` times coarser
 (the keys ``2**backfill_key_shift`` where it is set: per-role levels).
 """
@@ -47,16 +47,17 @@ def key_basis_for(recipe, lm) -> str | None:
     return sha
 
 
-def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | None = None) -> torch.Tensor:
-    """Per token: PROTECT_LEVEL for the prompt header and the last ``protect`` tokens,
+def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | None = None,
+                 protect_level: int = PROTECT_LEVEL) -> torch.Tensor:
+    """Per token: ``protect_level`` for the prompt header and the last ``protect`` tokens,
     LIFT_LEVEL for the top LIFT_FRACTION by ``lift`` (``[L, H, T]`` ranks, averaged), else 0."""
     levels = torch.zeros(n_tokens, dtype=torch.uint8)
     if lift is not None and n_tokens:
         top = lift.float().mean((0, 1)).argsort(descending=True)[: int(LIFT_FRACTION * n_tokens)]
         levels[top] = LIFT_LEVEL
     if protect:
-        levels[-protect:] = PROTECT_LEVEL
-    levels[:header] = PROTECT_LEVEL
+        levels[-protect:] = protect_level
+    levels[:header] = protect_level
     return levels
 
 
@@ -128,7 +129,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         kept_bounds = [(int((rows < ls).sum()), int((rows < le).sum())) for ls, le in local_bounds]
     else:
         kept_bounds = local_bounds
-    levels = token_levels(n_tokens, header, recipe.protect, lift)
+    levels = token_levels(n_tokens, header, recipe.protect, lift,
+                          PROTECT_LEVEL if recipe.protect_level is None else recipe.protect_level)
     backfill = [i for i in recipe.backfill_layers if i < n_layers] if rows is not None else []
     shifts = recipe.backfill_shifts if backfill else (0, 0)  # (keys, values)
     full_levels = []  # per role: these layers keep every token, the evicted ones at level 0, the kept ones shifted up

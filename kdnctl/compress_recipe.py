@@ -23,6 +23,7 @@ _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
 BACKFILL_SHIFT = 3
 KEY_BASES = ("auto", "model", "none")
 MAX_BACKFILL_SHIFT = 4  # the protected tokens sit 2 levels up and ec's finest level is 6
+MAX_PROTECT_LEVEL = 2  # ec's default for the header and the forced tail (compress_ec.PROTECT_LEVEL): at most that
 
 
 @dataclass
@@ -59,6 +60,9 @@ class CompressRecipe:
     # after it, read the full cache's attention output (kdnctl.value_refit); the ridge weight,
     # None or 0 = off (measured at 0.083: continuation NLL better, needles and facts worse)
     refit: float | None = None
+    # ec: the prompt header and the last ``protect`` tokens get steps 2**level finer; None = the
+    # default (compress_ec.PROTECT_LEVEL, 4x), 0 keeps them but spends no extra bits on them
+    protect_level: int | None = None
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -125,6 +129,15 @@ class CompressRecipe:
         if self.refit and not (self.sized and self.quant == "ec" and self.keep < 1 and self.backfill is None):
             raise UsageError("--refit refits the values of the tokens ec's --keep keeps",
                              hint="use it with --budget B --quant ec --keep K (no --backfill), or --refit 0", param="refit")
+        pl = self.protect_level
+        if pl is not None:
+            if isinstance(pl, bool) or not isinstance(pl, int) or not 0 <= pl <= MAX_PROTECT_LEVEL:
+                raise UsageError(f"protect_level must be a whole number from 0 to {MAX_PROTECT_LEVEL}, got {pl!r}",
+                                 hint="2**level is how much finer the header's and the forced tail's steps are",
+                                 param="protect_level")
+            if not (self.sized and self.quant == "ec"):
+                raise UsageError("--protect-level sets how fine ec stores the header and the forced tail",
+                                 hint="use it with --budget B --quant ec", param="protect_level")
         wrapper, _, inner = str(self.method).partition(":")
         if wrapper in _LEGACY_WRAPPED:
             opts = dict(self.method_options)
@@ -158,6 +171,8 @@ class CompressRecipe:
             d["key_basis"] = self.key_basis
         if self.refit:
             d["refit"] = self.refit
+        if self.protect_level is not None:
+            d["protect_level"] = self.protect_level
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -198,6 +213,8 @@ class CompressRecipe:
                 label += f"-k{self.keep:g}"
             if self.protect:
                 label += f"-p{self.protect}"
+            if self.protect_level is not None:
+                label += f"-pl{self.protect_level}"
             if self.lift:
                 label += f"-l{self.lift}"
             if self.key_weight != sizing.KEY_WEIGHT:
