@@ -20,13 +20,14 @@ from conftest import run_cli
 
 from kdnctl.bundle import decode_bundle, read_meta
 from kdnctl.compress import CompressRecipe, compress_document
+from kdnctl.sizing import EVICT_PROTECT
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
-EVICT = "ec-b0.083-k0.33-p64-sentences-local"  # the default at 0.083: eviction first, a third of the tokens
-BACKFILL = "ec-b0.083-k0.33-p64-bf12-23-sentences-local"  # the same, and layers 12-23 keep every token
+EVICT = "ec-b0.083-k0.33-p32-sentences-local"  # the default at 0.083: eviction first, a third of the tokens
+BACKFILL = "ec-b0.083-k0.33-p32-bf12-23-sentences-local"  # the same, and layers 12-23 keep every token
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
-BACKFILL_S1 = "ec-b0.083-k0.33-p64-bf15-22s1ks0-sentences-local"
+BACKFILL_S1 = "ec-b0.083-k0.33-p32-bf15-22s1ks0-sentences-local"
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1)}  # label: (layers, key/value shift)
 
 
@@ -182,12 +183,13 @@ def test_eviction_first_keeps_one_token_set(store, doc):
         assert bool((p == p[:1]).all()) and b.tensors["token_levels"].shape == (p.shape[1],)
     n = v.n_tokens
     header = int(bundles[0].meta["header_tokens"])
-    # a third of the tokens, or the header and the last 64 where they are more (short documents)
-    assert kept.numel() == max(round(0.33 * n), header + 64) and bool((kept[1:] > kept[:-1]).all())
-    assert kept[:header].tolist() == list(range(header)) and kept[-64:].tolist() == list(range(n - 64, n))
+    tail = EVICT_PROTECT
+    # a third of the tokens, or the header and the forced tail where they are more (short documents)
+    assert kept.numel() == max(round(0.33 * n), header + tail) and bool((kept[1:] > kept[:-1]).all())
+    assert kept[:header].tolist() == list(range(header)) and kept[-tail:].tolist() == list(range(n - tail, n))
     levels = torch.cat([b.tensors["token_levels"] for b in bundles])
-    assert bool((levels[:header] == 2).all()) and bool((levels[-64:] == 2).all())
-    assert bool((levels[header:-64] == 0).all())
+    assert bool((levels[:header] == 2).all()) and bool((levels[-tail:] == 2).all())
+    assert bool((levels[header:-tail] == 0).all())
     # with eviction first, the kept tokens get finer steps than every token at the same budget
     alpha = {lab: read_meta(store.read_object(store.get_version(doc, lab).chunks[0].object))["quant"]["alpha"]
              for lab in (EVICT, "ec-b0.083-p64")}

@@ -197,8 +197,8 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(budget=0.6).quant == "uniform"
     # the same rule at 0.083: a third of the tokens, whole sentences, at ec's steps of 0.25
     low = CompressRecipe(budget=0.083)
-    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.33, 64, "sentences-local", {})
-    assert low.default_label() == "ec-b0.083-k0.33-p64-sentences-local"
+    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.33, 32, "sentences-local", {})
+    assert low.default_label() == "ec-b0.083-k0.33-p32-sentences-local"
     assert low.needs_model and low.uses_scorer  # the tokenizer splits sentences; eviction ranks by them
     old = CompressRecipe(budget=0.083, quant="int4", scorer="sentences", protect=64, method_options={"ratio": 0.0})
     assert old.default_label() == "int4-b0.083-p64-sentences" and old.keep == 1.0  # the cap evicts
