@@ -23,6 +23,7 @@ import torch
 from .allocate import layer_fisher as lf
 from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
 from .bundle import KVBundle, derived_meta, encode_bundle, tensor_name
+from .compress_recipe import PROTECT_LEVEL
 from .errors import UsageError
 from .quant.basis import basis_for_model, load_basis
 from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
@@ -30,7 +31,6 @@ from .quant.sensitivity import key_weights, value_weights
 from .value_refit import QUESTION_OFFSET, document_queries, refit_values
 from .versions import child_recipe
 
-PROTECT_LEVEL = 2
 LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
@@ -129,8 +129,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         kept_bounds = [(int((rows < ls).sum()), int((rows < le).sum())) for ls, le in local_bounds]
     else:
         kept_bounds = local_bounds
-    levels = token_levels(n_tokens, header, recipe.protect, lift,
-                          PROTECT_LEVEL if recipe.protect_level is None else recipe.protect_level)
+    levels = token_levels(n_tokens, header, recipe.protect, lift, recipe.tail_level)
     backfill = [i for i in recipe.backfill_layers if i < n_layers] if rows is not None else []
     shifts = recipe.backfill_shifts if backfill else (0, 0)  # (keys, values)
     full_levels = []  # per role: these layers keep every token, the evicted ones at level 0, the kept ones shifted up

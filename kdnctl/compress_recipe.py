@@ -23,7 +23,7 @@ _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
 BACKFILL_SHIFT = 3
 KEY_BASES = ("auto", "model", "none")
 MAX_BACKFILL_SHIFT = 4  # the protected tokens sit 2 levels up and ec's finest level is 6
-MAX_PROTECT_LEVEL = 2  # ec's default for the header and the forced tail (compress_ec.PROTECT_LEVEL): at most that
+PROTECT_LEVEL = 2  # ec: header and forced tail 2**level finer; the default and the most (see MAX_BACKFILL_SHIFT)
 
 
 @dataclass
@@ -61,7 +61,7 @@ class CompressRecipe:
     # None or 0 = off (measured at 0.083: continuation NLL better, needles and facts worse)
     refit: float | None = None
     # ec: the prompt header and the last ``protect`` tokens get steps 2**level finer; None = the
-    # default (compress_ec.PROTECT_LEVEL, 4x), 0 keeps them but spends no extra bits on them
+    # default (PROTECT_LEVEL, 4x), 0 keeps them but spends no extra bits on them
     protect_level: int | None = None
 
     def __post_init__(self) -> None:
@@ -131,8 +131,8 @@ class CompressRecipe:
                              hint="use it with --budget B --quant ec --keep K (no --backfill), or --refit 0", param="refit")
         pl = self.protect_level
         if pl is not None:
-            if isinstance(pl, bool) or not isinstance(pl, int) or not 0 <= pl <= MAX_PROTECT_LEVEL:
-                raise UsageError(f"protect_level must be a whole number from 0 to {MAX_PROTECT_LEVEL}, got {pl!r}",
+            if isinstance(pl, bool) or not isinstance(pl, int) or not 0 <= pl <= PROTECT_LEVEL:
+                raise UsageError(f"protect_level must be a whole number from 0 to {PROTECT_LEVEL}, got {pl!r}",
                                  hint="2**level is how much finer the header's and the forced tail's steps are",
                                  param="protect_level")
             if not (self.sized and self.quant == "ec"):
@@ -193,6 +193,11 @@ class CompressRecipe:
         """(keys, values): the backfilled tokens' steps are 2**shift x the kept tokens' in that role."""
         ks = self.backfill_shift if self.backfill_key_shift is None else self.backfill_key_shift
         return ks, self.backfill_shift
+
+    @property
+    def tail_level(self) -> int:
+        """ec: the level of the header and the forced tail (``protect_level``, or the default)."""
+        return PROTECT_LEVEL if self.protect_level is None else self.protect_level
 
     @property
     def sized(self) -> bool:
