@@ -20,6 +20,11 @@ At compress time the question is unknown. Each scorer returns ``[L, H_kv, T]`` (
                   On the 130 real-text tasks (``bench/results/gpu-h100/sentence_window_probe.txt``)
                   the whole-document ranking keeps 10% of multi-fact answers at a 27% token
                   budget, the 64-token one 92% (but 79% of needles, vs 97%).
+* ``sentences-gap`` as ``sentences-local``, but the local surprisal is ranked with half the gap
+                  between the two surprisals added (given the 64-token window minus given the
+                  whole document): how much the document beyond the window predicts the
+                  sentence, large for a record in a template the document set up earlier (a
+                  table row, the third "port for the X service is N"), small for prose.
 * ``hybrid``      (default) equal-weight rank-average of ``reconstruct`` and ``surprisal``: the
                   two offline signals. Measured with ``kdnctl eval`` (``bench/compress.py``)
                   against each scorer alone and against an earlier mix that also used
@@ -43,9 +48,9 @@ import torch
 from .errors import UsageError
 
 REPEAT_PROMPT = "\n\nRepeat the document above exactly, word for word.\n"
-SCORERS = ("window", "accum", "surprisal", "reconstruct", "hybrid", "sentences", "sentences-local")
+SCORERS = ("window", "accum", "surprisal", "reconstruct", "hybrid", "sentences", "sentences-local", "sentences-gap")
 DEFAULT_SCORER = "hybrid"
-NEEDS_MODEL = {"reconstruct", "hybrid", "sentences", "sentences-local"}  # sentences: the tokenizer only
+NEEDS_MODEL = {"reconstruct", "hybrid", "sentences", "sentences-local", "sentences-gap"}  # sentences: the tokenizer only
 
 
 def _rank01(x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +139,7 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
     if name not in SCORERS:
         raise UsageError(f"unknown scorer {name!r}", hint=f"choose one of {', '.join(SCORERS)}", param="scorer")
     if name in ("window", "accum", "surprisal") or name in NEEDS_MODEL:
-        missing = [s for s in ("window", "accum", "surprisal") if s not in stats and (s == name or (name in ("hybrid", "sentences", "sentences-local") and s == "surprisal"))]
+        missing = [s for s in ("window", "accum", "surprisal") if s not in stats and (s == name or (name in ("hybrid", "sentences", "sentences-local", "sentences-gap") and s == "surprisal"))]
         if missing:
             raise UsageError(
                 f"scorer {name!r} needs ingest statistics {missing} that this version lacks",
@@ -151,10 +156,12 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
 
         score = sentence_surprisal(stats["surprisal"], token_texts(lm.tokenizer, token_ids))
         return score.expand(n_layers, n_heads, -1).clone()
-    if name == "sentences-local" and lm is not None:
-        from .sentence_scores import local_sentence_scores
+    if name in ("sentences-local", "sentences-gap") and lm is not None:
+        from .sentence_scores import GAP_WEIGHT, local_sentence_scores
 
-        return local_sentence_scores(lm, stats["surprisal"], list(token_ids)).expand(n_layers, n_heads, -1).clone()
+        gap_weight = GAP_WEIGHT if name == "sentences-gap" else 0.0
+        score = local_sentence_scores(lm, stats["surprisal"], list(token_ids), gap_weight=gap_weight)
+        return score.expand(n_layers, n_heads, -1).clone()
     if lm is None:
         needs = "the tokenizer (sentence bounds)" if name == "sentences" else "the model"
         raise UsageError(f"scorer {name!r} needs {needs}", hint="give a loaded model (or use the window scorer)", param="model")

@@ -55,6 +55,7 @@ def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
 
 
 LOCAL_WINDOW = 64  # tokens of context before each sentence for the local surprisal
+GAP_WEIGHT = 0.5  # sentences-gap: the share of (local - whole) added to the local surprisal
 
 
 def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, int]], window: int = LOCAL_WINDOW,
@@ -102,18 +103,28 @@ def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, i
     return out
 
 
-def local_sentence_scores(lm, surprisal: torch.Tensor, token_ids: list[int], window: int = LOCAL_WINDOW) -> torch.Tensor:
+def local_sentence_scores(lm, surprisal: torch.Tensor, token_ids: list[int], window: int = LOCAL_WINDOW,
+                          gap_weight: float = 0.0) -> torch.Tensor:
     """``[T]`` scores of the ``sentences-local`` scorer: per sentence the better of two ranks (in
     [0, 1] over the document's sentences), its mean surprisal given the whole document (as
     ``sentences``: a needle that does not belong where it stands) and given only the ``window``
     tokens before it (``local_sentence_surprisal``: facts in a repeated template); ties break
-    by the token's own surprisal as in ``sentence_surprisal``."""
+    by the token's own surprisal as in ``sentence_surprisal``.
+
+    ``gap_weight`` (``GAP_WEIGHT`` for the ``sentences-gap`` scorer) adds that much of the gap
+    between the two surprisals (local minus whole: how much the document beyond the window
+    predicts the sentence) to the local one before ranking. A sentence in a form the document
+    set up earlier (a record of a table or list: "The port for the marlin service is 8784."
+    after three others) has a large gap, while ordinary prose is about as predictable from its
+    window as from the whole document; ranked by the local surprisal alone, the kept sentences
+    go to prose that is hard anywhere and the later records of a template fall just below the
+    cut (docs/compression.md, "Records in a template")."""
     s = surprisal.float().reshape(-1)
     t = s.shape[0]
     bounds = sentence_bounds(token_texts(lm.tokenizer, token_ids))
     whole = torch.tensor([float(s[a:b].mean()) for a, b in bounds])
     local = local_sentence_surprisal(lm, token_ids, bounds, window)
-    best = torch.maximum(rank01(whole), rank01(local))
+    best = torch.maximum(rank01(whole), rank01(local + gap_weight * (local - whole)))
     out = torch.zeros(t)
     for (a, b), v in zip(bounds, best.tolist()):
         out[a:b] = v

@@ -103,3 +103,32 @@ def test_sentences_local_takes_the_better_rank(tiny_lm):
     assert max(per_sentence) >= 1.0 and len(set(round(v, 2) for v in per_sentence)) > 1
     for x, y in bounds:
         assert float((s[x:y] - s[x]).abs().max()) < 1.1e-3
+
+
+def test_sentences_gap_ranks_what_the_document_predicts(tiny_lm):
+    """``sentences-gap``: per sentence the better of the whole-document rank and the rank of the
+    local surprisal plus GAP_WEIGHT x (local - whole), against a naive recomputation."""
+    from kdnctl.sentence_scores import GAP_WEIGHT, local_sentence_surprisal
+    from kdnctl.sizing import rank01
+
+    text = "First line here.\nSecond line is longer than that.\nThird. Fourth one?\nFifth line, the last"
+    ids = tiny_lm.tokenizer(text, add_special_tokens=False).input_ids
+    bounds = sentence_bounds(token_texts(tiny_lm.tokenizer, ids))
+    local = local_sentence_surprisal(tiny_lm, ids, bounds)
+    target = 2  # whole-document surprisal far below its local one: the document predicts it
+    surprisal = torch.zeros(len(ids))
+    whole = []
+    for i, (a, b) in enumerate(bounds):
+        v = float(local[i]) - (100.0 if i == target else 0.0)
+        surprisal[a:b] = v
+        whole.append(v)
+    got = compute_importance("sentences-gap", {"surprisal": surprisal}, lm=tiny_lm, token_ids=ids, n_layers=2, n_heads=1)
+    assert got.shape == (2, 1, len(ids)) and torch.equal(got[0], got[1])
+    whole = torch.tensor(whole)
+    want = torch.maximum(rank01(whole), rank01(local + GAP_WEIGHT * (local - whole)))
+    a, b = bounds[target]
+    assert float(got[0, 0, a:b].min()) >= 1.0  # the largest gap, whatever its own surprisal
+    for i, (x, y) in enumerate(bounds):
+        assert float((got[0, 0, x:y] - want[i]).abs().max()) < 1.1e-3
+    plain = compute_importance("sentences-local", {"surprisal": surprisal}, lm=tiny_lm, token_ids=ids, n_layers=1, n_heads=1)
+    assert not torch.allclose(plain[0, 0], got[0, 0])
