@@ -77,7 +77,7 @@ FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the p
 # tail at 64, and the room 32 leaves holds more of the asked facts (docs/compression.md, session 26)
 EVICT_PROTECT = 32
 LOSSLESS_TIER = "int8"  # from where this tier holds every token, auto stores it (lossless); below, ec
-EVICT_SCORER = "sentences-local"  # below EC_FROM: whole sentences, ranked given the document and their window
+EVICT_SCORER = "sentences-gap"  # below EC_FROM: whole sentences, ranked given the document and their window
 EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe keeps budget / EC_FROM of the tokens
 
 
@@ -106,12 +106,14 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       NLL above the full cache's); ``ec`` fills the budget and is lossless within the paired
       intervals from ~0.35 (``bench/results/quality-cpu-ecbudget*``);
     * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``budget / 0.25`` of the tokens
-      kept (whole sentences, each by the better of its mean-surprisal ranks given the whole
-      document and given its preceding window, the ``sentences-local`` scorer: a planted fact
-      in a list of alike facts is unsurprising given the document but not given its window;
-      the prompt header and the last 32 tokens always kept: at 0.083 on all 130 tasks 56/60
-      needles, 17/40 facts, continuation NLL +10.6% against 53/60, 17/40, +9.3% with the last
-      64, bench/results/quality-cpu-p32-083/), so the kept tokens get the steps
+      kept (whole sentences, each by the better of two ranks, its mean surprisal given the
+      whole document and given its preceding window plus half of what the rest of the document
+      explains, the ``sentences-gap`` scorer: a planted fact in a list of alike facts is
+      unsurprising given the document but not given its window; at 0.083 on all 130 tasks
+      55/60 needles, 19/40 facts, continuation NLL +10.5% against 56/60, 17/40, +10.6% for the
+      window's surprisal alone, ``sentences-local``, bench/results/quality-cpu-gap-083/; the
+      prompt header and the last 32 tokens always kept: 56/60, 17/40, +10.6% against 53/60,
+      17/40, +9.3% with the last 64, bench/results/quality-cpu-p32-083/), so the kept tokens get the steps
       ``ec`` has at 0.25. At 0.083 (a third of the tokens) ranking by mean surprisal alone
       beat int4 + sentence eviction (a quarter of the tokens) in one run, and the local ranks
       beat it on facts (numbers in docs/compression.md); keeping more tokens at coarser steps

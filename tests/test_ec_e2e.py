@@ -24,10 +24,10 @@ from kdnctl.sizing import EVICT_PROTECT
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
-EVICT = "ec-b0.083-k0.33-p32-sentences-local"  # the default at 0.083: eviction first, a third of the tokens
-BACKFILL = "ec-b0.083-k0.33-p32-bf12-23-sentences-local"  # the same, and layers 12-23 keep every token
+EVICT = "ec-b0.083-k0.33-p32-sentences-gap"  # the default at 0.083: eviction first, a third of the tokens
+BACKFILL = "ec-b0.083-k0.33-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
-BACKFILL_S1 = "ec-b0.083-k0.33-p32-bf15-22s1ks0-sentences-local"
+BACKFILL_S1 = "ec-b0.083-k0.33-p32-bf15-22s1ks0-sentences-gap"
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1)}  # label: (layers, key/value shift)
 
 

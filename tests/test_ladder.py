@@ -183,7 +183,7 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert d.needs_model and not d.uses_scorer and d.as_dict()["protect"] == 64 and "coding" not in d.as_dict()
     assert CompressRecipe(budget=0.3).quant == "ec" and CompressRecipe(budget=0.3).keep == 1.0
     below = CompressRecipe(budget=0.2)  # below 0.25: ec with eviction first, budget / 0.25 of the tokens
-    assert (below.quant, below.keep, below.scorer) == ("ec", 0.8, "sentences-local")
+    assert (below.quant, below.keep, below.scorer) == ("ec", 0.8, "sentences-gap")
     for b in (0.31, 0.45, 0.5):  # int4 holds every token from ~0.31, int8 from ~0.54: ec fills the bytes between
         mid = CompressRecipe(budget=b)
         assert (mid.quant, mid.keep, mid.protect, mid.default_label()) == ("ec", 1.0, 64, f"ec-b{b:g}-p64")
@@ -197,8 +197,8 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(budget=0.6).quant == "uniform"
     # the same rule at 0.083: a third of the tokens, whole sentences, at ec's steps of 0.25
     low = CompressRecipe(budget=0.083)
-    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.33, 32, "sentences-local", {})
-    assert low.default_label() == "ec-b0.083-k0.33-p32-sentences-local"
+    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.33, 32, "sentences-gap", {})
+    assert low.default_label() == "ec-b0.083-k0.33-p32-sentences-gap"
     assert low.needs_model and low.uses_scorer  # the tokenizer splits sentences; eviction ranks by them
     old = CompressRecipe(budget=0.083, quant="int4", scorer="sentences", protect=64, method_options={"ratio": 0.0})
     assert old.default_label() == "int4-b0.083-p64-sentences" and old.keep == 1.0  # the cap evicts

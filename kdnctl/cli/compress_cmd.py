@@ -18,7 +18,7 @@ def compress(
     method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`)."),
     allocator: str = typer.Option("uniform", "--allocator", help="Per-layer budget split: uniform | pyramid | adaptive (pyramid:METHOD as --method also works)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: auto (default: ec from 0.25 to where int8 holds every token, ~0.54; below 0.25 ec with eviction first, budget/0.25 of the tokens kept as whole sentences ranked by sentences-local; else uniform) | uniform (the best single tier that fits) | floor (that tier + one-tier upgrades) | ladder (per-token tiers) | ec (per-channel steps weighted by attention, entropy-coded; every token kept unless --keep evicts first, one token set for all layers and heads) | int8 | int4 | int3 | int2 | fp16 (eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
-    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid | sentences | sentences-local (default hybrid; sentences-local where --quant auto evicts)."),
+    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid | sentences | sentences-local | sentences-gap (default hybrid; sentences-gap where --quant auto evicts)."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
     kvcrush_ratio: Optional[float] = typer.Option(None, "--kvcrush-ratio", help="Share of the budget for KVCrush representatives."),
     anchor: Optional[str] = typer.Option(None, "--anchor", help="KVCrush anchor: random | mean | alternate."),
