@@ -51,7 +51,7 @@ def dump(args) -> None:
             texts = token_texts(lm.tokenizer, ids)
             bounds = sentence_bounds(texts)
             rec = {"id": task.id, "T": len(ids), "header": int(bundles[0].meta.get("header_tokens", 0)),
-                   "bounds": bounds, "whole": [float(s[a:b].mean()) for a, b in bounds], "tok": s.tolist()}
+                   "bounds": bounds, "tok": s.tolist()}
             for w in args.windows:
                 rec[f"local{w}"] = local_sentence_surprisal(lm, ids, bounds, w).tolist()
 
@@ -66,7 +66,7 @@ def dump(args) -> None:
 
 def analyze(args) -> None:
     from kdnctl.compress_ec import shared_keep
-    from kdnctl.sizing import rank01
+    from kdnctl.sentence_scores import two_rank_scores
 
     right = set()
     if args.results:
@@ -84,13 +84,7 @@ def analyze(args) -> None:
             ok_n = right_n = right_ok = 0
             lost, cuts = [], []
             for r in recs.values():
-                whole, local = torch.tensor(r["whole"]), torch.tensor(r[f"local{args.window}"])
-                best = torch.maximum(rank01(whole), rank01(local + a * (local - whole)))
-                tok = torch.tensor(r["tok"])
-                score = torch.zeros(r["T"])
-                for (x, y), v in zip(r["bounds"], best.tolist()):
-                    score[x:y] = v
-                score += 1e-3 * tok.argsort().argsort().float() / (r["T"] - 1)  # the library's tie-break
+                score = two_rank_scores(torch.tensor(r["tok"]), r["bounds"], torch.tensor(r[f"local{args.window}"]), a)
                 rows = set(shared_keep(score[None, None], args.keep, r["header"], args.protect).tolist())
                 ok = any(all(i in rows for i in range(x, y)) for x, y in r["answer"])
                 cuts.append(min(float(score[i]) for i in rows if r["header"] <= i < r["T"] - args.protect))

@@ -139,7 +139,7 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
     if name not in SCORERS:
         raise UsageError(f"unknown scorer {name!r}", hint=f"choose one of {', '.join(SCORERS)}", param="scorer")
     if name in ("window", "accum", "surprisal") or name in NEEDS_MODEL:
-        missing = [s for s in ("window", "accum", "surprisal") if s not in stats and (s == name or (name in ("hybrid", "sentences", "sentences-local", "sentences-gap") and s == "surprisal"))]
+        missing = [s for s in ("window", "accum", "surprisal") if s not in stats and (s == name or (name in NEEDS_MODEL - {"reconstruct"} and s == "surprisal"))]
         if missing:
             raise UsageError(
                 f"scorer {name!r} needs ingest statistics {missing} that this version lacks",

@@ -119,11 +119,21 @@ def local_sentence_scores(lm, surprisal: torch.Tensor, token_ids: list[int], win
     window as from the whole document; ranked by the local surprisal alone, the kept sentences
     go to prose that is hard anywhere and the later records of a template fall just below the
     cut (docs/compression.md, "Records in a template")."""
+    bounds = sentence_bounds(token_texts(lm.tokenizer, token_ids))
+    local = local_sentence_surprisal(lm, token_ids, bounds, window)
+    return two_rank_scores(surprisal, bounds, local, gap_weight)
+
+
+def two_rank_scores(surprisal: torch.Tensor, bounds: list[tuple[int, int]], local: torch.Tensor,
+                    gap_weight: float = 0.0) -> torch.Tensor:
+    """``[T]`` scores from per-token ``surprisal`` (given the whole document) and each sentence's
+    ``local`` surprisal: per sentence the better of the ranks of its whole-document mean and of
+    ``local + gap_weight x (local - whole)``; ties break by the token's own surprisal. The model-
+    free half of ``local_sentence_scores`` (``bench/sentence_gap_probe.py`` reuses it on dumps)."""
     s = surprisal.float().reshape(-1)
     t = s.shape[0]
-    bounds = sentence_bounds(token_texts(lm.tokenizer, token_ids))
     whole = torch.tensor([float(s[a:b].mean()) for a, b in bounds])
-    local = local_sentence_surprisal(lm, token_ids, bounds, window)
+    local = local.float()
     best = torch.maximum(rank01(whole), rank01(local + gap_weight * (local - whole)))
     out = torch.zeros(t)
     for (a, b), v in zip(bounds, best.tolist()):
