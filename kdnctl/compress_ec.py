@@ -28,6 +28,7 @@ from .errors import UsageError
 from .quant.basis import basis_for_model, load_basis
 from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
 from .quant.sensitivity import key_weights, value_weights
+from .tail_reads import tail_read_scores
 from .value_refit import QUESTION_OFFSET, document_queries, refit_values
 from .versions import child_recipe
 
@@ -61,10 +62,13 @@ def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | 
     return levels
 
 
-def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int) -> torch.Tensor:
+def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int,
+                second: torch.Tensor | None = None, share: float = 0.0) -> torch.Tensor:
     """Ascending document indices of the ``round(keep * T)`` tokens with the highest importance
     (``[L, H, T]``, averaged over layers and heads; ties to the earlier token), the first
-    ``header`` and the last ``protect`` tokens always kept."""
+    ``header`` and the last ``protect`` tokens always kept. With ``second`` (``[T]``, e.g.
+    ``tail_reads.tail_read_scores``), the last ``share`` of the tokens beyond the forced ones
+    are the best of ``second`` among those not yet kept."""
     n = importance.shape[-1]
     score = importance.float().mean((0, 1))
     forced = torch.zeros(n, dtype=torch.bool)
@@ -73,7 +77,13 @@ def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int
         forced[-protect:] = True
     want = max(int(round(keep * n)), int(forced.sum()))
     order = sorted(range(n), key=lambda t: (not bool(forced[t]), -float(score[t]), t))
-    return torch.tensor(sorted(order[:want]), dtype=torch.int64)
+    if second is None or share <= 0:
+        return torch.tensor(sorted(order[:want]), dtype=torch.int64)
+    n_forced = int(forced.sum())
+    first = order[:n_forced + round((1 - share) * (want - n_forced))]
+    taken = set(first)
+    rest = [t for t in sorted(range(n), key=lambda t: (-float(second[t]), t)) if t not in taken]
+    return torch.tensor(sorted(first + rest[:want - len(first)]), dtype=torch.int64)
 
 
 def refitted(lm, rho: float, token_ids: list[int], bundles: list[KVBundle], keys: list[torch.Tensor],
@@ -115,7 +125,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     if recipe.keep < 1:
         if importance is None:
             raise UsageError("--quant ec with --keep needs a scorer to rank tokens", param="keep")
-        rows = shared_keep(importance, recipe.keep, header, recipe.protect)
+        second = tail_read_scores(lm, token_ids) if recipe.tail_reads else None
+        rows = shared_keep(importance, recipe.keep, header, recipe.protect, second, recipe.tail_reads or 0.0)
         keys = [k[:, rows] for k in keys]
         values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows) if recipe.refit \
             else [v[:, rows] for v in values]

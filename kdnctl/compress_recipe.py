@@ -63,6 +63,9 @@ class CompressRecipe:
     # ec: the prompt header and the last ``protect`` tokens get steps 2**level finer; None = the
     # default (PROTECT_LEVEL, 4x), 0 keeps them but spends no extra bits on them
     protect_level: int | None = None
+    # ec with --keep: the share of the kept tokens (beyond header and tail) chosen by what the
+    # document's last queries read (kdnctl.tail_reads), the rest by the scorer; None or 0 = off
+    tail_reads: float | None = None
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -129,6 +132,15 @@ class CompressRecipe:
         if self.refit and not (self.sized and self.quant == "ec" and self.keep < 1 and self.backfill is None):
             raise UsageError("--refit refits the values of the tokens ec's --keep keeps",
                              hint="use it with --budget B --quant ec --keep K (no --backfill), or --refit 0", param="refit")
+        tr = self.tail_reads
+        if tr is not None:
+            if isinstance(tr, bool) or not isinstance(tr, (int, float)) or not 0 <= tr < 1:
+                raise UsageError(f"tail_reads must be a share from 0 to below 1 (0: off), got {tr!r}",
+                                 hint="e.g. 0.25", param="tail_reads")
+            self.tail_reads = float(tr) or None
+        if self.tail_reads and not (self.sized and self.quant == "ec" and self.keep < 1):
+            raise UsageError("--tail-reads chooses part of the tokens ec's --keep keeps",
+                             hint="use it with --budget B --quant ec --keep K, or --tail-reads 0", param="tail_reads")
         pl = self.protect_level
         if pl is not None:
             if isinstance(pl, bool) or not isinstance(pl, int) or not 0 <= pl <= PROTECT_LEVEL:
@@ -173,6 +185,8 @@ class CompressRecipe:
             d["refit"] = self.refit
         if self.protect_level is not None:
             d["protect_level"] = self.protect_level
+        if self.tail_reads:
+            d["tail_reads"] = self.tail_reads
         if self.allocator != DEFAULT_ALLOCATOR:  # absent = uniform: versions made before allocators match
             d.update(allocator=self.allocator, allocator_options=dict(sorted(self.allocator_options.items())))
         return d
@@ -235,6 +249,8 @@ class CompressRecipe:
                 label += {"model": "-kbm", "none": "-kb0"}[self.key_basis]
             if self.refit:
                 label += f"-rf{self.refit:g}"
+            if self.tail_reads:
+                label += f"-tr{self.tail_reads:g}"
         else:
             label = f"{self.method}-k{self.keep:g}" if self.keep < 1 else "k1"
         if self.group_size != DEFAULT_GROUP_SIZE and self.quant not in ("none", "fp16"):
@@ -273,4 +289,4 @@ class CompressRecipe:
     @property
     def needs_model(self) -> bool:
         return ((self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer) or \
-            (self.sized and (self.lift in NEEDS_MODEL or self.quant == "ec"))
+            (self.sized and (self.lift in NEEDS_MODEL or self.quant == "ec"))  # tail_reads: ec only

@@ -33,6 +33,7 @@ def compress(
     key_basis: Optional[str] = typer.Option(None, "--key-basis", help="With --quant ec: auto (default: the model's key basis where one is registered, as for the default model) | model (require one) | none (keys in channels). A key basis codes keys in the model's principal axes, calibrated once per model on other text: ~16% fewer key bytes at the same error, so finer steps at the same budget."),
     refit: Optional[float] = typer.Option(None, "--refit", help="With --quant ec --keep K: refit the kept tokens' values so that the document's own queries, placed after it, read the full cache's attention output; the ridge weight (e.g. 0.01; default off: at 0.083 it lowers continuation NLL but loses needles and facts, docs/compression.md)."),
     protect_level: Optional[int] = typer.Option(None, "--protect-level", help="With --quant ec: the prompt header and the last --protect tokens get steps 2**N finer, N from 0 to 2 (default 2)."),
+    tail_reads: Optional[float] = typer.Option(None, "--tail-reads", help="With --quant ec --keep K: the share R of the kept tokens (beyond the header and the last --protect) chosen as whole sentences by what the document's last 128 queries attend to in the middle layers, the rest by --scorer: the sources the text after the document copies from (docs/compression.md)."),
     seed: int = typer.Option(0, "--seed"),
     source: str = typer.Option("full", "--from", help="Source version label."),
     label: Optional[str] = typer.Option(None, "--label", help="Label of the new version (default from the recipe)."),
@@ -67,7 +68,8 @@ def compress(
                                 **({"key_weight": key_weight} if key_weight is not None else {}),
                                 **({"key_basis": key_basis} if key_basis is not None else {}),
                                 **({"refit": refit} if refit is not None else {}),
-                                **({"protect_level": protect_level} if protect_level is not None else {}))
+                                **({"protect_level": protect_level} if protect_level is not None else {}),
+                                **({"tail_reads": tail_reads} if tail_reads is not None else {}))
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)
