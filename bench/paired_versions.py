@@ -2,7 +2,10 @@
 
     python bench/paired_versions.py RESULTS.json A B
         per kind: how many each answers, tasks only A / only B answers (exact McNemar p) and the
-        mean NLL of A, B, full (``--tasks-of OTHER.json``: only the tasks another run holds)
+        mean NLL of A, B, full (``--tasks-of OTHER.json``: only the tasks another run holds;
+        ``--also OTHER.json``: the versions of another run of the same tasks too, where its full
+        cache agrees task for task; ``--worst N``: the N continuation tasks A loses most on, each
+        label's NLL / full there)
     python bench/paired_versions.py NEW.json LABEL --against OLD.json
         LABEL in two deterministic runs on the tasks both hold (the full cache must agree): counts,
         tasks only one run answers (exact McNemar p), identical answers, the largest NLL change
@@ -28,13 +31,30 @@ def main() -> None:
     ap.add_argument("labels", nargs="+")
     ap.add_argument("--against", default=None)
     ap.add_argument("--tasks-of", default=None, help="another results JSON: only the tasks it holds")
+    ap.add_argument("--also", action="append", default=[], help="another run's results JSON of the same tasks")
+    ap.add_argument("--worst", type=int, default=0, help="print the N continuation tasks A loses most on")
     args = ap.parse_args()
     tasks = json.load(open(args.results))["tasks"]
+    for other in args.also:
+        more = {t["id"]: t for t in json.load(open(other))["tasks"]}
+        for t in tasks:
+            o = more[t["id"]]["by_version"]
+            if abs(o["full"]["nll"] - t["by_version"]["full"]["nll"]) > 1e-3:
+                raise SystemExit(f"{other}: the full cache differs on {t['id']}: not the same tasks and model")
+            t["by_version"] = {**o, **t["by_version"]}
+    if args.worst:
+        cont = [t for t in tasks if t["kind"] == "continuation"]
+        ratio = {(t["id"], k): t["by_version"][k]["nll"] / t["by_version"]["full"]["nll"] for t in cont for k in args.labels}
+        cont.sort(key=lambda t: -ratio[t["id"], args.labels[0]])
+        print("continuation NLL / full: " + ", ".join(args.labels))
+        for t in cont[:args.worst]:
+            print(f"{t['id']} {t.get('source', '')}: " + " ".join(f"{100 * ratio[t['id'], k]:.0f}%" for k in args.labels))
+        return
     if args.tasks_of:
         held = {t["id"] for t in json.load(open(args.tasks_of))["tasks"]}
         tasks = [t for t in tasks if t["id"] in held]
     if args.against is None:
-        a_label, b_label = args.labels
+        a_label, b_label = args.labels[:2]
         for kind in ("needle", "multifact", "continuation"):  # continuation tasks have an NLL, no answer
             ts = [t for t in tasks if t["kind"] == kind]
             if not ts:
@@ -42,7 +62,7 @@ def main() -> None:
             ok = [(bool(t["by_version"][a_label].get("correct")), bool(t["by_version"][b_label].get("correct"))) for t in ts]
             only_a, only_b = sum(a and not b for a, b in ok), sum(b and not a for a, b in ok)
             nll = {k: sum(t["by_version"][k]["nll"] for t in ts) for k in (a_label, b_label, "full")}
-            line = f"{kind}, {len(ts)} tasks, same run: "
+            line = f"{kind}, {len(ts)} tasks, {'runs joined by --also' if args.also else 'same run'}: "
             if kind != "continuation":
                 line += (f"{a_label} answers {sum(a for a, _ in ok)}, {b_label} {sum(b for _, b in ok)}; "
                          f"only {a_label} answers {only_a}, only {b_label} answers {only_b}, "
