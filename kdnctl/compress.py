@@ -149,8 +149,9 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
                                         n_layers=n_layers, n_heads=n_heads) if recipe.uses_scorer \
             else torch.zeros(n_layers, n_heads, len(token_ids))
         if recipe.sized and recipe.lift:  # upgrade weights: the better rank of the two scorers
-            lifted = compute_importance(recipe.lift, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
-                                        n_layers=n_layers, n_heads=n_heads)
+            lifted = importance if recipe.lift == recipe.scorer and recipe.uses_scorer else \
+                compute_importance(recipe.lift, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
+                                   n_layers=n_layers, n_heads=n_heads)  # the same scorer: one model pass
             lift_w = sizing.rank01(lifted) if recipe.quant == "ec" else torch.maximum(sizing.rank01(importance),
                                                                                        sizing.rank01(lifted))
         score_s = time.perf_counter() - t_score
