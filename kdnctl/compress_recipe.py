@@ -289,4 +289,4 @@ class CompressRecipe:
     @property
     def needs_model(self) -> bool:
         return ((self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer) or \
-            (self.sized and (self.lift in NEEDS_MODEL or self.quant == "ec"))  # tail_reads: ec only
+            (self.sized and (self.lift in NEEDS_MODEL or self.quant == "ec"))
