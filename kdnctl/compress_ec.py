@@ -11,7 +11,11 @@ each layer's and role's steps are first scaled by how much its error costs the m
 (``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are
 quantized ``2**PROTECT_LEVEL`` times finer (``--protect-level``): they precede every question. With ``backfill``
 ("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**backfill_shift`` times coarser
-(the keys ``2**backfill_key_shift`` where it is set: per-role levels).
+(the keys ``2**backfill_key_shift`` where it is set: per-role levels). Where ``backfill`` names
+KV heads of a layer ("18.2") only those read the evicted tokens: a layer's tensors hold every
+token for every head, so the other heads' evicted rows are stored as their chunk's mean (codes
+of 0, almost free once entropy-coded) and hidden from their query heads by the layer's
+attention bias (``MASKED``), which every loader already adds.
 """
 
 from __future__ import annotations
@@ -34,6 +38,40 @@ from .versions import child_recipe
 
 LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
+MASKED = float(torch.finfo(torch.float16).min)  # bias on a row a query head must not read (finite: no inf - inf)
+
+
+def narrow_heads(recipe, n_layers: int, n_heads: int) -> dict[int, list[int]]:
+    """Backfilled layer -> its KV heads that do NOT read the evicted tokens (``backfill`` "L.H")."""
+    out = {}
+    for i, wide in recipe.backfill_heads.items():
+        if wide is None or i >= n_layers:
+            continue
+        if max(wide) >= n_heads:
+            raise UsageError(f"--backfill names KV head {max(wide)} of layer {i}; the model has {n_heads} KV heads",
+                             hint=f"heads are 0 to {n_heads - 1}", param="backfill")
+        out[i] = [h for h in range(n_heads) if h not in wide]
+    return out
+
+
+def hide_rows(x: torch.Tensor, heads: list[int], evicted: torch.Tensor, bounds) -> None:
+    """In place: ``x [H, T, D]``'s ``evicted`` rows of ``heads`` set to the mean of their chunk's
+    other rows, so they quantize to codes of 0 and leave the chunk's mean as it was."""
+    for ls, le in bounds:
+        ev = evicted[ls:le]
+        for h in heads:
+            rows = x[h, ls:le]
+            rows[ev] = rows[~ev].mean(0) if bool((~ev).any()) else 0.0
+
+
+def masking_bias(bias: torch.Tensor | None, heads: list[int], evicted: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+    """A chunk's ``[H_q, T]`` float16 bias for a layer whose ``heads`` (KV) must not read the
+    ``evicted`` rows: their query heads get ``MASKED`` there (over any steering bias)."""
+    out = torch.zeros(n_q, evicted.numel()) if bias is None else bias.float().clone()
+    group = n_q // n_kv  # query head j reads KV head j // group
+    for h in heads:
+        out[h * group:(h + 1) * group, evicted] = MASKED
+    return out.to(torch.float16)
 
 
 def key_basis_for(recipe, lm) -> str | None:
@@ -120,6 +158,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         raise UsageError(f"the key basis registered for this model is {list(basis.shape)}, its keys are "
                          f"[{n_layers}, {n_heads}, {d}, {d}]", hint="re-calibrate it: scripts/calibrate_key_basis.py")
     header = int(bundles[0].meta.get("header_tokens", 0))
+    n_q = int(bundles[0].meta["model"].get("n_q_heads") or lm.model.config.num_attention_heads)
     rows = None
     all_keys, all_values = keys, values
     if recipe.keep < 1:
@@ -154,6 +193,14 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     vw = value_weights(lm, n_layers, n_heads, d)
     xs = [q.forward(all_keys[i], all_values[i], all_positions.expand(n_heads, -1)) if i in backfill
           else q.forward(k, v, positions.expand(n_heads, -1)) for i, (k, v) in enumerate(zip(keys, values))]
+    narrow = {i: h for i, h in narrow_heads(recipe, n_layers, n_heads).items() if i in backfill}
+    evicted = torch.ones(n_all, dtype=torch.bool)
+    if rows is not None:
+        evicted[rows] = False
+    for i, heads in narrow.items():
+        xs[i] = tuple(x.clone() for x in xs[i])  # the transform may hand back the caller's tensor
+        for x in xs[i]:
+            hide_rows(x, heads, evicted, local_bounds)
     # a backfilled layer's steps are those of its kept tokens: 2**shift x the level-0 step
     base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * (2.0 ** s if i in backfill else 1)
                   for x, w, s in zip(xs[i], (kw, vw), shifts)) for i in range(n_layers)]
@@ -218,7 +265,9 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                 if kept_here is not None:  # the same kept tokens in every such layer and head (own tensors: safetensors refuses shared memory)
                     t[tensor_name(i, "positions")] = _chunk_positions(b.tensors["positions"], kept_here, n_heads)
                 bias = b.layer(i, "bias")
-                if bias is not None:
+                if i in narrow:
+                    t[tensor_name(i, "bias")] = masking_bias(bias, narrow[i], evicted[ls:le], n_q, n_heads)
+                elif bias is not None:
                     t[tensor_name(i, "bias")] = bias if kept_here is None else bias[..., kept_here].contiguous()
             n_rows = n_heads * sum(le - ls if i in backfill else ke - ks for i in range(n_layers))
             metas.append({"quant": {**qmeta, "alpha": round(alpha, 6),

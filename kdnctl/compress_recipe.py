@@ -105,8 +105,8 @@ class CompressRecipe:
                 raise UsageError("--backfill keeps the tokens ec's --keep evicts, coarsely, in some layers",
                                  hint="use it with --budget B --quant ec --keep K (even layer split)", param="backfill")
         shift = self.backfill_shift
-        if isinstance(shift, bool) or not isinstance(shift, int) or not 1 <= shift <= MAX_BACKFILL_SHIFT:
-            raise UsageError(f"backfill_shift must be a whole number from 1 to {MAX_BACKFILL_SHIFT}, got {shift!r}",
+        if isinstance(shift, bool) or not isinstance(shift, int) or not 0 <= shift <= MAX_BACKFILL_SHIFT:
+            raise UsageError(f"backfill_shift must be a whole number from 0 to {MAX_BACKFILL_SHIFT}, got {shift!r}",
                              hint="2**shift is how much coarser the backfilled tokens' steps are", param="backfill_shift")
         if shift != BACKFILL_SHIFT and self.backfill is None:
             raise UsageError("--backfill-shift sets how coarse --backfill's tokens are", hint="add --backfill A-B",
@@ -192,15 +192,31 @@ class CompressRecipe:
         return d
 
     @property
-    def backfill_layers(self) -> range:
-        """The layers ``backfill`` ("A-B", both included) names; empty without one."""
+    def backfill_layers(self) -> tuple[int, ...]:
+        """The layers ``backfill`` names, ascending; empty without one (:attr:`backfill_heads`)."""
+        return tuple(sorted(self.backfill_heads))
+
+    @property
+    def backfill_heads(self) -> dict[int, tuple[int, ...] | None]:
+        """Layer -> the KV heads that keep every token there (None: all of them). ``backfill``
+        joins with "+" layer ranges ("12-23"), layers ("18") and KV heads of a layer ("18.2"):
+        "17.1+18.2+20"."""
         if self.backfill is None:
-            return range(0)
-        a, sep, b = str(self.backfill).partition("-")
-        if not (sep and a.isdigit() and b.isdigit() and int(a) <= int(b)):
-            raise UsageError(f"backfill must be a layer range A-B, got {self.backfill!r}", hint="e.g. 12-23",
-                             param="backfill")
-        return range(int(a), int(b) + 1)
+            return {}
+        out: dict[int, set[int] | None] = {}
+        for part in str(self.backfill).split("+"):
+            layer, dot, head = part.partition(".")
+            a, sep, b = layer.partition("-")
+            b = b if sep else a
+            if not (a.isdigit() and b.isdigit() and int(a) <= int(b) and (not dot or (head.isdigit() and not sep))):
+                raise UsageError(f"backfill must name layers and heads as A-B, L or L.H joined by +, got {self.backfill!r}",
+                                 hint="e.g. 12-23, 18+20 or 18.2+20.1", param="backfill")
+            for i in range(int(a), int(b) + 1):
+                if not dot:
+                    out[i] = None
+                elif out.get(i, set()) is not None:
+                    out[i] = out.get(i, set()) | {int(head)}
+        return {i: None if h is None else tuple(sorted(h)) for i, h in sorted(out.items())}
 
     @property
     def backfill_shifts(self) -> tuple[int, int]:

@@ -60,7 +60,11 @@ def assert_loads_as_decoded(lm, st, doc: str, label: str, by_hand) -> None:
     keys = [torch.cat([by_hand(b, i, "keys") for b in bundles], 1)[None].to(lm.dtype) for i in layers]
     values = [torch.cat([by_hand(b, i, "values") for b in bundles], 1)[None].to(lm.dtype) for i in layers]
     ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
-    expected = forward_suffix(lm, LoadedContext(keys, values, int(bundles[-1].meta["token_end"]), ids), suffix)[0]
+    # a stored attention bias (steering, or heads masked off evicted rows) is added to the scores
+    bias = {i: torch.cat([b.layer(i, "bias").float() for b in bundles], 1) for i in layers
+            if bundles[0].layer(i, "bias") is not None}
+    expected = forward_suffix(lm, LoadedContext(keys, values, int(bundles[-1].meta["token_end"]), ids, bias=bias),
+                              suffix)[0]
     local = forward_suffix(lm, load_document(lm, st, doc, label), suffix)[0]
     torch.testing.assert_close(local, expected, rtol=1e-4, atol=1e-4)
     full = forward_suffix(lm, load_document(lm, st, doc, "full"), suffix)[0]

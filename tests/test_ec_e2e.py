@@ -28,7 +28,11 @@ EVICT = "ec-b0.083-k0.33-p32-sentences-gap"  # the default at 0.083: eviction fi
 BACKFILL = "ec-b0.083-k0.33-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
 BACKFILL_S1 = "ec-b0.083-k0.33-p32-bf15-22s1ks0-sentences-gap"
-BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1)}  # label: (layers, key/value shift)
+# every token in KV head 2 of layer 18 and heads 1, 2 of layer 20, at the kept tokens' steps
+WIDE = "ec-b0.083-k0.33-p32-bf18.2+20.1+20.2s0-sentences-gap"
+WIDE_HEADS = {18: (2,), 20: (1, 2)}
+BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1),
+             WIDE: ((18, 20), 0, 0)}  # label: (layers, key/value shift)
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +52,9 @@ def store(tmp_path_factory, lm):
             assert s1.default_label() == BACKFILL_S1 and s1.as_dict()["backfill_shift"] == 1
             assert s1.as_dict()["backfill_key_shift"] == 0
             compress_document(st, doc, s1, lm=lm)
+            wide = CompressRecipe(budget=0.083, backfill="18.2+20.1+20.2", backfill_shift=0)
+            assert wide.default_label() == WIDE and wide.backfill_heads == WIDE_HEADS
+            compress_document(st, doc, wide, lm=lm)
     yield st
     st.close()
 
@@ -227,6 +234,8 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
             else:
                 levels = b.tensors[f"layers.{i}.levels"]
                 assert torch.equal(b.layer_positions(i)[0], kept) and torch.equal(levels, e.tensors["token_levels"])
+    if label == WIDE:  # no coarser rows (shift 0): test_wide_heads_read_every_token
+        return
     # the evicted tokens of a backfilled layer come back coarser than the kept ones, but come back
     full = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, "full").chunks]
     k = torch.cat([b.layer_kv(15)[1] for b in bundles], 1)  # values: shifted by >= 1 in both versions
@@ -236,6 +245,43 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
     evicted[kept] = False
     rel = [float((k[:, m] - ref[:, m]).norm() / ref[:, m].norm()) for m in (~evicted, evicted)]
     assert rel[0] < rel[1] < 1.0
+
+
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_wide_heads_read_every_token(store, doc):
+    # "18.2+20.1+20.2": those KV heads read every token at the kept tokens' steps; the other heads
+    # of layers 18 and 20 store their evicted rows as the chunk's mean and their query heads are
+    # masked off them by the layer's bias; no other layer has a bias
+    from kdnctl.compress_ec import MASKED
+
+    group = 3  # 9 query heads over 3 KV heads
+    full = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, "full").chunks]
+    evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, EVICT).chunks]
+    bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, WIDE).chunks]
+    for b, e, f in zip(bundles, evict, full):
+        evicted = torch.ones(b.n_tokens, dtype=torch.bool)
+        evicted[e.layer_positions(0)[0] - int(b.tensors["positions"][0])] = False
+        assert {i for i in range(b.n_layers) if b.layer(i, "bias") is not None} == set(WIDE_HEADS)
+        for i, wide in WIDE_HEADS.items():
+            bias = b.layer(i, "bias")
+            assert bias.dtype == torch.float16 and list(bias.shape) == [9, b.n_tokens]
+            for h in range(3):
+                rows = bias[h * group:(h + 1) * group]
+                want = torch.zeros_like(rows)
+                if h not in wide:
+                    want[:, evicted] = MASKED
+                assert torch.equal(rows, want)
+            plain = ~evicted & (b.tensors[f"layers.{i}.levels"] == 0)  # kept, not the finer header and tail
+            for role in (0, 1):
+                got, ref = b.layer_kv(i)[role].float(), f.layer_kv(i)[role].float()
+                for h in range(3):
+                    err = [float((got[h, m] - ref[h, m]).norm() / ref[h, m].norm()) for m in (plain, evicted)]
+                    if h in wide:  # the evicted rows about as close as the kept ones at the same steps
+                        assert err[1] < 1.5 * err[0] and err[1] < 0.5
+                    elif bool(evicted.any()):  # one row, the chunk's mean, for every evicted token
+                        # (keys rotated to each token's position afterwards: RoPE keeps their norm)
+                        rows = got[h, evicted] if role else got[h, evicted].norm(dim=-1, keepdim=True)
+                        assert float((rows - rows[0]).abs().max()) < 1e-3 * float(got[h].abs().max())
 
 
 @pytest.mark.parametrize("label", list(BACKFILLS))
@@ -268,7 +314,9 @@ def test_backfill_shift_sets_how_coarse(store, role):
 def test_backfill_needs_ec_with_eviction(store):
     for args in (["--budget", "0.25", "--backfill", "12-23"], ["--budget", "0.083", "--backfill", "23-12"],
                  ["--budget", "0.083", "--backfill-shift", "1"],
-                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "0"],
+                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "-1"],
+                 ["--budget", "0.083", "--backfill", "18+x"], ["--budget", "0.083", "--backfill", "20-18+3"],
+                 ["--budget", "0.083", "--backfill", "18.3"], ["--budget", "0.083", "--backfill", "17-18.1"],
                  ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "5"],
                  ["--budget", "0.083", "--backfill-key-shift", "0"],
                  ["--budget", "0.083", "--backfill", "12-23", "--backfill-key-shift", "5"]):
