@@ -4,6 +4,7 @@ picks the method for the budget here), its catalog record (``as_dict``) and its 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,7 +101,9 @@ class CompressRecipe:
         if self.layers not in ("fisher", "even"):
             raise UsageError(f"unknown layer split {self.layers!r}", hint="fisher or even", param="layers")
         if self.backfill is not None:
-            self.backfill_layers  # noqa: B018 (parses: a bad range is refused here)
+            heads = self.backfill_heads  # parses: a bad spec is refused here
+            if any(h is not None for h in heads.values()):  # one spelling per set of heads (recipe and label)
+                self.backfill = "+".join(f"{i}" if h is None else "+".join(f"{i}.{x}" for x in h) for i, h in heads.items())
             if not (self.sized and self.quant == "ec" and self.keep < 1 and self.layers == "even"):
                 raise UsageError("--backfill keeps the tokens ec's --keep evicts, coarsely, in some layers",
                                  hint="use it with --budget B --quant ec --keep K (even layer split)", param="backfill")
@@ -219,6 +222,18 @@ class CompressRecipe:
         return {i: None if h is None else tuple(sorted(h)) for i, h in sorted(out.items())}
 
     @property
+    def backfill_label(self) -> str:
+        """``backfill`` as the label spells it: as given when it names whole layers, else (a
+        list of heads outgrows the catalog's 64-byte labels) the number of KV heads it names
+        and a hash of their set, the same for the same set in any order ("8h1c2d3e")."""
+        heads = self.backfill_heads
+        if all(h is None for h in heads.values()):
+            return str(self.backfill)
+        canon = str(self.backfill)  # already in one spelling (__post_init__)
+        n = sum(1 if h is None else len(h) for h in heads.values())  # a whole layer counts once
+        return f"{n}h{hashlib.sha256(canon.encode()).hexdigest()[:6]}"
+
+    @property
     def backfill_shifts(self) -> tuple[int, int]:
         """(keys, values): the backfilled tokens' steps are 2**shift x the kept tokens' in that role."""
         ks = self.backfill_shift if self.backfill_key_shift is None else self.backfill_key_shift
@@ -256,7 +271,7 @@ class CompressRecipe:
                 label += f"-kw{self.key_weight:g}"
             if self.quant == "ec" and self.layers != self.auto_layers: label += f"-{self.layers}"  # noqa: E701
             if self.backfill:
-                label += f"-bf{self.backfill}"
+                label += f"-bf{self.backfill_label}"
                 if self.backfill_shift != BACKFILL_SHIFT:
                     label += f"s{self.backfill_shift}"
                 if self.backfill_key_shift is not None:

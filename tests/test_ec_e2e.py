@@ -29,7 +29,7 @@ BACKFILL = "ec-b0.083-k0.33-p32-bf12-23-sentences-gap"  # the same, and layers 1
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
 BACKFILL_S1 = "ec-b0.083-k0.33-p32-bf15-22s1ks0-sentences-gap"
 # every token in KV head 2 of layer 18 and heads 1, 2 of layer 20, at the kept tokens' steps
-WIDE = "ec-b0.083-k0.33-p32-bf18.2+20.1+20.2s0-sentences-gap"
+WIDE = "ec-b0.083-k0.33-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
 WIDE_HEADS = {18: (2,), 20: (1, 2)}
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1),
              WIDE: ((18, 20), 0, 0)}  # label: (layers, key/value shift)
@@ -52,8 +52,9 @@ def store(tmp_path_factory, lm):
             assert s1.default_label() == BACKFILL_S1 and s1.as_dict()["backfill_shift"] == 1
             assert s1.as_dict()["backfill_key_shift"] == 0
             compress_document(st, doc, s1, lm=lm)
-            wide = CompressRecipe(budget=0.083, backfill="18.2+20.1+20.2", backfill_shift=0)
+            wide = CompressRecipe(budget=0.083, backfill="20.2+18.2+20.1", backfill_shift=0)
             assert wide.default_label() == WIDE and wide.backfill_heads == WIDE_HEADS
+            assert wide.backfill == "18.2+20.1+20.2"  # one spelling of a set of heads
             compress_document(st, doc, wide, lm=lm)
     yield st
     st.close()
