@@ -285,6 +285,16 @@ def test_wide_heads_read_every_token(store, doc):
                         assert float((rows - rows[0]).abs().max()) < 1e-3 * float(got[h].abs().max())
 
 
+def test_exports_refuse_a_masking_bias(store):
+    # llama.cpp and LMCache caches hold keys and values only; a bias they dropped would unmask
+    from kdnctl.errors import ExportError
+    from kdnctl.export.base import read_document_kv
+
+    with pytest.raises(ExportError, match="bias"):
+        read_document_kv(store, "faq.md", WIDE)
+    assert read_document_kv(store, "faq.md", BACKFILL).label == BACKFILL
+
+
 @pytest.mark.parametrize("label", list(BACKFILLS))
 def test_backfill_loads_locally_and_remotely(lm, store, label):
     assert_loads_as_decoded(lm, store, "faq.md", label, _by_hand)
