@@ -9,7 +9,8 @@ memory, on the full (unquantized) cache, the kept set everywhere except:
 
 * ``L:A-B+C``      every token in layers A..B and C (all their KV heads);
 * ``H:l.h+l.h``    every token in KV head h of layer l (the other heads of that layer see the
-                   kept set: their query heads get a -1e9 bias on the evicted tokens);
+                   kept set: their query heads get compress_ec.masking_bias on the evicted tokens,
+                   what `compress --backfill L.H` stores);
 * ``gap``          nowhere (the default's kept set); ``full`` every token everywhere.
 
 ``--sweep layers`` adds ``L:i`` for every layer, ``--sweep heads:A-B`` adds ``H:l.h`` for every
@@ -38,7 +39,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 KEEP, PROTECT = 0.33, 32
-HIDDEN = -1e9  # bias on a token a query head must not see (finite: a masked row never meets a 0/0)
 
 
 def parse_layers(spec: str) -> set[int]:
@@ -63,6 +63,8 @@ def sweep(spec: str, n_layers: int, n_heads: int) -> list[str]:
 
 def variant_cache(var: str, keys, values, kept: torch.Tensor, group: int):
     """(keys, values, bias) per layer for one variant; ``group`` query heads per KV head."""
+    from kdnctl.compress_ec import masking_bias
+
     n_layers, (n_heads, t, _) = len(keys), keys[0].shape
     full_layers: set[int] = set()
     heads: set[tuple[int, int]] = set()
@@ -83,10 +85,8 @@ def variant_cache(var: str, keys, values, kept: torch.Tensor, group: int):
             ks.append(keys[i]), vs.append(values[i])
         elif wide:  # every token stored; the narrow heads' queries are masked off the evicted ones
             ks.append(keys[i]), vs.append(values[i])
-            b = torch.zeros(n_heads, t)
-            b[:, evicted] = HIDDEN
-            b[wide] = 0.0
-            bias[i] = b.repeat_interleave(group, 0)
+            narrow = [h for h in range(n_heads) if h not in wide]
+            bias[i] = masking_bias(None, narrow, evicted, group * n_heads, n_heads)  # what compress stores
         else:
             ks.append(keys[i][:, kept]), vs.append(values[i][:, kept])
     return ks, vs, bias
