@@ -6,7 +6,8 @@ and in ``--backfill`` layers the kept and the backfilled (evicted) rows coded ap
 Per layer and role: ``stored`` = 8 x (codes + params bytes) / (rows x head_dim), rows = tokens x
 KV heads the layer holds; the fraction of the document's tokens the layer holds. In a layer with
 its own token levels (``--backfill``), the integer codes are recovered from the bundle and the
-rows whose value level is 0 (the backfilled ones: the kept ones sit ``backfill_shift`` levels up) and the rest
+rows whose value level is 0 (the backfilled ones: the kept ones sit ``backfill_shift`` levels up; of the
+wide heads only where ``--backfill L.H`` named heads) and the rest
 are framed apart by the library's own coder (``entropy.encode_codes``, the version's coding) - what each would cost
 stored alone, without params - plus the backfilled rows' order-0 entropy per channel (what
 ``bench/merge_probe.py`` charges its coarse copies). The last line of each version: stored bytes
@@ -24,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.bundle import decode_bundle, role_levels, tensor_name  # noqa: E402
+from kdnctl.bundle import decode_bundle, role_levels, stored_rows, tensor_name  # noqa: E402
 from kdnctl.sizing import fp16_bytes  # noqa: E402
 from kdnctl.quant.entropy import ROLES, encode_codes, integer_codes  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
@@ -56,7 +57,9 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
                 # the layer's own levels (the values': their shift is >= 1, the keys' may be 0)
                 own = b.tensors.get(tensor_name(i, "values.levels"), b.tensors.get(tensor_name(i, "levels")))
                 levels = own if own is not None else b.tensors["token_levels"]
-                a["rows"] += h * levels.numel()
+                held = stored_rows(b.tensors, f"layers.{i}")  # 1.8: narrow heads hold the kept rows only
+                held = torch.ones(h, levels.numel(), dtype=torch.bool) if held is None else held
+                a["rows"] += int(held.sum())
                 a["doc_tokens"] += n_doc
                 for role in ROLES:
                     p = tensor_name(i, role)
@@ -66,17 +69,18 @@ def layer_rows(versions: dict, n_layers: int) -> list[dict]:
                 if own is None or tensor_name(i, "positions") in b.tensors:
                     continue
                 fill = own == 0
-                a["fill_rows"] += h * int(fill.sum())
-                a["kept_rows"] += h * int((~fill).sum())
+                wide = held[:, fill].all(1)  # the heads that hold the backfilled rows
+                a["fill_rows"] += int(held[:, fill].sum())
+                a["kept_rows"] += int(held[:, ~fill].sum())
                 for role in ROLES:
                     p = tensor_name(i, role)
                     c = integer_codes(b.tensors[f"{p}.codes"], b.tensors[f"{p}.params"], h, d,
-                                      role_levels(b.tensors, f"layers.{i}", role), p, coding)
+                                      role_levels(b.tensors, f"layers.{i}", role), p, coding, stored=held)
                     for key, sel in (("fill_bits", fill), ("kept_bits", ~fill)):
                         if sel.any():
-                            a[key][role] += 8.0 * encode_codes(c[:, sel], coding)[0].numel()
+                            a[key][role] += 8.0 * encode_codes(c[:, sel], coding, stored=held[:, sel])[0].numel()
                     if fill.any():
-                        a["fill_ideal"][role] += order0_bits(c[:, fill])
+                        a["fill_ideal"][role] += order0_bits(c[wide][:, fill])
     return acc
 
 

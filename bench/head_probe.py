@@ -9,8 +9,8 @@ memory, on the full (unquantized) cache, the kept set everywhere except:
 
 * ``L:A-B+C``      every token in layers A..B and C (all their KV heads);
 * ``H:l.h+l.h``    every token in KV head h of layer l (the other heads of that layer see the
-                   kept set: their query heads get compress_ec.masking_bias on the evicted tokens,
-                   what `compress --backfill L.H` stores);
+                   kept set: their query heads get bundle.masking_bias on the evicted tokens,
+                   what a reader of `compress --backfill L.H` adds);
 * ``gap``          nowhere (the default's kept set); ``full`` every token everywhere.
 
 ``--sweep layers`` adds ``L:i`` for every layer, ``--sweep heads:A-B`` adds ``H:l.h`` for every
@@ -63,7 +63,7 @@ def sweep(spec: str, n_layers: int, n_heads: int) -> list[str]:
 
 def variant_cache(var: str, keys, values, kept: torch.Tensor, group: int):
     """(keys, values, bias) per layer for one variant; ``group`` query heads per KV head."""
-    from kdnctl.compress_ec import masking_bias
+    from kdnctl.bundle import masking_bias
 
     n_layers, (n_heads, t, _) = len(keys), keys[0].shape
     full_layers: set[int] = set()
@@ -86,7 +86,7 @@ def variant_cache(var: str, keys, values, kept: torch.Tensor, group: int):
         elif wide:  # every token stored; the narrow heads' queries are masked off the evicted ones
             ks.append(keys[i]), vs.append(values[i])
             narrow = [h for h in range(n_heads) if h not in wide]
-            bias[i] = masking_bias(None, narrow, evicted, group * n_heads, n_heads)  # what compress stores
+            bias[i] = masking_bias(None, narrow, evicted, group * n_heads, n_heads)  # what a reader adds (KVBundle.layer_bias)
         else:
             ks.append(keys[i][:, kept]), vs.append(values[i][:, kept])
     return ks, vs, bias

@@ -27,13 +27,14 @@ from .bundle_header import (  # noqa: F401  (re-exported: the header format's na
 from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.7"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
+FORMAT_VERSION = "1.8"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
 # 1.2: ladder coding "zlib+params" (scales/zeros zlib-coded, stored as uint8)
 # 1.3: the entropy-coded ec layout (layers.i.<role>.codes/params zstd frames, token_levels)
 # 1.4: ec with layers of different lengths (--backfill): per-layer levels layers.i.levels
 # 1.5: ec with keys and values shifted apart (--backfill-key-shift): per-role levels layers.i.<role>.levels
 # 1.6: ec frames coded with raw deflate (meta quant.coding "deflate"; 1.3-1.5 wrote "zstd")
 # 1.7: ec keys coded in a per-model key basis (meta quant.key_basis, the basis file's sha256; --key-basis model)
+# 1.8: ec layers in which only some KV heads hold every token (--backfill L.H): layers.i.narrow, kept
 
 REQUIRED_META_KEYS = (
     "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",
@@ -44,6 +45,7 @@ REQUIRED_MODEL_KEYS = ("n_layers", "n_kv_heads", "head_dim")
 QUANT_SUFFIXES = (".q", ".scale", ".zero")
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
+MASKED = float(torch.finfo(torch.float16).min)  # bias on a row a query head must not read (finite: no inf - inf)
 
 # Ingest statistics are stored as float16 except ``surprisal`` (one float32 per token).
 STATS_DTYPE = torch.float16
@@ -67,6 +69,27 @@ def role_levels(tensors: dict, layer: str, role: str):
     if own is not None:
         return own
     return tensors.get(f"{layer}.levels", tensors.get("token_levels"))
+
+
+def stored_rows(tensors: dict, layer: str) -> torch.Tensor | None:
+    """bool ``[H_kv, T]``: the rows layer ``layer`` (``layers.i``) stores, where only some of its
+    KV heads hold every token (1.8: ``layers.i.narrow`` marks the others, which hold the chunk's
+    ``kept`` tokens only); None where every head holds every row of the layer."""
+    narrow = tensors.get(f"{layer}.narrow")
+    if narrow is None:
+        return None
+    kept = tensors["kept"].bool()
+    return kept.unsqueeze(0) | ~narrow.bool().unsqueeze(1)
+
+
+def masking_bias(bias: torch.Tensor | None, heads: list[int], evicted: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
+    """A chunk's ``[H_q, T]`` float16 bias for a layer whose ``heads`` (KV) must not read the
+    ``evicted`` rows: their query heads get ``MASKED`` there (over any steering bias)."""
+    out = torch.zeros(n_q, evicted.numel()) if bias is None else bias.float().clone()
+    group = n_q // n_kv  # query head j reads KV head j // group
+    for h in heads:
+        out[h * group:(h + 1) * group, evicted] = MASKED
+    return out.to(torch.float16)
 
 
 def stats_name(stat: str) -> str:
@@ -135,6 +158,16 @@ class KVBundle:
     def layer(self, i: int, role: str) -> torch.Tensor | None:
         """Layer i's tensor ``role`` (``keys``, ``bias``, ...), or None when absent."""
         return self.tensors.get(tensor_name(i, role))
+
+    def layer_bias(self, i: int) -> torch.Tensor | None:
+        """The ``[H_q, T_i]`` attention bias a reader adds to layer i's scores, or None: the stored
+        one (steering) and, where some KV heads hold the kept tokens only (1.8), ``MASKED`` for
+        their query heads on the other tokens (their rows there decode to the chunk's mean)."""
+        stored, narrow, m = self.layer(i, "bias"), self.layer(i, "narrow"), self.meta["model"]
+        if narrow is None:
+            return stored
+        heads = torch.nonzero(narrow).flatten().tolist()
+        return masking_bias(stored, heads, ~self.tensors["kept"].bool(), int(m["n_q_heads"]), int(m["n_kv_heads"]))
 
     def layer_len(self, i: int) -> int:
         """T_i, the number of tokens layer i keeps (per head)."""
@@ -354,6 +387,9 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     if pos is not None and (pos.dtype != torch.int64 or list(pos.shape) != [t_full]):
         raise BundleFormatError(f"positions must be int64 [{t_full}], got {pos.dtype} {list(pos.shape)}")
 
+    kept = tensors.get("kept")
+    if kept is not None and (kept.dtype != torch.uint8 or list(kept.shape) != [t_full] or bool((kept > 1).any())):
+        raise BundleFormatError(f"kept must be uint8 [{t_full}] of 0 and 1, got {kept.dtype} {list(kept.shape)}")
     for name in tensors:
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) >= n_layers:
@@ -413,6 +449,7 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
         if k is not None and v is not None and k.shape != v.shape:
             raise BundleFormatError(f"layer {i}: keys {list(k.shape)} and values {list(v.shape)} differ in shape")
         _validate_bias(tensors, i, model, t_i)
+        _validate_narrow(tensors, i, model, t_i, t_full, quant)
 
 
 def _validate_positions(tensors, i: int, h_kv: int, pos, t_full: int) -> int:
@@ -447,3 +484,18 @@ def _validate_bias(tensors, i: int, model: dict, t_i: int) -> None:
         raise BundleFormatError(
             f"layers.{i}.bias must be float [H_q={h_q}, T_i={t_i}], got {bias.dtype} {list(bias.shape)}"
         )
+
+
+def _validate_narrow(tensors, i: int, model: dict, t_i: int, t_full: int, quant) -> None:
+    """1.8: ``layers.i.narrow`` uint8 ``[H_kv]`` (1: the head holds the ``kept`` tokens only) in an
+    ec layer that holds every token; the reader masks those heads' query heads off the others."""
+    narrow = tensors.get(tensor_name(i, "narrow"))
+    if narrow is None:
+        return
+    h_kv, h_q = model["n_kv_heads"], model.get("n_q_heads")
+    if narrow.dtype != torch.uint8 or list(narrow.shape) != [h_kv] or bool((narrow > 1).any()):
+        raise BundleFormatError(f"layers.{i}.narrow must be uint8 [{h_kv}] of 0 and 1, got {narrow.dtype} {list(narrow.shape)}")
+    if "kept" not in tensors or t_i != t_full or not quant or quant.get("scheme") != "ec":
+        raise BundleFormatError(f"layers.{i}.narrow needs the chunk's 'kept' tensor and an ec layer holding all {t_full} tokens")
+    if not (_int(h_q) and h_q % h_kv == 0):
+        raise BundleFormatError(f"layers.{i}.narrow needs meta['model']['n_q_heads'], a multiple of {h_kv}")

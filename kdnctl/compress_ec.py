@@ -12,10 +12,10 @@ each layer's and role's steps are first scaled by how much its error costs the m
 quantized ``2**PROTECT_LEVEL`` times finer (``--protect-level``): they precede every question. With ``backfill``
 ("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**backfill_shift`` times coarser
 (the keys ``2**backfill_key_shift`` where it is set: per-role levels). Where ``backfill`` names
-KV heads of a layer ("18.2") only those read the evicted tokens: a layer's tensors hold every
-token for every head, so the other heads' evicted rows are stored as their chunk's mean (codes
-of 0, almost free once entropy-coded) and hidden from their query heads by the layer's
-attention bias (``MASKED``), which every loader already adds.
+KV heads of a layer ("18.2") only those read the evicted tokens: the layer holds every token
+(``layers.i.levels``), its other heads code their kept rows only (format 1.8: ``layers.i.narrow``
+marks them, the chunk's ``kept`` the tokens), their evicted rows decode to the chunk's mean, and
+readers mask their query heads off those rows (``KVBundle.layer_bias``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from .versions import child_recipe
 
 LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
-MASKED = float(torch.finfo(torch.float16).min)  # bias on a row a query head must not read (finite: no inf - inf)
 
 
 def narrow_heads(recipe, n_layers: int, n_heads: int) -> dict[int, list[int]]:
@@ -62,16 +61,6 @@ def hide_rows(x: torch.Tensor, heads: list[int], evicted: torch.Tensor, bounds) 
         for h in heads:
             rows = x[h, ls:le]
             rows[ev] = rows[~ev].mean(0) if bool((~ev).any()) else 0.0
-
-
-def masking_bias(bias: torch.Tensor | None, heads: list[int], evicted: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
-    """A chunk's ``[H_q, T]`` float16 bias for a layer whose ``heads`` (KV) must not read the
-    ``evicted`` rows: their query heads get ``MASKED`` there (over any steering bias)."""
-    out = torch.zeros(n_q, evicted.numel()) if bias is None else bias.float().clone()
-    group = n_q // n_kv  # query head j reads KV head j // group
-    for h in heads:
-        out[h * group:(h + 1) * group, evicted] = MASKED
-    return out.to(torch.float16)
 
 
 def key_basis_for(recipe, lm) -> str | None:
@@ -158,7 +147,6 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         raise UsageError(f"the key basis registered for this model is {list(basis.shape)}, its keys are "
                          f"[{n_layers}, {n_heads}, {d}, {d}]", hint="re-calibrate it: scripts/calibrate_key_basis.py")
     header = int(bundles[0].meta.get("header_tokens", 0))
-    n_q = int(bundles[0].meta["model"].get("n_q_heads") or lm.model.config.num_attention_heads)
     rows = None
     all_keys, all_values = keys, values
     if recipe.keep < 1:
@@ -197,6 +185,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     evicted = torch.ones(n_all, dtype=torch.bool)
     if rows is not None:
         evicted[rows] = False
+    narrow_mask = {i: torch.isin(torch.arange(n_heads), torch.tensor(h)) for i, h in narrow.items()}
     for i, heads in narrow.items():
         xs[i] = tuple(x.clone() for x in xs[i])  # the transform may hand back the caller's tensor
         for x in xs[i]:
@@ -225,8 +214,9 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                 for role, x, s, fl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels):
                     a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, levels[ks:ke])
                     axes = basis[i] if basis is not None and role == "keys" else None
+                    rows_here = None if i not in narrow else (~evicted[ls:le]).unsqueeze(0) | ~narrow_mask[i].unsqueeze(1)
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
-                        encode_role(x[:, a:b], s, lv, q.coding, basis=axes)
+                        encode_role(x[:, a:b], s, lv, q.coding, basis=axes, stored=rows_here)
             out.append(chunk)
         return out
 
@@ -259,17 +249,19 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                             t[tensor_name(i, f"{role}.levels")] = fl[ls:le].clone()
             else:
                 t["token_levels"] = levels[ks:ke].clone()
+            if narrow:  # 1.8: the tokens the narrow heads hold, and which heads those are
+                t["kept"] = (~evicted[ls:le]).to(torch.uint8)
+                t.update({tensor_name(i, "narrow"): m.to(torch.uint8) for i, m in narrow_mask.items()})
             local = None if rows is None else rows[ks:ke] - ls
             for i in range(n_layers):
                 kept_here = local if i not in backfill else None
                 if kept_here is not None:  # the same kept tokens in every such layer and head (own tensors: safetensors refuses shared memory)
                     t[tensor_name(i, "positions")] = _chunk_positions(b.tensors["positions"], kept_here, n_heads)
                 bias = b.layer(i, "bias")
-                if i in narrow:
-                    t[tensor_name(i, "bias")] = masking_bias(bias, narrow[i], evicted[ls:le], n_q, n_heads)
-                elif bias is not None:
+                if bias is not None:
                     t[tensor_name(i, "bias")] = bias if kept_here is None else bias[..., kept_here].contiguous()
-            n_rows = n_heads * sum(le - ls if i in backfill else ke - ks for i in range(n_layers))
+            n_rows = sum(n_heads * (le - ls) - len(narrow.get(i, ())) * (le - ls - ke + ks) if i in backfill
+                         else n_heads * (ke - ks) for i in range(n_layers))
             metas.append({"quant": {**qmeta, "alpha": round(alpha, 6),
                                     "mix": {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}}})
             new_tensors.append(t)
@@ -277,8 +269,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                                                                   recipe=recipe_meta, **m), tensors=t)))
                     for b, t, m in zip(bundles, new_tensors, metas)) + STAMP_BYTES * len(bundles)
         if total <= cap:
-            per_layer = [n_all if i in backfill else n_tokens for i in range(n_layers)]
-            n_rows = n_heads * sum(per_layer)
-            return new_tensors, metas, sum(per_layer) / (n_layers * n_all), {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}
+            n_rows = sum(n_heads * n_all - len(narrow.get(i, ())) * (n_all - n_tokens) if i in backfill
+                         else n_heads * n_tokens for i in range(n_layers))
+            return new_tensors, metas, n_rows / (n_heads * n_layers * n_all), {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}
         overhead = total - payload(alpha) + 256
     raise UsageError(f"could not fit {recipe.budget:g} x the fp16 size with --quant ec", hint="raise --budget")

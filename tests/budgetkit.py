@@ -61,8 +61,8 @@ def assert_loads_as_decoded(lm, st, doc: str, label: str, by_hand) -> None:
     values = [torch.cat([by_hand(b, i, "values") for b in bundles], 1)[None].to(lm.dtype) for i in layers]
     ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
     # a stored attention bias (steering, or heads masked off evicted rows) is added to the scores
-    bias = {i: torch.cat([b.layer(i, "bias").float() for b in bundles], 1) for i in layers
-            if bundles[0].layer(i, "bias") is not None}
+    bias = {i: torch.cat([b.layer_bias(i).float() for b in bundles], 1) for i in layers
+            if bundles[0].layer_bias(i) is not None}
     expected = forward_suffix(lm, LoadedContext(keys, values, int(bundles[-1].meta["token_end"]), ids, bias=bias),
                               suffix)[0]
     local = forward_suffix(lm, load_document(lm, st, doc, label), suffix)[0]

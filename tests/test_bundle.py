@@ -230,7 +230,27 @@ INVALID = [
     ("extra-layer", _set_tensor("layers.2.keys", torch.zeros(H_KV, T, D)), "beyond the model's 2 layers"),
     ("keys-2d", _set_tensor("layers.0.keys", torch.zeros(H_KV, T)), r"layers\.0\.keys has shape \[3, 5\]"),
     ("bias-shape", _set_tensor("layers.0.bias", torch.zeros(H_KV, T).half()), r"layers\.0\.bias must be float \[H_q=9"),
+    ("kept-shape", _set_tensor("kept", torch.ones(T - 1, dtype=torch.uint8)), r"kept must be uint8 \[5\] of 0 and 1"),
+    ("kept-not-a-mask", _set_tensor("kept", torch.full((T,), 2, dtype=torch.uint8)), r"kept must be uint8 \[5\] of 0 and 1"),
+    ("narrow-shape", _set_tensor("layers.0.narrow", torch.ones(H_Q, dtype=torch.uint8)), r"layers\.0\.narrow must be uint8 \[3\]"),
+    ("narrow-without-kept", _set_tensor("layers.1.narrow", torch.tensor([1, 0, 0], dtype=torch.uint8)),
+     r"layers\.1\.narrow needs the chunk's 'kept' tensor and an ec layer"),
 ]
+
+
+def test_narrow_heads_get_a_masking_bias_over_any_stored_one():
+    """1.8: a reader masks the query heads of ``layers.i.narrow``'s KV heads off the tokens
+    ``kept`` leaves out, on top of a stored (steering) bias; other layers keep theirs as stored."""
+    from kdnctl.bundle import MASKED
+
+    kept = torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8)
+    steer = torch.randn(H_Q, T).half()
+    b = KVBundle(meta(), {"kept": kept, "layers.0.narrow": torch.tensor([0, 1, 1], dtype=torch.uint8),
+                          "layers.0.bias": steer, "layers.1.bias": steer.clone()})
+    want = steer.clone()
+    want[3:, ~kept.bool()] = MASKED  # query heads 3-8 read KV heads 1 and 2
+    assert torch.equal(b.layer_bias(0), want) and torch.equal(b.layer_bias(1), steer)
+    assert KVBundle(meta(), {}).layer_bias(0) is None
 
 
 @pytest.mark.parametrize("name,mutate,message", INVALID, ids=[c[0] for c in INVALID])

@@ -89,6 +89,37 @@ def test_per_role_levels_come_first():
         dequantize_tensors(bad, "layers.0.values", meta)
 
 
+@pytest.mark.parametrize("shape,peak", [((3, 41, 16), 3), ((2, 17, 8), 60), ((3, 9, 5), 300)])
+def test_narrow_heads_code_their_kept_rows_only(shape, peak):
+    """1.8: heads marked in ``layers.i.narrow`` code the chunk's ``kept`` rows only (small peaks:
+    packed digits; larger: bytes; int16 codes); their other rows decode to the mean, every stored
+    row within half a step, and dropping the rows costs fewer bytes than coding them."""
+    from kdnctl.bundle import stored_rows
+
+    torch.manual_seed(shape[1] + peak)
+    h, t, d = shape
+    narrow = torch.tensor([1, 0, 1][:h], dtype=torch.uint8)
+    kept = (torch.rand(t) < 0.4).to(torch.uint8)
+    kept[0] = 1
+    tensors = {"kept": kept, "layers.0.narrow": narrow, "token_levels": torch.randint(0, 2, (t,), dtype=torch.uint8)}
+    stored = stored_rows(tensors, "layers.0")
+    assert torch.equal(stored, torch.stack([kept.bool() if n else torch.ones(t, dtype=torch.bool) for n in narrow]))
+    x = torch.randn(h, t, d) * peak / 4
+    step = torch.rand(h, d) * 0.5 + 0.5
+    meta = EntropyQuantizer().meta(h, d)
+    tensors["layers.0.values.codes"], tensors["layers.0.values.params"] = encode_role(x, step, tensors["token_levels"], stored=stored)
+    everything, _ = encode_role(x, step, tensors["token_levels"])
+    assert tensors["layers.0.values.codes"].numel() < everything.numel()
+    y = dequantize_tensors(tensors, "layers.0.values", meta)
+    bound = step.half().float()[:, None, :] / 2 ** tensors["token_levels"].float()[None, :, None] / 2
+    assert bool(((y - x).abs() <= bound * (1 + 1e-4) + 1e-6)[stored].all())
+    mean = x.mean(1, keepdim=True).half().float().expand(h, t, d)
+    assert torch.allclose(y[~stored], mean[~stored])
+    wrong = dict(tensors, kept=torch.ones_like(kept))  # the frames hold fewer rows than that says
+    with pytest.raises(BundleFormatError):
+        dequantize_tensors(wrong, "layers.0.values", meta)
+
+
 @pytest.mark.parametrize("own_positions", [False, True])
 def test_stacked_layers_decode_as_each_layer_alone(own_positions):
     """``dequantize_into`` (what a load runs: integers decoded on the host, then one stacked

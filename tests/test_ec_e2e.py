@@ -18,7 +18,7 @@ import kdnctl
 from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, rope_by_hand, trimmed_store
 from conftest import run_cli
 
-from kdnctl.bundle import decode_bundle, read_meta
+from kdnctl.bundle import decode_bundle, read_meta, stored_rows
 from kdnctl.compress import CompressRecipe, compress_document
 from kdnctl.sizing import EVICT_PROTECT
 
@@ -127,18 +127,26 @@ def _by_hand(b, i, role):
     params = torch.frombuffer(bytearray(par[:4 * h * d]), dtype=torch.float16).float().view(2, h, d)
     bins = list(par[4 * h * d:])
     rows = torch.zeros(h * d, t)
+    # 1.8: a narrow head's channels hold the chunk's kept tokens only, the others decode to code 0
+    narrow = b.tensors.get(f"layers.{i}.narrow")
+    held = [list(range(t)) if narrow is None or not narrow[j // d] else
+            [k for k in range(t) if b.tensors["kept"][k]] for j in range(h * d)]
     pos = 2 + 6 * n_frames
     for bin_id, size, peak in zip(sorted(set(bins)), sizes, peaks):  # bins ascending, channels ascending
         chans = [j for j in range(h * d) if bins[j] == bin_id]
-        n, radix = len(chans) * t, 2 * peak + 1
+        n, radix = sum(len(held[j]) for j in chans), 2 * peak + 1
         per = max([k for k in range(1, 9) if radix ** k <= 256], default=1) if peak else 0
+        vals = []
         if per > 1:  # base-radix digits, least significant first
             data = zlib.decompress(blob[pos:pos + size], -15)
             vals = [(byte // radix ** j) % radix - peak for byte in data for j in range(per)][:n]
-            rows[chans] = torch.tensor(vals, dtype=torch.float32).view(len(chans), t)
         elif per == 1:
             data = zlib.decompress(blob[pos:pos + size], -15)
-            rows[chans] = torch.frombuffer(bytearray(data), dtype=dtype).view(len(chans), t).float()
+            vals = torch.frombuffer(bytearray(data), dtype=dtype).tolist()
+        assert len(vals) == (n if per else 0)
+        for j in chans if per else []:
+            rows[j, held[j]] = torch.tensor(vals[:len(held[j])], dtype=torch.float32)
+            vals = vals[len(held[j]):]
         pos += size
     codes = rows
     step, mean = params
@@ -169,7 +177,7 @@ def test_key_basis_fills_the_same_cap_with_finer_steps(lm, store, doc):
     assert all(0.97 * cap <= store.get_version(doc, lab).nbytes <= cap for lab in labels)
     meta = [read_meta(store.read_object(store.get_version(doc, lab).chunks[0].object)) for lab in labels]
     assert meta[0]["quant"]["key_basis"] == basis_for_model(lm.fingerprint) and "key_basis" not in meta[1]["quant"]
-    assert meta[0]["format_version"] == "1.7" and "key_basis" not in meta[0]["recipe"]["steps"][-1]
+    assert meta[0]["format_version"] == "1.8" and "key_basis" not in meta[0]["recipe"]["steps"][-1]
     assert meta[1]["recipe"]["steps"][-1]["key_basis"] == "none"
     assert meta[0]["quant"]["alpha"] < 0.95 * meta[1]["quant"]["alpha"]
 
@@ -251,9 +259,11 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
 @pytest.mark.parametrize("doc", list(DOCS))
 def test_wide_heads_read_every_token(store, doc):
     # "18.2+20.1+20.2": those KV heads read every token at the kept tokens' steps; the other heads
-    # of layers 18 and 20 store their evicted rows as the chunk's mean and their query heads are
-    # masked off them by the layer's bias; no other layer has a bias
-    from kdnctl.compress_ec import MASKED
+    # of layers 18 and 20 store their kept rows only (format 1.8: layers.i.narrow, kept), their
+    # evicted rows decode to the chunk's mean and a reader masks their query heads off them; no
+    # other layer has a bias, and no bias is stored
+    from kdnctl.bundle import MASKED
+    from kdnctl.quant.entropy import encode_codes, integer_codes
 
     group = 3  # 9 query heads over 3 KV heads
     full = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, "full").chunks]
@@ -262,9 +272,11 @@ def test_wide_heads_read_every_token(store, doc):
     for b, e, f in zip(bundles, evict, full):
         evicted = torch.ones(b.n_tokens, dtype=torch.bool)
         evicted[e.layer_positions(0)[0] - int(b.tensors["positions"][0])] = False
-        assert {i for i in range(b.n_layers) if b.layer(i, "bias") is not None} == set(WIDE_HEADS)
+        assert {i for i in range(b.n_layers) if b.layer_bias(i) is not None} == set(WIDE_HEADS)
+        assert not any(k.endswith(".bias") for k in b.tensors) and torch.equal(b.tensors["kept"], (~evicted).byte())
         for i, wide in WIDE_HEADS.items():
-            bias = b.layer(i, "bias")
+            assert b.tensors[f"layers.{i}.narrow"].tolist() == [int(h not in wide) for h in range(3)]
+            bias = b.layer_bias(i)
             assert bias.dtype == torch.float16 and list(bias.shape) == [9, b.n_tokens]
             for h in range(3):
                 rows = bias[h * group:(h + 1) * group]
@@ -283,6 +295,11 @@ def test_wide_heads_read_every_token(store, doc):
                         # (keys rotated to each token's position afterwards: RoPE keeps their norm)
                         rows = got[h, evicted] if role else got[h, evicted].norm(dim=-1, keepdim=True)
                         assert float((rows - rows[0]).abs().max()) < 1e-3 * float(got[h].abs().max())
+            for role in ("keys", "values"):  # the narrow heads' evicted rows cost nothing: coding them adds bytes
+                p, q = f"layers.{i}.{role}", b.meta["quant"]
+                codes = integer_codes(b.tensors[f"{p}.codes"], b.tensors[f"{p}.params"], 3, 64,
+                                      b.tensors[f"layers.{i}.levels"], p, q["coding"], stored=stored_rows(b.tensors, f"layers.{i}"))
+                assert encode_codes(codes, q["coding"])[0].numel() > b.tensors[f"{p}.codes"].numel()
 
 
 def test_exports_refuse_a_masking_bias(store):

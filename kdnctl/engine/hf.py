@@ -207,9 +207,9 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
     bias = {}
     for layer in range(n_layers):
-        if tensor_name(layer, "bias") in names:
-            bs = [b.layer(layer, "bias").float() if b.layer(layer, "bias") is not None
-                  else torch.zeros(lm.summary["n_q_heads"], lens[c][layer]) for c, b in enumerate(bundles)]
+        if tensor_name(layer, "bias") in names or tensor_name(layer, "narrow") in names:  # steering, masked heads
+            bs = [b.layer_bias(layer) for b in bundles]
+            bs = [x.float() if x is not None else torch.zeros(lm.summary["n_q_heads"], lens[c][layer]) for c, x in enumerate(bs)]
             bias[layer] = torch.cat(bs, dim=1).to(device=device, dtype=lm.dtype)
     token_ids: list[int] = []
     for b in bundles:

@@ -110,8 +110,9 @@ def _check_bundles(lm: LoadedModel, header: KVBundle, chunks: list[KVBundle]) ->
         if b.meta.get("mode") != "independent":
             raise UsageError(f"chunk {name} is a prefix-mode chunk; only independent chunks can be composed",
                              hint="ingest with `kdnctl ingest --mode independent`")
-        if any(k.endswith(".bias") for k in b.tensors):
-            raise UnsupportedError(f"chunk {name} carries a steering edit; composing steered chunks is not supported")
+        if any(k.endswith((".bias", ".narrow")) for k in b.tensors):
+            raise UnsupportedError(f"chunk {name} adds an attention bias (a steering edit, or heads masked off evicted "
+                                   "tokens); composing such chunks is not supported")
         if b.meta.get("header_hash") not in (None, hh) or int(b.meta["token_start"]) != hn:
             raise UsageError(f"chunk {name} was prefilled after a different prompt header")
 

@@ -76,7 +76,7 @@ def read_document_kv(store, doc_id: str, label: str = "full", doc_version: str |
     if not bundles:
         raise ExportError(f"{doc_id} [{label}] has no chunks")
     n_layers = bundles[0].n_layers
-    biased = [i for i in range(n_layers) if any(b.layer(i, "bias") is not None for b in bundles)]
+    biased = [i for i in range(n_layers) if any(b.layer_bias(i) is not None for b in bundles)]
     if biased:  # an engine's cache holds keys and values only: dropping the bias would change the answers
         raise ExportError(
             f"{doc_id} [{label}] adds an attention bias in {len(biased)} layer(s) (a steering edit, or "

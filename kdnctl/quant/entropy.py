@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdnctl.bundle import role_levels
+from kdnctl.bundle import role_levels, stored_rows
 from kdnctl.errors import BundleFormatError, InputError
 
 from . import transforms as tf
@@ -207,22 +207,32 @@ def _digit_table(peak: int, per: int) -> np.ndarray:
     return ((np.arange(256)[:, None] // radix ** np.arange(per)) % radix - peak).astype(np.int8)
 
 
-def spread_bins(codes: torch.Tensor) -> torch.Tensor:
+def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torch.Tensor:
     """``[H, D]`` uint8 bin of every channel of ``codes [H, T, D]``: twice the log2 of its
-    spread in steps (channels whose codes are alike share one entropy coder's table)."""
+    spread in steps (channels whose codes are alike share one entropy coder's table), over the
+    ``stored`` rows (bool ``[H, T]``) where only those are coded."""
     if codes.shape[1] == 0:  # a chunk whose tokens were all evicted: one bin, no codes
         return torch.full(codes.shape[::2], 4, dtype=torch.uint8)
-    spread = codes.float().std(1, unbiased=False) if codes.shape[1] > 1 else codes.float().abs().amax(1)
+    if stored is not None:
+        w, c = stored.unsqueeze(2).float(), codes.float()
+        n = w.sum(1).clamp_min(1)
+        spread = (((c - ((c * w).sum(1) / n).unsqueeze(1)) ** 2 * w).sum(1) / n).sqrt()
+    elif codes.shape[1] > 1:
+        spread = codes.float().std(1, unbiased=False)
+    else:
+        spread = codes.float().abs().amax(1)
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
 
 
 def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, coding: str = DEFAULT_CODING,
-                compress: Callable[[bytes], bytes] | None = None, basis: torch.Tensor | None = None):
+                compress: Callable[[bytes], bytes] | None = None, basis: torch.Tensor | None = None,
+                stored: torch.Tensor | None = None):
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
     ``compress`` (bytes -> bytes) replaces the coder of the code frames, for measuring
     other coders on the same frames (``bench/rate_probe.py``); bundles use ``coding``.
-    ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`)."""
+    ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`). ``stored`` (bool ``[H, T]``):
+    only these rows are coded (the others decode to the mean)."""
     t = x.shape[1]
     step = step.to(torch.float16).float()
     mean = x.mean(1).to(torch.float16).float() if t else torch.zeros_like(step)
@@ -231,7 +241,7 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, codin
     if lim > 32767:
         raise InputError(f"a quantization step of {float(step.min()):.3g} is too fine for values up to "
                          f"{float(x.abs().max()):.3g}", hint="use a smaller --budget or --quant auto")
-    blob, bins = encode_codes(codes, coding, compress)
+    blob, bins = encode_codes(codes, coding, compress, stored)
     return blob, encode_params(step, mean, bins, coding)
 
 
@@ -241,8 +251,10 @@ def encode_params(step: torch.Tensor, mean: torch.Tensor, bins: torch.Tensor, co
     return _u8(compress_frame(raw, coding, codes=False))
 
 
-def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Callable[[bytes], bytes] | None = None):
-    """``(codes blob, bins [H, D])`` of integer ``codes [H, T, D]`` (as float, within int16).
+def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Callable[[bytes], bytes] | None = None,
+                 stored: torch.Tensor | None = None):
+    """``(codes blob, bins [H, D])`` of integer ``codes [H, T, D]`` (as float, within int16), of
+    the ``stored`` rows only (bool ``[H, T]``) where given.
 
     The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
     one frame: one Huffman table over channels whose steps differ by orders of magnitude
@@ -250,13 +262,15 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
     h, t, d = codes.shape
     lim = float(codes.abs().max()) if codes.numel() else 0.0
     width, dtype = (1, torch.int8) if lim <= 127 else (2, torch.int16)
-    bins = spread_bins(codes)
+    bins = spread_bins(codes, stored)
     flat = codes.permute(0, 2, 1).reshape(h * d, t)  # channel-major rows
+    keep = None if stored is None else stored.repeat_interleave(d, 0)  # [H * D, T]
     order = torch.argsort(bins.flatten(), stable=True)
     ids, counts = torch.unique_consecutive(bins.flatten()[order], return_counts=True)
     frames, peaks, o = [], [], 0
     for n in counts.tolist():
-        rows = flat[order[o:o + n]].reshape(-1)
+        idx = order[o:o + n]
+        rows = flat[idx].reshape(-1) if keep is None else flat[idx][keep[idx]]
         peak = int(rows.abs().max()) if rows.numel() else 0
         per = codes_per_byte(peak)
         data = b"" if per == 0 else pack_codes(rows, peak, per) if per > 1 else rows.to(dtype).numpy().tobytes()
@@ -277,12 +291,14 @@ def decode_params(params: torch.Tensor, h: int, d: int, what: str, coding: str =
 
 
 def decode_role_ints(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, t: int, what: str,
-                     coding: str = DEFAULT_CODING) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     coding: str = DEFAULT_CODING, stored: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The entropy-decoding half of :func:`decode_role` (host work: inflate, unpack, reorder):
     integer codes ``[H * D, T]`` (channel-major; int8 where the role's codes are one byte wide,
     else int16) and float32 ``step``, ``mean`` ``[H, D]``. Integers are what a GPU load ships:
     a half or a quarter of the float32 bytes, dequantized on the device. The bookkeeping is
-    numpy (a load runs this 60 times per chunk; torch's per-call overhead was most of it)."""
+    numpy (a load runs this 60 times per chunk; torch's per-call overhead was most of it).
+    ``stored`` (bool ``[H, T]``): the frames hold these rows only, the others are 0."""
     if codes.dtype != torch.uint8 or params.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() < 2:
         raise BundleFormatError(f"{what}: codes and params must be uint8 [n]")
     raw = memoryview(codes.numpy())  # frames are sliced out without copies
@@ -302,17 +318,20 @@ def decode_role_ints(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, 
         raise BundleFormatError(f"{what}.codes: its frame sizes do not add up")
     dtype = np.int8 if width == 1 else np.dtype("<i2")
     ints = np.zeros((h * d, t), dtype=dtype)
+    keep = None if stored is None else np.repeat(stored.numpy().astype(bool), d, axis=0)  # [H * D, T]
     o, pos = 0, head
     for n, size, peak in zip(counts, sizes, peaks):  # each bin's channels, in bin order
-        per = codes_per_byte(peak)
-        rows = order[o:o + n]
-        if per > 1:
-            nbytes = -(-n * t // per)
-            data = decompress_frame(raw[pos:pos + size], nbytes, f"{what}.codes", coding) if nbytes else b""
-            ints[rows] = unpack_codes(data, n * t, peak, per, what).reshape(n, t)
-        elif per == 1:
-            data = decompress_frame(raw[pos:pos + size], width * n * t, f"{what}.codes", coding)
-            ints[rows] = np.frombuffer(data, dtype=dtype).reshape(n, t)
+        per, rows = codes_per_byte(peak), order[o:o + n]
+        m = n * t if keep is None else int(keep[rows].sum())  # the codes the frame holds
+        if per:
+            frame = decompress_frame(raw[pos:pos + size], -(-m // per) if per > 1 else width * m,
+                                     f"{what}.codes", coding) if m else b""
+            vals = unpack_codes(frame, m, peak, per, what) if per > 1 else np.frombuffer(frame, dtype=dtype)
+            if keep is None:
+                ints[rows] = vals.reshape(n, t)
+            else:  # the stored rows of the frame's channels, in order
+                r, c = np.nonzero(keep[rows])
+                ints[rows[r], c] = vals
         elif size:
             raise BundleFormatError(f"{what}.codes: an all-zero frame holds bytes")
         o, pos = o + n, pos + size
@@ -329,18 +348,19 @@ def dequantize_ints(ints: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, 
 
 
 def decode_role(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str,
-                coding: str = DEFAULT_CODING, basis: torch.Tensor | None = None):
+                coding: str = DEFAULT_CODING, basis: torch.Tensor | None = None, stored: torch.Tensor | None = None):
     """Inverse of :func:`encode_role` (before the inverse transform): float32 ``[H, T, D]``."""
-    ints, step, mean = decode_role_ints(codes, params, h, d, levels.numel(), what, coding)
+    ints, step, mean = decode_role_ints(codes, params, h, d, levels.numel(), what, coding, stored)
     return dequantize_ints(ints[None], step[None], mean[None], levels[None], h, d,
                            None if basis is None else basis[None])[0]
 
 
 def integer_codes(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, levels: torch.Tensor, what: str,
-                  coding: str = DEFAULT_CODING, basis: torch.Tensor | None = None) -> torch.Tensor:
+                  coding: str = DEFAULT_CODING, basis: torch.Tensor | None = None,
+                  stored: torch.Tensor | None = None) -> torch.Tensor:
     """The integer codes ``[H, T, D]`` (as float) of one stored role, recovered from its decoded
     values (for re-framing the same codes: ``bench/ec_bits.py``, ``bench/ec_coders.py``)."""
-    x = decode_role(codes, params, h, d, levels, what, coding, basis)
+    x = decode_role(codes, params, h, d, levels, what, coding, basis, stored)
     step, mean, _ = decode_params(params, h, d, what, coding)
     return quantize_codes(x, step, mean, levels, basis)
 
@@ -408,8 +428,9 @@ class EntropyQuantizer(Quantizer):
         if levels.numel() and int(levels.max()) > MAX_LEVEL:
             raise BundleFormatError(f"{layer}: a token level above {MAX_LEVEL}")
         coding = quant_meta.get("coding", "zstd")  # bundles before 1.6 may predate the key; the frames refuse others
+        stored = stored_rows(tensors, layer)
         ints, step, mean = decode_role_ints(need(tensors, f"{prefix}.codes").cpu(), need(tensors, f"{prefix}.params").cpu(),
-                                            h, d, levels.numel(), prefix, coding)
+                                            h, d, levels.numel(), prefix, coding, None if stored is None else stored.cpu())
         pos = None
         if role == "keys" and quant_meta.get("key_rope_theta"):
             pos = tensors.get(f"{layer}.positions")
