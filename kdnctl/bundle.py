@@ -487,8 +487,7 @@ def _validate_bias(tensors, i: int, model: dict, t_i: int) -> None:
 
 
 def _validate_narrow(tensors, i: int, model: dict, t_i: int, t_full: int, quant) -> None:
-    """1.8: ``layers.i.narrow`` uint8 ``[H_kv]`` (1: the head holds the ``kept`` tokens only) in an
-    ec layer that holds every token; the reader masks those heads' query heads off the others."""
+    """1.8: ``layers.i.narrow`` uint8 ``[H_kv]`` (1: the head holds the ``kept`` tokens only), ec, every token."""
     narrow = tensors.get(tensor_name(i, "narrow"))
     if narrow is None:
         return

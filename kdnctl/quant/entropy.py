@@ -217,10 +217,8 @@ def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torc
         w, c = stored.unsqueeze(2).float(), codes.float()
         n = w.sum(1).clamp_min(1)
         spread = (((c - ((c * w).sum(1) / n).unsqueeze(1)) ** 2 * w).sum(1) / n).sqrt()
-    elif codes.shape[1] > 1:
-        spread = codes.float().std(1, unbiased=False)
     else:
-        spread = codes.float().abs().amax(1)
+        spread = codes.float().std(1, unbiased=False) if codes.shape[1] > 1 else codes.float().abs().amax(1)
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
 
 
@@ -324,8 +322,8 @@ def decode_role_ints(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, 
         per, rows = codes_per_byte(peak), order[o:o + n]
         m = n * t if keep is None else int(keep[rows].sum())  # the codes the frame holds
         if per:
-            frame = decompress_frame(raw[pos:pos + size], -(-m // per) if per > 1 else width * m,
-                                     f"{what}.codes", coding) if m else b""
+            n_bytes = -(-m // per) if per > 1 else width * m
+            frame = decompress_frame(raw[pos:pos + size], n_bytes, f"{what}.codes", coding) if m else b""
             vals = unpack_codes(frame, m, peak, per, what) if per > 1 else np.frombuffer(frame, dtype=dtype)
             if keep is None:
                 ints[rows] = vals.reshape(n, t)
