@@ -72,14 +72,15 @@ def role_levels(tensors: dict, layer: str, role: str):
 
 
 def stored_rows(tensors: dict, layer: str) -> torch.Tensor | None:
-    """bool ``[H_kv, T]``: the rows layer ``layer`` (``layers.i``) stores, where only some of its
-    KV heads hold every token (1.8: ``layers.i.narrow`` marks the others, which hold the chunk's
-    ``kept`` tokens only); None where every head holds every row of the layer."""
+    """bool ``[H_kv, T]``: the rows layer ``layer`` (``layers.i``) stores where ``layers.i.narrow``
+    marks heads holding the chunk's ``kept`` tokens only (1.8); None where every head holds every row."""
     narrow = tensors.get(f"{layer}.narrow")
-    if narrow is None:
-        return None
-    kept = tensors["kept"].bool()
-    return kept.unsqueeze(0) | ~narrow.bool().unsqueeze(1)
+    return None if narrow is None else held_rows(tensors["kept"], narrow)
+
+
+def held_rows(kept: torch.Tensor, narrow: torch.Tensor) -> torch.Tensor:
+    """bool ``[H_kv, T]``: every row of a wide head, the ``kept`` ``[T]`` rows of a ``narrow`` ``[H_kv]`` one."""
+    return kept.bool().unsqueeze(0) | ~narrow.bool().unsqueeze(1)
 
 
 def masking_bias(bias: torch.Tensor | None, heads: list[int], evicted: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:
@@ -164,10 +165,8 @@ class KVBundle:
         one (steering) and, where some KV heads hold the kept tokens only (1.8), ``MASKED`` for
         their query heads on the other tokens (their rows there decode to the chunk's mean)."""
         stored, narrow, m = self.layer(i, "bias"), self.layer(i, "narrow"), self.meta["model"]
-        if narrow is None:
-            return stored
-        heads = torch.nonzero(narrow).flatten().tolist()
-        return masking_bias(stored, heads, ~self.tensors["kept"].bool(), int(m["n_q_heads"]), int(m["n_kv_heads"]))
+        return stored if narrow is None else masking_bias(stored, torch.nonzero(narrow).flatten().tolist(),
+                                                          ~self.tensors["kept"].bool(), int(m["n_q_heads"]), int(m["n_kv_heads"]))
 
     def layer_len(self, i: int) -> int:
         """T_i, the number of tokens layer i keeps (per head)."""

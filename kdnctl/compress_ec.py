@@ -26,7 +26,7 @@ import torch
 
 from .allocate import layer_fisher as lf
 from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
-from .bundle import KVBundle, derived_meta, encode_bundle, tensor_name
+from .bundle import KVBundle, derived_meta, encode_bundle, held_rows, tensor_name
 from .compress_recipe import PROTECT_LEVEL
 from .errors import UsageError
 from .quant.basis import basis_for_model, load_basis
@@ -214,7 +214,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                 for role, x, s, fl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels):
                     a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, levels[ks:ke])
                     axes = basis[i] if basis is not None and role == "keys" else None
-                    rows_here = None if i not in narrow else (~evicted[ls:le]).unsqueeze(0) | ~narrow_mask[i].unsqueeze(1)
+                    rows_here = held_rows(~evicted[ls:le], narrow_mask[i]) if i in narrow else None
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
                         encode_role(x[:, a:b], s, lv, q.coding, basis=axes, stored=rows_here)
             out.append(chunk)
