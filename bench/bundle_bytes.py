@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kdnctl.bundle import decode_bundle  # noqa: E402
+from kdnctl.bundle import decode_bundle, parse_head  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 LAYER = re.compile(r"^layers\.\d+\.")
@@ -31,10 +31,11 @@ def version_bytes(st: Store, label: str) -> tuple[collections.Counter, int, int]
         tokens, stored = tokens + got[0].n_tokens, stored + got[0].nbytes
         for ref in got[0].chunks:
             raw = st.read_object(ref.object)
-            b = decode_bundle(raw)
-            for name, t in b.tensors.items():
-                kinds[f"{LAYER.sub('layers.*.', name)} ({str(t.dtype).removeprefix('torch.')})"] += t.numel() * t.element_size()
-            kinds["(header, meta, stamp)"] += ref.nbytes - sum(t.numel() * t.element_size() for t in b.tensors.values())
+            decode_bundle(raw)  # the whole check; the bytes counted are the file's tensors (1.9 rebuilds some in memory)
+            index = parse_head(raw, len(raw))[4]
+            for begin, end, name, dtype, _shape, _numel in index:
+                kinds[f"{LAYER.sub('layers.*.', name)} ({str(dtype).removeprefix('torch.')})"] += end - begin
+            kinds["(header, meta, stamp)"] += ref.nbytes - sum(end - begin for begin, end, *_ in index)
     return kinds, tokens, stored
 
 

@@ -24,17 +24,14 @@ from .bundle_header import (  # noqa: F401  (re-exported: the header format's na
     ALLOWED_METADATA_KEYS as _ALLOWED_METADATA_KEYS, DIGEST_KEY, MAX_HEADER as _MAX_HEADER, META_KEY, SUPPORTED_MAJOR,
     check_version as _check_version, header_size, load_meta as _load_meta, parse_header as _parse_header, read_meta,
 )
+from .bundle_kept import fold_kept_positions, unfold_kept_positions
 from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.8"  # 1.1: ladder layout (layers.i.tiers, codes/params), int16/int32 positions;
-# 1.2: ladder coding "zlib+params" (scales/zeros zlib-coded, stored as uint8)
-# 1.3: the entropy-coded ec layout (layers.i.<role>.codes/params zstd frames, token_levels)
-# 1.4: ec with layers of different lengths (--backfill): per-layer levels layers.i.levels
-# 1.5: ec with keys and values shifted apart (--backfill-key-shift): per-role levels layers.i.<role>.levels
-# 1.6: ec frames coded with raw deflate (meta quant.coding "deflate"; 1.3-1.5 wrote "zstd")
-# 1.7: ec keys coded in a per-model key basis (meta quant.key_basis, the basis file's sha256; --key-basis model)
-# 1.8: ec layers in which only some KV heads hold every token (--backfill L.H): layers.i.narrow, kept
+FORMAT_VERSION = "1.9"  # the versions' changes: docs/bundle-format.md ("Versions"); in short
+# 1.1 ladder layout, int16/int32 positions; 1.2 ladder "zlib+params"; 1.3 the entropy-coded ec layout;
+# 1.4 ec layers of different lengths (--backfill, layers.i.levels); 1.5 per-role levels; 1.6 deflate
+# frames; 1.7 a per-model key basis; 1.8 narrow heads (layers.i.narrow, kept); 1.9 kept_layers
 
 REQUIRED_META_KEYS = (
     "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",
@@ -259,6 +256,7 @@ def encode_bundle(b: KVBundle) -> bytes:
             t = t.clone(memory_format=torch.contiguous_format)
         tensors[name] = t
     _validate(b.meta, tensors)
+    tensors = fold_kept_positions(b.meta, tensors)  # 1.9: the kept set's positions once per chunk
     try:
         meta_json = json.dumps(b.meta, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -334,6 +332,7 @@ def finish_decode(meta: dict[str, Any], meta_json: str, digest: str | None, tens
         raise BundleFormatError("bundle metadata is not valid UTF-8 (corrupted?)") from None
     if digest is not None and digest != computed:
         raise BundleFormatError("bundle header checksum mismatch (corrupted metadata or tensor index)")
+    tensors = unfold_kept_positions(meta, tensors)  # checks and readers see every layer's positions
     if layout is not None:
         layout.validate(meta, tensors, _validate)
     else:

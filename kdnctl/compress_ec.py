@@ -27,6 +27,7 @@ import torch
 from .allocate import layer_fisher as lf
 from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
 from .bundle import KVBundle, derived_meta, encode_bundle, held_rows, tensor_name
+from .bundle_kept import kept_positions_dtype
 from .compress_recipe import PROTECT_LEVEL
 from .errors import UsageError
 from .quant.basis import basis_for_model, load_basis
@@ -124,8 +125,7 @@ def refitted(lm, rho: float, token_ids: list[int], bundles: list[KVBundle], keys
 def _chunk_positions(chunk_positions: torch.Tensor, local: torch.Tensor, n_heads: int) -> torch.Tensor:
     """One layer's positions tensor for a chunk's kept tokens (int16 while they fit)."""
     p = chunk_positions[local]
-    dtype = torch.int16 if (int(p.max()) if p.numel() else 0) < 32768 else torch.int32
-    return p.to(dtype).unsqueeze(0).expand(n_heads, -1).contiguous()
+    return p.to(kept_positions_dtype(p)).unsqueeze(0).expand(n_heads, -1).contiguous()
 
 
 def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys: list[torch.Tensor],
@@ -249,8 +249,9 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                             t[tensor_name(i, f"{role}.levels")] = fl[ls:le].clone()
             else:
                 t["token_levels"] = levels[ks:ke].clone()
-            if narrow:  # 1.8: the tokens the narrow heads hold, and which heads those are
+            if rows is not None:  # the chunk's kept tokens: the pruned layers' positions are stored once (1.9)
                 t["kept"] = (~evicted[ls:le]).to(torch.uint8)
+            if narrow:  # 1.8: which heads hold the kept tokens only
                 t.update({tensor_name(i, "narrow"): m.to(torch.uint8) for i, m in narrow_mask.items()})
             local = None if rows is None else rows[ks:ke] - ls
             for i in range(n_layers):

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as safetensors_load, load_file
 
 import kdnctl
 
 from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, rope_by_hand, trimmed_store
 from conftest import run_cli
 
-from kdnctl.bundle import decode_bundle, read_meta, stored_rows
+from kdnctl.bundle import FORMAT_VERSION, decode_bundle, parse_head, read_meta, stored_rows
 from kdnctl.compress import CompressRecipe, compress_document
 from kdnctl.sizing import EVICT_PROTECT
 
@@ -177,7 +177,7 @@ def test_key_basis_fills_the_same_cap_with_finer_steps(lm, store, doc):
     assert all(0.97 * cap <= store.get_version(doc, lab).nbytes <= cap for lab in labels)
     meta = [read_meta(store.read_object(store.get_version(doc, lab).chunks[0].object)) for lab in labels]
     assert meta[0]["quant"]["key_basis"] == basis_for_model(lm.fingerprint) and "key_basis" not in meta[1]["quant"]
-    assert meta[0]["format_version"] == "1.8" and "key_basis" not in meta[0]["recipe"]["steps"][-1]
+    assert meta[0]["format_version"] == FORMAT_VERSION and "key_basis" not in meta[0]["recipe"]["steps"][-1]
     assert meta[1]["recipe"]["steps"][-1]["key_basis"] == "none"
     assert meta[0]["quant"]["alpha"] < 0.95 * meta[1]["quant"]["alpha"]
 
@@ -192,6 +192,11 @@ def test_eviction_first_keeps_one_token_set(store, doc):
     stored = sum(len(store.read_object(c.object)) for c in v.chunks)
     assert 0.97 * 0.083 * fp16_size(store, doc) <= stored <= 0.083 * fp16_size(store, doc)
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
+    for c in v.chunks:  # 1.9: the file holds the kept set once (kept), no layer its own positions
+        raw = store.read_object(c.object)
+        names = {e[2] for e in parse_head(raw, len(raw))[4]}
+        assert {"kept", "kept_layers"} <= names and not any(n.endswith(".positions") for n in names)
+    assert all(torch.equal(b.tensors["positions"][b.tensors["kept"].bool()], b.layer_positions(0)[0]) for b in bundles)
     kept = torch.cat([b.layer_positions(0)[0] for b in bundles])
     for b in bundles:  # the same tokens in every layer and head
         p = b.layer_positions(0)
@@ -226,6 +231,12 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
     evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, EVICT).chunks]
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
     assert "token_levels" not in bundles[0].tensors
+    for c in v.chunks:  # 1.9: the pruned layers, and only they, take their positions from kept
+        raw = store.read_object(c.object)
+        marks = safetensors_load(bytes(raw))["kept_layers"]
+        assert marks.tolist() == [int(i not in layers) for i in range(len(marks))]
+        assert "kept_layers" not in decode_bundle(raw).tensors  # the decoder rebuilt their positions
+        assert not any(e[2].endswith(".positions") for e in parse_head(raw, len(raw))[4])
     for b, e in zip(bundles, evict):
         kept = e.layer_positions(0)[0]  # the kept set is the one the plain eviction keeps
         local = kept - int(b.tensors["positions"][0])
