@@ -178,7 +178,7 @@ class KVBundle:
 
     @property
     def nbytes(self) -> int:
-        """Payload bytes of all tensors (what the bundle costs on disk, minus the header)."""
+        """Payload bytes of all tensors in memory (on disk, minus the header; a 1.9 file holds kept layers' positions once)."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
     def layer_positions(self, i: int) -> torch.Tensor:
