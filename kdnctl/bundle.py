@@ -28,7 +28,7 @@ from .bundle_kept import fold_kept_positions, unfold_kept_positions
 from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.9"  # the versions' changes: docs/bundle-format.md ("Versions"); in short
+FORMAT_VERSION = "1.9"  # each version's tensors: docs/bundle-format.md, section 2; in short
 # 1.1 ladder layout, int16/int32 positions; 1.2 ladder "zlib+params"; 1.3 the entropy-coded ec layout;
 # 1.4 ec layers of different lengths (--backfill, layers.i.levels); 1.5 per-role levels; 1.6 deflate
 # frames; 1.7 a per-model key basis; 1.8 narrow heads (layers.i.narrow, kept); 1.9 kept_layers
