@@ -7,8 +7,10 @@ with each ``--scorers`` entry (``kdnctl.scoring.compute_importance``), take the 
 other planted facts of a multi-fact task) is in it. An answer that is not kept cannot be read
 back, whatever the quantizer does: this separates what selection loses from what precision
 loses. With ``--results`` (a ``bench/quality.py`` JSON) the summary also counts the answers kept
-among the tasks the full cache answered right. No quantization, no generation: a few seconds a
-task on the CPU::
+among the tasks the full cache answered right. With ``--rank-by SCORER`` each row also says where
+the answer's tokens rank among the kept tokens by that scorer (0 = first): the share of the kept
+tokens an ec ``--lift SCORER --lift-share S`` must reach to store them finer. No quantization, no
+generation: a few seconds a task on the CPU (sentences scorers: tens of seconds)::
 
     python bench/kept_answers.py --store /tmp/kstore --protect 64,32,16 > kept.log
 """
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--protect", default="64", help="comma-separated: the last P tokens always kept")
     ap.add_argument("--scorers", default="sentences-local,sentences")
     ap.add_argument("--results", default=None, help="a bench/quality.py JSON: split by the full cache's answers")
+    ap.add_argument("--rank-by", default=None, help="a scorer: where the answer's tokens rank among the kept tokens by it "
+                                                    "(the share of kept tokens a --lift by it must reach to lift them)")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -77,6 +81,8 @@ def main() -> None:
         answer = ranges(task.answer)
         others = [ranges(d) for d in (task.distractors or [])]
         stats = _cat_stats(bundles)
+        by = None if args.rank_by is None else compute_importance(
+            args.rank_by, stats, lm=lm, keys=keys, values=values, token_ids=ids, n_layers=L, n_heads=H).float().mean((0, 1))
         for scorer in args.scorers.split(","):
             imp = compute_importance(scorer, stats, lm=lm, keys=keys, values=values, token_ids=ids, n_layers=L, n_heads=H)
             for p in protects:
@@ -88,9 +94,16 @@ def main() -> None:
                 if right is not None and task.id in right:
                     t[2] += ok
                     t[3] += 1
-                print(json.dumps({"task": task.id, "scorer": scorer, "protect": p, "tokens": T, "answer_kept": ok,
-                                  "distractors_kept": sum(kept(o, rows) for o in others), "distractors": len(others)}),
-                      flush=True)
+                row = {"task": task.id, "scorer": scorer, "protect": p, "tokens": T, "answer_kept": ok,
+                       "distractors_kept": sum(kept(o, rows) for o in others), "distractors": len(others)}
+                if by is not None:  # 0 = the kept token ranked highest by --rank-by; the answer's worst token
+                    kept_rows = sorted(rows, key=lambda t: (-float(by[t]), t))
+                    place = {t: i / len(kept_rows) for i, t in enumerate(kept_rows)}
+                    spans = [[place[i] for i in range(a, b) if i in place] for a, b in answer]
+                    row["answer_rank"] = round(min(max(s) if s else 1.0 for s in spans), 4)
+                    row["answer_first_rank"] = round(min(s[0] if s else 1.0 for s in spans), 4)
+                    row["answer_tokens"] = len(spans[0])
+                print(json.dumps(row), flush=True)
     print(f"\nanswers whole in the kept set (keep {args.keep}):")
     print("| scorer | protect | kind | answer kept | where the full cache answered right |")
     print("|---|---:|---|---:|---:|")

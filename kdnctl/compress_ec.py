@@ -28,7 +28,7 @@ from .allocate import layer_fisher as lf
 from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
 from .bundle import KVBundle, derived_meta, encode_bundle, held_rows, tensor_name
 from .bundle_kept import kept_positions_dtype
-from .compress_recipe import PROTECT_LEVEL
+from .compress_recipe import LIFT_LEVEL, LIFT_SHARE, PROTECT_LEVEL
 from .errors import UsageError
 from .quant.basis import basis_for_model, load_basis
 from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
@@ -37,7 +37,6 @@ from .tail_reads import tail_read_scores
 from .value_refit import QUESTION_OFFSET, document_queries, refit_values
 from .versions import child_recipe
 
-LIFT_FRACTION, LIFT_LEVEL = 0.25, 1  # with --lift SCORER: the top quarter of tokens by it, 2x finer steps
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
 
@@ -77,13 +76,15 @@ def key_basis_for(recipe, lm) -> str | None:
 
 
 def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | None = None,
-                 protect_level: int = PROTECT_LEVEL) -> torch.Tensor:
-    """Per token: ``protect_level`` for the prompt header and the last ``protect`` tokens,
-    LIFT_LEVEL for the top LIFT_FRACTION by ``lift`` (``[L, H, T]`` ranks, averaged), else 0."""
+                 protect_level: int = PROTECT_LEVEL, lift_steps: tuple[float, int] = (LIFT_SHARE, LIFT_LEVEL)) -> torch.Tensor:
+    """Per token: ``protect_level`` for the prompt header and the last ``protect`` tokens, the
+    level of ``lift_steps`` for its share of the tokens ranked highest by ``lift`` (``[L, H, T]``
+    ranks, averaged; ties to the earlier token), else 0."""
     levels = torch.zeros(n_tokens, dtype=torch.uint8)
     if lift is not None and n_tokens:
-        top = lift.float().mean((0, 1)).argsort(descending=True)[: int(LIFT_FRACTION * n_tokens)]
-        levels[top] = LIFT_LEVEL
+        share, level = lift_steps
+        top = torch.argsort(-lift.float().mean((0, 1)), stable=True)[: int(share * n_tokens)]
+        levels[top] = level
     if protect:
         levels[-protect:] = protect_level
     levels[:header] = protect_level
@@ -167,7 +168,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         kept_bounds = [(int((rows < ls).sum()), int((rows < le).sum())) for ls, le in local_bounds]
     else:
         kept_bounds = local_bounds
-    levels = token_levels(n_tokens, header, recipe.protect, lift, recipe.tail_level)
+    levels = token_levels(n_tokens, header, recipe.protect, lift, recipe.tail_level, recipe.lift_steps)
     backfill = [i for i in recipe.backfill_layers if i < n_layers] if rows is not None else []
     shifts = recipe.backfill_shifts if backfill else (0, 0)  # (keys, values)
     full_levels = []  # per role: these layers keep every token, the evicted ones at level 0, the kept ones shifted up

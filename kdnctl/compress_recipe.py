@@ -25,6 +25,7 @@ BACKFILL_SHIFT = 3
 KEY_BASES = ("auto", "model", "none")
 MAX_BACKFILL_SHIFT = 4  # the protected tokens sit 2 levels up and ec's finest level is 6
 PROTECT_LEVEL = 2  # ec: header and forced tail 2**level finer; the default and the most (see MAX_BACKFILL_SHIFT)
+LIFT_SHARE, LIFT_LEVEL = 0.25, 1  # ec --lift SCORER: the top quarter of the kept tokens by it, 2x finer steps
 
 
 @dataclass
@@ -67,6 +68,10 @@ class CompressRecipe:
     # ec with --keep: the share of the kept tokens (beyond header and tail) chosen by what the
     # document's last queries read (kdnctl.tail_reads), the rest by the scorer; None or 0 = off
     tail_reads: float | None = None
+    # ec with --lift: the share of the kept tokens it lifts (None = LIFT_SHARE) and how many levels
+    # (2**level finer steps, 1 to PROTECT_LEVEL; None = LIFT_LEVEL)
+    lift_share: float | None = None
+    lift_level: int | None = None
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -153,6 +158,7 @@ class CompressRecipe:
             if not (self.sized and self.quant == "ec"):
                 raise UsageError("--protect-level sets how fine ec stores the header and the forced tail",
                                  hint="use it with --budget B --quant ec", param="protect_level")
+        self._check_lift_steps()
         wrapper, _, inner = str(self.method).partition(":")
         if wrapper in _LEGACY_WRAPPED:
             opts = dict(self.method_options)
@@ -162,6 +168,25 @@ class CompressRecipe:
             self.allocator, self.method = wrapper, str(inner)
             self.allocator_options = {**{k: v for k, v in opts.items() if k in own}, **self.allocator_options}
             self.method_options = {**{k: v for k, v in opts.items() if k not in own}, **press_opts}
+
+    def _check_lift_steps(self) -> None:
+        share, level = self.lift_share, self.lift_level
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
+            raise UsageError(f"lift_share must be a share above 0 and at most 1, got {share!r}",
+                             hint="e.g. 0.05: the top 5% of the kept tokens by --lift", param="lift_share")
+        if level is not None and (isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= PROTECT_LEVEL):
+            raise UsageError(f"lift_level must be a whole number from 1 to {PROTECT_LEVEL}, got {level!r}",
+                             hint="2**level is how much finer the lifted tokens' steps are", param="lift_level")
+        if (share is not None or level is not None) and not (self.lift and self.sized and self.quant == "ec"):
+            raise UsageError("--lift-share and --lift-level set how ec lifts the top tokens of --lift",
+                             hint="use them with --budget B --quant ec --lift SCORER", param="lift_share")
+        self.lift_share = None if share is None else float(share)
+
+    @property
+    def lift_steps(self) -> tuple[float, int]:
+        """ec --lift: (share of the kept tokens lifted, levels they go up)."""
+        return (LIFT_SHARE if self.lift_share is None else self.lift_share,
+                LIFT_LEVEL if self.lift_level is None else self.lift_level)
 
     def as_dict(self) -> dict:
         d = {"step": "compress", "budget": self.budget, "keep": self.keep, "method": self.method, "scorer": self.scorer,
@@ -173,6 +198,10 @@ class CompressRecipe:
             d["protect"] = self.protect
         if self.lift:
             d["lift"] = self.lift
+        if self.lift_share is not None:
+            d["lift_share"] = self.lift_share
+        if self.lift_level is not None:
+            d["lift_level"] = self.lift_level
         if self.key_weight != sizing.KEY_WEIGHT:
             d["key_weight"] = self.key_weight
         if self.quant == "ec": d["layers"] = self.layers  # noqa: E701 (absent: the even split of older versions)
@@ -267,6 +296,10 @@ class CompressRecipe:
                 label += f"-pl{self.protect_level}"
             if self.lift:
                 label += f"-l{self.lift}"
+                if self.lift_share is not None:
+                    label += f"{self.lift_share:g}"
+                if self.lift_level is not None:
+                    label += f"x{self.lift_level}"
             if self.key_weight != sizing.KEY_WEIGHT:
                 label += f"-kw{self.key_weight:g}"
             if self.quant == "ec" and self.layers != self.auto_layers: label += f"-{self.layers}"  # noqa: E701

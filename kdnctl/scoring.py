@@ -25,6 +25,9 @@ At compress time the question is unknown. Each scorer returns ``[L, H_kv, T]`` (
                   whole document): how much the document beyond the window predicts the
                   sentence, large for a record in a template the document set up earlier (a
                   table row, the third "port for the X service is N"), small for prose.
+* ``literals``    tokens holding a digit first, then the rest of their sentences, then the
+                  others, each class by surprisal (``literal_scores``): the values an exact
+                  answer copies, an order for ``--lift`` (finer steps), not for eviction.
 * ``hybrid``      (default) equal-weight rank-average of ``reconstruct`` and ``surprisal``: the
                   two offline signals. Measured with ``kdnctl eval`` (``bench/compress.py``)
                   against each scorer alone and against an earlier mix that also used
@@ -48,9 +51,10 @@ import torch
 from .errors import UsageError
 
 REPEAT_PROMPT = "\n\nRepeat the document above exactly, word for word.\n"
-SCORERS = ("window", "accum", "surprisal", "reconstruct", "hybrid", "sentences", "sentences-local", "sentences-gap")
+SCORERS = ("window", "accum", "surprisal", "reconstruct", "hybrid", "sentences", "sentences-local", "sentences-gap",
+           "literals")
 DEFAULT_SCORER = "hybrid"
-NEEDS_MODEL = {"reconstruct", "hybrid", "sentences", "sentences-local", "sentences-gap"}  # sentences: the tokenizer only
+NEEDS_MODEL = {"reconstruct", "hybrid", "sentences", "sentences-local", "sentences-gap", "literals"}  # sentences, literals: the tokenizer only
 
 
 def _rank01(x: torch.Tensor) -> torch.Tensor:
@@ -156,6 +160,12 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
 
         score = sentence_surprisal(stats["surprisal"], token_texts(lm.tokenizer, token_ids))
         return score.expand(n_layers, n_heads, -1).clone()
+    if name == "literals" and lm is not None:
+        from .literal_scores import literal_scores
+        from .sentence_scores import token_texts
+
+        score = literal_scores(stats["surprisal"], token_texts(lm.tokenizer, token_ids))
+        return score.expand(n_layers, n_heads, -1).clone()
     if name in ("sentences-local", "sentences-gap") and lm is not None:
         from .sentence_scores import GAP_WEIGHT, local_sentence_scores
 
@@ -163,7 +173,7 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
         score = local_sentence_scores(lm, stats["surprisal"], list(token_ids), gap_weight=gap_weight)
         return score.expand(n_layers, n_heads, -1).clone()
     if lm is None:
-        needs = "the tokenizer (sentence bounds)" if name == "sentences" else "the model"
+        needs = "the tokenizer (sentence bounds)" if name in ("sentences", "literals") else "the model"
         raise UsageError(f"scorer {name!r} needs {needs}", hint="give a loaded model (or use the window scorer)", param="model")
     recon = reconstruct_scores(lm, keys, values, token_ids)
     if name == "reconstruct":

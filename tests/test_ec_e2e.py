@@ -31,6 +31,7 @@ BACKFILL_S1 = "ec-b0.083-k0.33-p32-bf15-22s1ks0-sentences-gap"
 # every token in KV head 2 of layer 18 and heads 1, 2 of layer 20, at the kept tokens' steps
 WIDE = "ec-b0.083-k0.33-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
 WIDE_HEADS = {18: (2,), 20: (1, 2)}
+LIFTED = "ec-b0.083-k0.33-p32-lliterals0.1x2-sentences-gap"  # the default, the top tenth by literals 4x finer
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1),
              WIDE: ((18, 20), 0, 0)}  # label: (layers, key/value shift)
 
@@ -46,6 +47,9 @@ def store(tmp_path_factory, lm):
             compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="none"), lm=lm)
             assert CompressRecipe(budget=0.083).default_label() == EVICT
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
+            lifted = CompressRecipe(budget=0.083, lift="literals", lift_share=0.1, lift_level=2)
+            assert lifted.default_label() == LIFTED
+            compress_document(st, doc, lifted, lm=lm)
             assert CompressRecipe(budget=0.083, backfill="12-23").default_label() == BACKFILL
             compress_document(st, doc, CompressRecipe(budget=0.083, backfill="12-23"), lm=lm)
             s1 = CompressRecipe(budget=0.083, backfill="15-22", backfill_shift=1, backfill_key_shift=0)
@@ -219,6 +223,29 @@ def test_eviction_first_keeps_one_token_set(store, doc):
 
 def test_eviction_first_loads_locally_and_remotely(lm, store):
     assert_loads_as_decoded(lm, store, "faq.md", EVICT, _by_hand)
+
+
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_literal_lift_stores_digits_finer(lm, store, doc):
+    """--lift literals: the default's kept set within the cap, its digit tokens (fewer than a tenth
+    of the kept ones) at the header's level, coded finer than the default codes them."""
+    v = store.get_version(doc, LIFTED)
+    assert sum(len(store.read_object(c.object)) for c in v.chunks) <= 0.083 * fp16_size(store, doc)
+    ours, base = ([decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, lab).chunks]
+                  for lab in (LIFTED, EVICT))
+    kept = torch.cat([b.layer_positions(0)[0] for b in ours])
+    assert torch.equal(kept, torch.cat([b.layer_positions(0)[0] for b in base]))
+    ids = torch.cat([b.token_ids for b in ours])[kept.long() - int(ours[0].meta["token_start"])]
+    digit = torch.tensor([any(c.isdigit() for c in lm.tokenizer.decode([int(i)])) for i in ids])
+    levels = torch.cat([b.tensors["token_levels"] for b in ours])
+    assert 0 < int(digit.sum()) <= 0.1 * kept.numel() and bool((levels[digit] == 2).all())
+    forced = torch.cat([b.tensors["token_levels"] for b in base]) == 2  # the header and the tail
+    assert bool((levels[forced] == 2).all())
+    assert bool((digit & ~forced).any()) <= bool(((levels == 2) & ~forced).any())  # a digit in the middle: lifted there
+
+
+def test_literal_lift_loads_locally_and_remotely(lm, store):
+    assert_loads_as_decoded(lm, store, "meeting-notes-2026-03.txt", LIFTED, _by_hand)
 
 
 @pytest.mark.parametrize("label", list(BACKFILLS))

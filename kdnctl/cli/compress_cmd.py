@@ -18,13 +18,15 @@ def compress(
     method: str = typer.Option("kvcrush", "--method", "-m", help="Pruning method (see `kdnctl methods`)."),
     allocator: str = typer.Option("uniform", "--allocator", help="Per-layer budget split: uniform | pyramid | adaptive (pyramid:METHOD as --method also works)."),
     quant: Optional[str] = typer.Option(None, "--quant", "-q", help="With --budget: auto (default: ec from 0.25 to where int8 holds every token, ~0.54; below 0.25 ec with eviction first, budget/0.25 of the tokens kept as whole sentences ranked by sentences-gap; else uniform) | uniform (the best single tier that fits) | floor (that tier + one-tier upgrades) | ladder (per-token tiers) | ec (per-channel steps weighted by attention, entropy-coded; every token kept unless --keep evicts first, one token set for all layers and heads) | int8 | int4 | int3 | int2 | fp16 (eviction alone). With --keep alone: none | int8 | int4 | int3 | int2 | fp8 | mixed."),
-    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid | sentences | sentences-local | sentences-gap (default hybrid; sentences-gap where --quant auto evicts)."),
+    scorer: Optional[str] = typer.Option(None, "--scorer", help="window | accum | surprisal | reconstruct | hybrid | sentences | sentences-local | sentences-gap | literals (default hybrid; sentences-gap where --quant auto evicts; literals: digits first, for --lift)."),
     group_size: int = typer.Option(32, "--group-size", help="Quantization group size."),
     kvcrush_ratio: Optional[float] = typer.Option(None, "--kvcrush-ratio", help="Share of the budget for KVCrush representatives."),
     anchor: Optional[str] = typer.Option(None, "--anchor", help="KVCrush anchor: random | mean | alternate."),
     page_size: Optional[int] = typer.Option(None, "--page-size", help="KVCrush page size (1 = token level)."),
     protect: Optional[int] = typer.Option(None, "--protect", help="With --budget: the last N tokens (and the prompt header) are never evicted and get precision first."),
-    lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder/ec: a second scorer whose top tokens also get precision first (ec: the top quarter at 2x finer steps; e.g. sentences)."),
+    lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder/ec: a second scorer whose top tokens also get precision first (ec: the top quarter at 2x finer steps, see --lift-share/--lift-level; e.g. sentences, surprisal)."),
+    lift_share: Optional[float] = typer.Option(None, "--lift-share", help="With --quant ec --lift S: the share of the kept tokens lifted (default 0.25)."),
+    lift_level: Optional[int] = typer.Option(None, "--lift-level", help="With --quant ec --lift S: the lifted tokens' steps are 2**N finer, N 1 or 2 (default 1)."),
     key_weight: Optional[float] = typer.Option(None, "--key-weight", help="With --budget floor/ladder: a key row's damage relative to a value row's when the solver picks upgrades (default 1)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="With --quant ec: fisher (each layer's and role's steps scaled by a Fisher estimate of what its error costs; the default where every token is kept) | even (the same relative error everywhere; the default with eviction)."),
     backfill: Optional[str] = typer.Option(None, "--backfill", help="With --quant ec --keep K: layers A-B, layers A+B or KV heads L.H (e.g. 12-23, 18+20, 18.2+20.1) also keep the evicted tokens, at steps 2**S coarser than the kept ones' (S: --backfill-shift)."),
@@ -69,7 +71,9 @@ def compress(
                                 **({"key_basis": key_basis} if key_basis is not None else {}),
                                 **({"refit": refit} if refit is not None else {}),
                                 **({"protect_level": protect_level} if protect_level is not None else {}),
-                                **({"tail_reads": tail_reads} if tail_reads is not None else {}))
+                                **({"tail_reads": tail_reads} if tail_reads is not None else {}),
+                                **({"lift_share": lift_share} if lift_share is not None else {}),
+                                **({"lift_level": lift_level} if lift_level is not None else {}))
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)
