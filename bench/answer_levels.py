@@ -66,8 +66,9 @@ def main() -> None:
     if args.results:
         results = {t["id"]: t["by_version"] for t in json.loads(Path(args.results).read_text())["tasks"]}
     tally: dict[tuple, list[int]] = defaultdict(lambda: [0, 0])  # (label, kind, where) -> [right, tasks]
+    store_of = {d.doc_id: s for s in reversed(stores) for d in s.list_documents()}  # the first store holding it
     for task in load_tasks("realtext", kinds=args.kinds.split(",")):
-        st = next((s for s in stores if any(d.doc_id == task.id for d in s.list_documents())), None)
+        st = store_of.get(task.id)
         if st is None:
             continue
         full = [decode_bundle(st.read_object(c.object)) for c in st.get_version(task.id, "full").chunks]

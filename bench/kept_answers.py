@@ -81,10 +81,15 @@ def main() -> None:
         answer = ranges(task.answer)
         others = [ranges(d) for d in (task.distractors or [])]
         stats = _cat_stats(bundles)
-        by = None if args.rank_by is None else compute_importance(
-            args.rank_by, stats, lm=lm, keys=keys, values=values, token_ids=ids, n_layers=L, n_heads=H).float().mean((0, 1))
+        scored = {}  # scorer -> importance: --rank-by reuses a scorer's model passes
+        def importance(name: str) -> torch.Tensor:
+            if name not in scored:
+                scored[name] = compute_importance(name, stats, lm=lm, keys=keys, values=values, token_ids=ids,
+                                                  n_layers=L, n_heads=H)
+            return scored[name]
+        by = None if args.rank_by is None else importance(args.rank_by).float().mean((0, 1))
         for scorer in args.scorers.split(","):
-            imp = compute_importance(scorer, stats, lm=lm, keys=keys, values=values, token_ids=ids, n_layers=L, n_heads=H)
+            imp = importance(scorer)
             for p in protects:
                 rows = set(shared_keep(imp, args.keep, header, p).tolist())
                 ok = kept(answer, rows)
