@@ -8,7 +8,8 @@ whole sentences), is kept and quantized. Each channel's step follows from how mu
 one scale per document is fitted so the encoded bundles fill the byte cap
 (``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default where every token is kept)
 each layer's and role's steps are first scaled by how much its error costs the model
-(``kdnctl.allocate.layer_fisher``). The prompt header and the last ``protect`` tokens are
+(``kdnctl.allocate.layer_fisher``); ``key_weight`` W makes every key step ``1/sqrt(W)`` of its
+value-relative size. The prompt header and the last ``protect`` tokens are
 quantized ``2**PROTECT_LEVEL`` times finer (``--protect-level``): they precede every question. With ``backfill``
 ("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**backfill_shift`` times coarser
 (the keys ``2**backfill_key_shift`` where it is set: per-role levels). Where ``backfill`` names
@@ -191,9 +192,13 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         xs[i] = tuple(x.clone() for x in xs[i])  # the transform may hand back the caller's tensor
         for x in xs[i]:
             hide_rows(x, heads, evicted, local_bounds)
-    # a backfilled layer's steps are those of its kept tokens: 2**shift x the level-0 step
-    base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * (2.0 ** s if i in backfill else 1)
-                  for x, w, s in zip(xs[i], (kw, vw), shifts)) for i in range(n_layers)]
+    # a backfilled layer's steps are those of its kept tokens: 2**shift x the level-0 step. A key
+    # error weighted key_weight x a value error's: a uniform step's error grows as its square, so
+    # at equal slope the keys' steps are 1/sqrt(key_weight) x theirs (choosing among similar
+    # records is a key matter: bench/precision_probe.py)
+    roles = ((kw, recipe.key_weight ** -0.5), (vw, 1.0))
+    base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * m * (2.0 ** s if i in backfill else 1)
+                  for x, (w, m), s in zip(xs[i], roles, shifts)) for i in range(n_layers)]
     # rotated rows reach sqrt(D) x a channel's largest code: the keys' floors make room for that
     widen = (d ** 0.5 if basis is not None else 1.0, 1.0)
     floors = [tuple(step_floor(x, finest + (s if i in backfill else 0)) * wd for x, s, wd in zip(xs[i], shifts, widen))

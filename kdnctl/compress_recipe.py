@@ -14,6 +14,7 @@ from .errors import UsageError
 from .presses import get_press, press_class
 from .presses.base import Press, validate_budget
 from .quant.base import DEFAULT_GROUP_SIZE
+from .quant.entropy import MAX_LEVEL
 from .registry import method_fields
 from .scoring import DEFAULT_SCORER, NEEDS_MODEL, SCORERS
 
@@ -26,6 +27,9 @@ KEY_BASES = ("auto", "model", "none")
 MAX_BACKFILL_SHIFT = 4  # the protected tokens sit 2 levels up and ec's finest level is 6
 PROTECT_LEVEL = 2  # ec: header and forced tail 2**level finer; the default and the most (see MAX_BACKFILL_SHIFT)
 LIFT_SHARE, LIFT_LEVEL = 0.25, 1  # ec --lift SCORER: the top quarter of the kept tokens by it, 2x finer steps
+# the lifted tokens may sit above the header's level: an exact value's digits need keys much finer
+# than the rest (bench/precision_probe.py); with --backfill the shift on top must stay within MAX_LEVEL
+MAX_LIFT_LEVEL = MAX_LEVEL - PROTECT_LEVEL
 
 
 @dataclass
@@ -174,9 +178,13 @@ class CompressRecipe:
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
             raise UsageError(f"lift_share must be a share above 0 and at most 1, got {share!r}",
                              hint="e.g. 0.05: the top 5% of the kept tokens by --lift", param="lift_share")
-        if level is not None and (isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= PROTECT_LEVEL):
-            raise UsageError(f"lift_level must be a whole number from 1 to {PROTECT_LEVEL}, got {level!r}",
+        if level is not None and (isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= MAX_LIFT_LEVEL):
+            raise UsageError(f"lift_level must be a whole number from 1 to {MAX_LIFT_LEVEL}, got {level!r}",
                              hint="2**level is how much finer the lifted tokens' steps are", param="lift_level")
+        if level is not None and self.backfill is not None and level + max(self.backfill_shifts) > MAX_LEVEL:
+            raise UsageError(f"lift_level {level} plus the backfill shift {max(self.backfill_shifts)} passes ec's "
+                             f"finest level ({MAX_LEVEL})", hint="lower --lift-level or --backfill-shift",
+                             param="lift_level")
         if (share is not None or level is not None) and not (self.lift and self.sized and self.quant == "ec"):
             raise UsageError("--lift-share and --lift-level set how ec lifts the top tokens of --lift",
                              hint="use them with --budget B --quant ec --lift SCORER", param="lift_share")
