@@ -95,6 +95,23 @@ def mixed_rows(k, v, pos, theta, tiers_mask_hi, hi, lo):
     return tf.rope(kout, pos, theta), tf.rotate(vout)
 
 
+def probe_setup(store_dir: str, kinds: str, limit: int, shard: str, task_set: str = "realtext"):
+    """(model, store, this shard's tasks, prompt format) for an in-memory probe: the first
+    ``limit`` tasks of each of ``kinds`` (comma-separated), every Nth from the Ith (``shard``
+    "I/N"), their documents ingested into ``store_dir``."""
+    from kdnctl.evaluation.tasks import ingest_tasks, load_tasks
+    from kdnctl.model import load_model
+    from kdnctl.prompting import PromptFormat
+    from kdnctl.store import Store
+
+    i, n = (int(x) for x in shard.split("/"))
+    tasks = load_tasks(task_set, kinds=kinds.split(","), limit=limit)[i::n]
+    lm = load_model()
+    store = Store(Path(store_dir), create=True)
+    ingest_tasks(lm, store, tasks)
+    return lm, store, tasks, PromptFormat.for_tokenizer(lm.tokenizer)
+
+
 def full_cache(store, doc_id: str):
     """(bundles, keys [L x [H, T, D]], values, token ids) of a document's stored ``full`` version, fp32."""
     from kdnctl.bundle import decode_bundle

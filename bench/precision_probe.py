@@ -23,7 +23,7 @@ Only versions with one kept set for every layer and head (the default, ``--lift`
 Diagnostics, not a recipe::
 
     python bench/precision_probe.py --store /tmp/pstore --shard 0/2 > a.log
-    python bench/selection_probe.py --summarize a.log b.log
+    python bench/precision_probe.py --summarize a.log b.log
 """
 
 from __future__ import annotations
@@ -111,7 +111,37 @@ def variant_rows(var: str, kept: torch.Tensor, full_k, full_v, q_k, q_v, record_
     return ks, vs
 
 
+def summarize(paths: list[str]) -> None:
+    """Per variant over the tasks every variant answered: right answers, tasks with a positive
+    margin, mean and median margin, answer NLL / the full cache's, and answers lost / gained
+    against the full cache."""
+    import statistics as st
+
+    runs: dict[str, dict[str, dict]] = {}
+    for p in paths:
+        for line in open(p):
+            if line.startswith("realtext/") and ": {" in line:
+                head, _, rest = line.partition(": ")
+                tid, var = head.split(" ")
+                runs.setdefault(var, {})[tid] = json.loads(rest[: rest.rindex("}") + 1])
+    common = sorted(set.intersection(*(set(r) for r in runs.values())))
+    full = runs["full"]
+    full_nll = st.mean(full[t]["nll"] for t in common)
+    print(f"{len(common)} tasks in every variant\n")
+    print("| variant | right (n) | margin > 0 | mean margin | median margin | answer NLL / full | vs full: lost / gained |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for var, per in runs.items():
+        m = [per[t]["margin"] for t in common]
+        lost = sum(full[t]["correct"] and not per[t]["correct"] for t in common)
+        gained = sum(per[t]["correct"] and not full[t]["correct"] for t in common)
+        print(f"| {var} | {sum(per[t]['correct'] for t in common)}/{len(common)} | {sum(x > 0 for x in m)} | "
+              f"{st.mean(m):+.3f} | {st.median(m):+.3f} | {100 * st.mean(per[t]['nll'] for t in common) / full_nll:.1f}% | "
+              f"{lost} / {gained} |")
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--summarize"]:
+        return summarize(sys.argv[2:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default="/tmp/pstore")
     ap.add_argument("--kinds", default="multifact")
@@ -123,26 +153,18 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from bench.lowbit_probe import full_cache
+    from bench.lowbit_probe import full_cache, probe_setup
     from bench.quality import run_compress
     from kdnctl.bundle import decode_bundle
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.errors import NotFoundError
-    from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
+    from kdnctl.evaluation.tasks import run_task
     from kdnctl.literal_scores import has_digit
-    from kdnctl.model import load_model
-    from kdnctl.prompting import PromptFormat
     from kdnctl.sentence_scores import sentence_bounds, token_texts
-    from kdnctl.store import Store
 
     recipes = [shlex.split(r) for r in (args.recipe or ["--budget 0.083 --label q083"])]
     labels = [r[r.index("--label") + 1] for r in recipes]
-    i, n = (int(x) for x in args.shard.split("/"))
-    tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit)[i::n]
-    lm = load_model()
-    store = Store(Path(args.store), create=True)
-    ingest_tasks(lm, store, tasks)
-    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
+    lm, store, tasks, fmt = probe_setup(args.store, args.kinds, args.limit, args.shard)
     for task in tasks:
         bundles, full_k, full_v, token_ids = full_cache(store, task.id)
         first = int(bundles[0].tensors["positions"][0])

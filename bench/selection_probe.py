@@ -107,25 +107,17 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
 
-    from bench.lowbit_probe import full_cache
+    from bench.lowbit_probe import full_cache, probe_setup
     from kdnctl.compress import _cat_stats
     from kdnctl.compress_ec import shared_keep
     from kdnctl.engine.hf import LoadedContext
-    from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
-    from kdnctl.model import load_model
+    from kdnctl.evaluation.tasks import run_task
     from kdnctl.prefill import prefill
-    from kdnctl.prompting import PromptFormat
     from kdnctl.sentence_scores import (GAP_WEIGHT, local_sentence_surprisal, sentence_bounds, token_texts,
                                         two_rank_scores)
-    from kdnctl.store import Store
     from kdnctl.tail_reads import TAIL_WINDOW, sentence_reads
 
-    i, n = (int(x) for x in args.shard.split("/"))
-    tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit)[i::n]
-    lm = load_model()
-    store = Store(Path(args.store), create=True)
-    ingest_tasks(lm, store, tasks)
-    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
+    lm, store, tasks, fmt = probe_setup(args.store, args.kinds, args.limit, args.shard)
     for task in tasks:
         bundles, keys, values, token_ids = full_cache(store, task.id)
         T = keys[0].shape[1]
