@@ -95,6 +95,27 @@ def mixed_rows(k, v, pos, theta, tiers_mask_hi, hi, lo):
     return tf.rope(kout, pos, theta), tf.rotate(vout)
 
 
+def probe_options(ap, store: str, kinds: str, limit: int, variants: str) -> None:
+    """The options every in-memory probe takes (what ``probe_setup`` reads)."""
+    ap.add_argument("--store", default=store)
+    ap.add_argument("--kinds", default=kinds)
+    ap.add_argument("--limit", type=int, default=limit)
+    ap.add_argument("--shard", default="0/1", help="I/N: every Nth task from the Ith")
+    ap.add_argument("--variants", default=variants)
+
+
+def read_probe_logs(paths: list[str]) -> dict[str, dict[str, dict]]:
+    """``{variant: {task id: result}}`` from probe logs (lines ``TASK VARIANT: {json} (Ns)``)."""
+    runs: dict[str, dict[str, dict]] = {}
+    for p in paths:
+        for line in open(p):
+            if line.startswith("realtext/") and ": {" in line:
+                head, _, rest = line.partition(": ")
+                tid, var = head.split(" ")
+                runs.setdefault(var, {})[tid] = json.loads(rest[: rest.rindex("}") + 1])
+    return runs
+
+
 def probe_setup(store_dir: str, kinds: str, limit: int, shard: str, task_set: str = "realtext"):
     """(model, store, this shard's tasks, prompt format) for an in-memory probe: the first
     ``limit`` tasks of each of ``kinds`` (comma-separated), every Nth from the Ith (``shard``

@@ -117,13 +117,9 @@ def summarize(paths: list[str]) -> None:
     against the full cache."""
     import statistics as st
 
-    runs: dict[str, dict[str, dict]] = {}
-    for p in paths:
-        for line in open(p):
-            if line.startswith("realtext/") and ": {" in line:
-                head, _, rest = line.partition(": ")
-                tid, var = head.split(" ")
-                runs.setdefault(var, {})[tid] = json.loads(rest[: rest.rindex("}") + 1])
+    from bench.lowbit_probe import read_probe_logs
+
+    runs = read_probe_logs(paths)
     common = sorted(set.intersection(*(set(r) for r in runs.values())))
     full = runs["full"]
     full_nll = st.mean(full[t]["nll"] for t in common)
@@ -142,14 +138,12 @@ def summarize(paths: list[str]) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--summarize"]:
         return summarize(sys.argv[2:])
+    from bench.lowbit_probe import probe_options
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--store", default="/tmp/pstore")
-    ap.add_argument("--kinds", default="multifact")
-    ap.add_argument("--limit", type=int, default=40)
-    ap.add_argument("--shard", default="0/1", help="I/N: every Nth task from the Ith")
+    probe_options(ap, "/tmp/pstore", "multifact", 40, VARIANTS)
     ap.add_argument("--recipe", action="append", default=None,
                     help="kdnctl compress arguments with --label (may repeat: variant q:LABEL reads that one, q the first)")
-    ap.add_argument("--variants", default=VARIANTS)
     args = ap.parse_args()
     torch.set_num_threads(1)
 

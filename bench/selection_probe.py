@@ -68,13 +68,9 @@ def repetition(token_ids: list[int], bounds) -> torch.Tensor:
 
 
 def summarize(paths: list[str]) -> None:
-    runs: dict[str, dict[str, dict]] = {}
-    for p in paths:
-        for line in open(p):
-            if line.startswith("realtext/") and ": {" in line:
-                head, _, rest = line.partition(": ")
-                tid, var = head.split(" ")
-                runs.setdefault(var, {})[tid] = json.loads(rest[: rest.rindex("}") + 1])
+    from bench.lowbit_probe import read_probe_logs
+
+    runs = read_probe_logs(paths)
     common = set.intersection(*(set(r) for r in runs.values()))
     print(f"{len(common)} tasks in every variant")
     for kind in ("needle", "multifact", "continuation"):
@@ -96,12 +92,10 @@ def summarize(paths: list[str]) -> None:
 def main() -> None:
     if sys.argv[1:2] == ["--summarize"]:
         return summarize(sys.argv[2:])
+    from bench.lowbit_probe import probe_options
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--store", default="/tmp/sstore")
-    ap.add_argument("--kinds", default="continuation")
-    ap.add_argument("--limit", type=int, default=30)
-    ap.add_argument("--shard", default="0/1", help="I/N: every Nth task from the Ith")
-    ap.add_argument("--variants", default="full,gap,recent:0.25,tail:0.25,rep:0.25")
+    probe_options(ap, "/tmp/sstore", "continuation", 30, "full,gap,recent:0.25,tail:0.25,rep:0.25")
     ap.add_argument("--window", type=int, default=None, help="tail: the last queries read (default TAIL_WINDOW)")
     ap.add_argument("--keep", type=float, default=KEEP, help="fraction of the tokens every variant keeps")
     args = ap.parse_args()
