@@ -13,7 +13,9 @@ puts the full cache's rows back for one part of its kept set at a time:
 * ``fp:L:A-B+C``    keys and values of layers A..B and C unquantized;
 * ``fp:records``    the rows of every sentence holding a digit (the records and their values:
                     the ``literals`` scorer's upper two classes), all layers;
-* ``fp:digits``     the rows of the tokens holding a digit, all layers.
+* ``fp:digits``     the rows of the tokens holding a digit, all layers;
+* parts combine, each narrowing one axis: ``fp:keys:records`` the records' keys only,
+  ``fp:keys:L:10-19:digits`` the digits' keys in layers 10..19.
 
 Besides the greedy answer, each line has ``margin``: after the question and the asked record's
 own words ("The port for the marlin service is"), the teacher-forced log-probability of the
@@ -84,21 +86,21 @@ def variant_rows(var: str, kept: torch.Tensor, full_k, full_v, q_k, q_v, record_
         return q_k, q_v
     if not var.startswith("fp:"):
         raise SystemExit(f"unknown variant {var!r}")
-    part = var[3:]
     n = len(full_k)
     layers, roles, rows = set(range(n)), {"keys", "values"}, torch.ones(len(kept), dtype=torch.bool)
-    if part in ("keys", "values"):
-        roles = {part}
-    elif part.startswith("L:"):
-        from bench.head_probe import parse_layers
+    parts = var[3:].split(":")
+    while parts:  # each part narrows one axis: a role, a layer range (L:A-B), a token class
+        p = parts.pop(0)
+        if p in ("keys", "values"):
+            roles = {p}
+        elif p == "L" and parts:
+            from bench.head_probe import parse_layers
 
-        layers = parse_layers(part[2:])
-    elif part == "records":
-        rows = record_tok[kept]
-    elif part == "digits":
-        rows = digit_tok[kept]
-    else:
-        raise SystemExit(f"unknown variant {var!r}")
+            layers = parse_layers(parts.pop(0))
+        elif p in ("records", "digits"):
+            rows = (record_tok if p == "records" else digit_tok)[kept]
+        else:
+            raise SystemExit(f"unknown variant {var!r}")
     ks, vs = [], []
     for i in range(n):
         k, v = q_k[i].clone(), q_v[i].clone()
