@@ -73,7 +73,7 @@ class CompressRecipe:
     # document's last queries read (kdnctl.tail_reads), the rest by the scorer; None or 0 = off
     tail_reads: float | None = None
     # ec with --lift: the share of the kept tokens it lifts (None = LIFT_SHARE) and how many levels
-    # (2**level finer steps, 1 to PROTECT_LEVEL; None = LIFT_LEVEL)
+    # (2**level finer steps, 1 to MAX_LIFT_LEVEL; None = LIFT_LEVEL)
     lift_share: float | None = None
     lift_level: int | None = None
 
