@@ -28,10 +28,11 @@ from .bundle_kept import fold_kept_positions, unfold_kept_positions
 from .bundle_layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.9"  # each version's tensors: docs/bundle-format.md, section 2; in short
+FORMAT_VERSION = "1.10"  # each version's tensors: docs/bundle-format.md, section 2; in short
 # 1.1 ladder layout, int16/int32 positions; 1.2 ladder "zlib+params"; 1.3 the entropy-coded ec layout;
 # 1.4 ec layers of different lengths (--backfill, layers.i.levels); 1.5 per-role levels; 1.6 deflate
-# frames; 1.7 a per-model key basis; 1.8 narrow heads (layers.i.narrow, kept); 1.9 kept_layers
+# frames; 1.7 a per-model key basis; 1.8 narrow heads (layers.i.narrow, kept); 1.9 kept_layers;
+# 1.10 token_levels.keys (a lift of the keys alone)
 
 REQUIRED_META_KEYS = (
     "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",
@@ -61,11 +62,15 @@ def tensor_name(layer: int, role: str) -> str:
 
 def role_levels(tensors: dict, layer: str, role: str):
     """The token levels one role of one layer (``layers.i``) was coded with: the role's own
-    (``--backfill-key-shift``, 1.5), else the layer's (``--backfill``, 1.4), else the chunk's."""
+    (``--backfill-key-shift``, 1.5), else the layer's (``--backfill``, 1.4), else the chunk's for
+    that role (``--lift-role keys``, 1.10: ``token_levels.keys``), else the chunk's."""
     own = tensors.get(f"{layer}.{role}.levels")
     if own is not None:
         return own
-    return tensors.get(f"{layer}.levels", tensors.get("token_levels"))
+    layer_own = tensors.get(f"{layer}.levels")
+    if layer_own is not None:
+        return layer_own
+    return tensors.get(f"token_levels.{role}", tensors.get("token_levels"))
 
 
 def stored_rows(tensors: dict, layer: str) -> torch.Tensor | None:
@@ -418,7 +423,7 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
                     raise BundleFormatError(f"layer {i}: missing tensor {base}.params")
                 levels = role_levels(tensors, f"layers.{i}", kind)
                 if levels is None or levels.dtype != torch.uint8 or list(levels.shape) != [t_i]:
-                    raise BundleFormatError(f"layer {i}: token_levels (or layers.{i}.levels, {base}.levels) "
+                    raise BundleFormatError(f"layer {i}: token_levels (or token_levels.{kind}, layers.{i}.levels, {base}.levels) "
                                             f"must be uint8 [{t_i}]")
             elif coded:
                 if not quant:

@@ -170,13 +170,16 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     else:
         kept_bounds = local_bounds
     levels = token_levels(n_tokens, header, recipe.protect, lift, recipe.tail_level, recipe.lift_steps)
+    # --lift-role keys: the values keep the unlifted levels, the keys the lifted ones (1.10)
+    split = lift is not None and recipe.lift_role == "keys"
+    levels_by_role = (levels, token_levels(n_tokens, header, recipe.protect, None, recipe.tail_level) if split else levels)
     backfill = [i for i in recipe.backfill_layers if i < n_layers] if rows is not None else []
     shifts = recipe.backfill_shifts if backfill else (0, 0)  # (keys, values)
     full_levels = []  # per role: these layers keep every token, the evicted ones at level 0, the kept ones shifted up
-    for shift in shifts:
+    for shift, lv in zip(shifts, levels_by_role):
         full_levels.append(torch.zeros(n_all, dtype=torch.uint8))
         if backfill:
-            full_levels[-1][rows] = levels + shift
+            full_levels[-1][rows] = lv + shift
     finest = int(levels.max()) if levels.numel() else 0
     assert finest + max(shifts) <= MAX_LEVEL
     kw = key_weights(lm, token_ids, n_layers, n_heads, d, rope=theta is not None)
@@ -217,8 +220,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         for (ks, ke), (ls, le) in zip(kept_bounds, local_bounds):
             chunk = {}
             for i, (k, v) in enumerate(xs):
-                for role, x, s, fl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels):
-                    a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, levels[ks:ke])
+                for role, x, s, fl, rl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels, levels_by_role):
+                    a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, rl[ks:ke])
                     axes = basis[i] if basis is not None and role == "keys" else None
                     rows_here = held_rows(~evicted[ls:le], narrow_mask[i]) if i in narrow else None
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
@@ -247,13 +250,16 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             if backfill:  # layers of two lengths: each layer its own levels (a backfilled one: every token)
                 for i in range(n_layers):
                     if i not in backfill:
-                        t[tensor_name(i, "levels")] = levels[ks:ke].clone()
-                    elif shifts[0] == shifts[1]:
+                        if not split:  # else the chunk's two rows below
+                            t[tensor_name(i, "levels")] = levels[ks:ke].clone()
+                    elif shifts[0] == shifts[1] and not split:
                         t[tensor_name(i, "levels")] = full_levels[0][ls:le].clone()
-                    else:  # keys and values shifted apart: each role its own levels (format 1.5)
+                    else:  # keys and values apart: each role its own levels (format 1.5)
                         for role, fl in zip(("keys", "values"), full_levels):
                             t[tensor_name(i, f"{role}.levels")] = fl[ls:le].clone()
-            else:
+            if split:  # the kept tokens' levels: the values' and the keys' own (1.10)
+                t["token_levels"], t["token_levels.keys"] = levels_by_role[1][ks:ke].clone(), levels[ks:ke].clone()
+            elif not backfill:
                 t["token_levels"] = levels[ks:ke].clone()
             if rows is not None:  # the chunk's kept tokens: the pruned layers' positions are stored once (1.9)
                 t["kept"] = (~evicted[ls:le]).to(torch.uint8)

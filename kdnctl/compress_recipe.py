@@ -73,9 +73,11 @@ class CompressRecipe:
     # document's last queries read (kdnctl.tail_reads), the rest by the scorer; None or 0 = off
     tail_reads: float | None = None
     # ec with --lift: the share of the kept tokens it lifts (None = LIFT_SHARE) and how many levels
-    # (2**level finer steps, 1 to MAX_LIFT_LEVEL; None = LIFT_LEVEL)
+    # (2**level finer steps, 1 to MAX_LIFT_LEVEL; None = LIFT_LEVEL), and which role: None both,
+    # "keys" the keys alone (the values keep the unlifted levels; format 1.10's token_levels.keys)
     lift_share: float | None = None
     lift_level: int | None = None
+    lift_role: str | None = None
 
     def __post_init__(self) -> None:
         self.keep = validate_budget(self.keep)
@@ -185,8 +187,11 @@ class CompressRecipe:
             raise UsageError(f"lift_level {level} plus the backfill shift {max(self.backfill_shifts)} passes ec's "
                              f"finest level ({MAX_LEVEL})", hint="lower --lift-level or --backfill-shift",
                              param="lift_level")
-        if (share is not None or level is not None) and not (self.lift and self.sized and self.quant == "ec"):
-            raise UsageError("--lift-share and --lift-level set how ec lifts the top tokens of --lift",
+        if self.lift_role not in (None, "keys"):
+            raise UsageError(f"lift_role must be keys (or unset: both roles), got {self.lift_role!r}",
+                             hint="--lift-role keys lifts the keys alone", param="lift_role")
+        if (share is not None or level is not None or self.lift_role) and not (self.lift and self.sized and self.quant == "ec"):
+            raise UsageError("--lift-share, --lift-level and --lift-role set how ec lifts the top tokens of --lift",
                              hint="use them with --budget B --quant ec --lift SCORER", param="lift_share")
         self.lift_share = None if share is None else float(share)
 
@@ -210,6 +215,8 @@ class CompressRecipe:
             d["lift_share"] = self.lift_share
         if self.lift_level is not None:
             d["lift_level"] = self.lift_level
+        if self.lift_role is not None:
+            d["lift_role"] = self.lift_role
         if self.key_weight != sizing.KEY_WEIGHT:
             d["key_weight"] = self.key_weight
         if self.quant == "ec": d["layers"] = self.layers  # noqa: E701 (absent: the even split of older versions)
@@ -308,6 +315,8 @@ class CompressRecipe:
                     label += f"{self.lift_share:g}"
                 if self.lift_level is not None:
                     label += f"x{self.lift_level}"
+                if self.lift_role == "keys":
+                    label += "k"
             if self.key_weight != sizing.KEY_WEIGHT:
                 label += f"-kw{self.key_weight:g}"
             if self.quant == "ec" and self.layers != self.auto_layers: label += f"-{self.layers}"  # noqa: E701

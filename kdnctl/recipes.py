@@ -61,7 +61,7 @@ class Recipe:
         allowed = {"method", "budget", "keep", "scorer", "quant", "group_size", "seed", "allocator", "allocator_options",
                    "protect", "coding", "lift", "key_weight", "layers", "backfill", "backfill_shift", "backfill_key_shift",
                    "key_basis", "refit", "protect_level", "tail_reads",
-                   "lift_share", "lift_level"}
+                   "lift_share", "lift_level", "lift_role"}
         bad = set(c) - allowed
         if bad:
             raise UsageError(f"recipe {self.name}: unknown [compress] keys {sorted(bad)}", hint=f"allowed: {sorted(allowed)}")

@@ -118,7 +118,7 @@ def _by_hand(b, i, role):
     q = b.meta["quant"]
     h, d = q["n_heads"], q["head_dim"]
     # the role's own levels first, then the layer's, then the chunk's
-    levels = b.tensors.get(f"layers.{i}.{role}.levels", b.tensors.get(f"layers.{i}.levels", b.tensors.get("token_levels")))
+    levels = b.tensors.get(f"layers.{i}.{role}.levels", b.tensors.get(f"layers.{i}.levels", b.tensors.get(f"token_levels.{role}", b.tensors.get("token_levels"))))
     levels = levels.float()
     t = levels.numel()
     blob = b.tensors[f"layers.{i}.{role}.codes"].numpy().tobytes()

@@ -65,3 +65,65 @@ def test_lift_level_above_the_headers(tiny_lm, tmp_path_factory):
     # the top 5% by literals, less those the header and the forced tail already hold at level 2
     assert 0 < len(lifted) <= int(0.05 * levels.numel()) and all(any(c.isdigit() for c in t) for t in lifted), lifted
     assert int((levels == 2).sum()) >= 16 and set(levels.tolist()) <= {0, 2, 4}
+
+
+def _version(st, doc, label):
+    from kdnctl.bundle import decode_bundle
+
+    return [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, label).chunks]
+
+
+def test_lift_role_keys_lifts_the_keys_alone(tiny_lm, tmp_path_factory):
+    """``--lift-role keys`` (1.10): the chunk's ``token_levels.keys`` carries the lift, its
+    ``token_levels`` (the values') does not; the reader takes each role's own; within the cap; with
+    ``--backfill`` too (the backfilled layer's per-role levels hold the lift on its kept tokens)."""
+    from budgetkit import fp16_size, trimmed_store
+
+    from kdnctl.bundle import KVBundle
+    from kdnctl.compress import CompressRecipe, compress_document
+
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
+    doc = "meeting-notes-2026-03.txt"
+    base = dict(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences", lift="literals", lift_share=0.1,
+                lift_level=4)
+    with st.writer():
+        keyed = compress_document(st, doc, CompressRecipe(**base, lift_role="keys"), lm=tiny_lm)
+        both = compress_document(st, doc, CompressRecipe(**base), lm=tiny_lm)
+        filled = compress_document(st, doc, CompressRecipe(**base, lift_role="keys", backfill="1", backfill_shift=2),
+                                   lm=tiny_lm)
+    cap = 0.3 * fp16_size(st, doc)
+    assert keyed.label.endswith("-lliterals0.1x4k-sentences") and max(keyed.bytes, both.bytes, filled.bytes) <= cap
+    ks, bs = _version(st, doc, keyed.label), _version(st, doc, both.label)
+    key_lv = torch.cat([b.tensors["token_levels.keys"] for b in ks])
+    val_lv = torch.cat([b.tensors["token_levels"] for b in ks])
+    assert torch.equal(key_lv, torch.cat([b.tensors["token_levels"] for b in bs]))  # the same lift, on the keys
+    assert int((key_lv == 4).sum()) > 0 and set(val_lv.tolist()) <= {0, 2} and torch.equal(val_lv.clamp_max(2), val_lv)
+    assert torch.equal(val_lv[key_lv != 4], key_lv[key_lv != 4])
+    # the reader takes the keys' own levels: without them the same codes decode to other keys
+    b = ks[0]
+    plain = KVBundle(meta=b.meta, tensors={n: t for n, t in b.tensors.items() if n != "token_levels.keys"})
+    lifted = b.tensors["token_levels.keys"] == 4
+    if bool(lifted.any()):
+        assert not torch.equal(plain.layer_kv(0)[0][:, lifted], b.layer_kv(0)[0][:, lifted])
+        assert torch.equal(plain.layer_kv(0)[1], b.layer_kv(0)[1])
+    fs = _version(st, doc, filled.label)
+    kept_k = torch.cat([b.tensors["token_levels.keys"] for b in fs])
+    assert torch.equal(kept_k, key_lv)  # the pruned layer: the chunk's two rows
+    for f in fs:  # the backfilled layer: every token, the kept ones shifted by 2 in both roles
+        k_lv, v_lv, kept = f.tensors["layers.1.keys.levels"], f.tensors["layers.1.values.levels"], f.tensors["kept"].bool()
+        assert torch.equal(k_lv[kept], f.tensors["token_levels.keys"] + 2)
+        assert torch.equal(v_lv[kept], f.tensors["token_levels"] + 2) and int(k_lv[~kept].sum()) == 0
+        assert "layers.0.levels" not in f.tensors and "layers.1.levels" not in f.tensors
+
+
+def test_lift_role_refusals():
+    import pytest
+
+    from kdnctl.compress import CompressRecipe
+    from kdnctl.errors import UsageError
+
+    r = CompressRecipe(budget=0.083, lift="literals", lift_share=0.08, lift_level=4, lift_role="keys")
+    assert r.as_dict()["lift_role"] == "keys" and r.default_label().endswith("-lliterals0.08x4k-sentences-gap")
+    for bad, match in [(dict(lift="literals", lift_role="values"), "lift_role"), (dict(lift_role="keys"), "--lift")]:
+        with pytest.raises(UsageError, match=match):
+            CompressRecipe(budget=0.083, **bad)

@@ -27,6 +27,7 @@ def compress(
     lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder/ec: a second scorer whose top tokens also get precision first (ec: the top quarter at 2x finer steps, see --lift-share/--lift-level; e.g. sentences, surprisal)."),
     lift_share: Optional[float] = typer.Option(None, "--lift-share", help="With --quant ec --lift S: the share of the kept tokens lifted (default 0.25)."),
     lift_level: Optional[int] = typer.Option(None, "--lift-level", help="With --quant ec --lift S: the lifted tokens' steps are 2**N finer, N 1 to 4 (default 1)."),
+    lift_role: Optional[str] = typer.Option(None, "--lift-role", help="With --quant ec --lift S: keys lifts the keys alone (the values keep their steps); default both."),
     key_weight: Optional[float] = typer.Option(None, "--key-weight", help="With --budget: a key error's damage relative to a value error's: floor/ladder's solver picks upgrades by it, ec's key steps are 1/sqrt(W) of theirs (default 1)."),
     layers: Optional[str] = typer.Option(None, "--layers", help="With --quant ec: fisher (each layer's and role's steps scaled by a Fisher estimate of what its error costs; the default where every token is kept) | even (the same relative error everywhere; the default with eviction)."),
     backfill: Optional[str] = typer.Option(None, "--backfill", help="With --quant ec --keep K: layers A-B, layers A+B or KV heads L.H (e.g. 12-23, 18+20, 18.2+20.1) also keep the evicted tokens, at steps 2**S coarser than the kept ones' (S: --backfill-shift)."),
@@ -73,7 +74,8 @@ def compress(
                                 **({"protect_level": protect_level} if protect_level is not None else {}),
                                 **({"tail_reads": tail_reads} if tail_reads is not None else {}),
                                 **({"lift_share": lift_share} if lift_share is not None else {}),
-                                **({"lift_level": lift_level} if lift_level is not None else {}))
+                                **({"lift_level": lift_level} if lift_level is not None else {}),
+                                **({"lift_role": lift_role} if lift_role is not None else {}))
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)
