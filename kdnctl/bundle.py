@@ -64,13 +64,10 @@ def role_levels(tensors: dict, layer: str, role: str):
     """The token levels one role of one layer (``layers.i``) was coded with: the role's own
     (``--backfill-key-shift``, 1.5), else the layer's (``--backfill``, 1.4), else the chunk's for
     that role (``--lift-role keys``, 1.10: ``token_levels.keys``), else the chunk's."""
-    own = tensors.get(f"{layer}.{role}.levels")
-    if own is not None:
-        return own
-    layer_own = tensors.get(f"{layer}.levels")
-    if layer_own is not None:
-        return layer_own
-    return tensors.get(f"token_levels.{role}", tensors.get("token_levels"))
+    for name in (f"{layer}.{role}.levels", f"{layer}.levels", f"token_levels.{role}", "token_levels"):
+        if tensors.get(name) is not None:
+            return tensors[name]
+    return None
 
 
 def stored_rows(tensors: dict, layer: str) -> torch.Tensor | None:
