@@ -86,6 +86,9 @@ class CompressRecipe:
         if isinstance(self.key_weight, bool) or not isinstance(self.key_weight, (int, float)) or not self.key_weight > 0:
             raise UsageError(f"key_weight must be a number > 0, got {self.key_weight!r}", param="key_weight")
         self.key_weight = float(self.key_weight)
+        no_lift = self.lift == "none"  # opts out of the auto recipe's lift
+        if no_lift:
+            self.lift = None
         if self.lift is not None and self.lift not in SCORERS:
             raise UsageError(f"unknown scorer {self.lift!r} to lift by", hint=f"choose one of {', '.join(SCORERS)}", param="lift")
         if self.coding not in ("zlib", "zlib+params"):
@@ -97,6 +100,10 @@ class CompressRecipe:
                 self.quant, self.keep, self.protect = auto.quant, min(self.keep, auto.keep), max(self.protect, auto.protect)
                 if self.scorer is None and auto.scorer is not None:
                     self.scorer = auto.scorer
+                if auto.lift and self.lift is None and not no_lift:  # a --lift-share etc. of the user's stays
+                    for name, value in auto.lift.items():
+                        if getattr(self, name) is None:
+                            setattr(self, name, value)
                 # the sentences scorer is the same in every head: KVCrush's head-behaviour
                 # representatives would be arbitrary, so the auto recipe keeps by importance alone
                 if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":

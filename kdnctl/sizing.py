@@ -79,6 +79,10 @@ EVICT_PROTECT = 32
 LOSSLESS_TIER = "int8"  # from where this tier holds every token, auto stores it (lossless); below, ec
 EVICT_SCORER = "sentences-gap"  # below EC_FROM: whole sentences, ranked given the document and their window
 EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe keeps budget / EC_FROM of the tokens
+# ec's auto lift where every token is kept: the top 30% of the tokens by `literals` (the digits, then their sentences) get
+# keys 4x finer, the values keep their steps (format 1.10). The records' keys decide which of several
+# alike facts a question reads (docs/compression.md, session 34: bench/results/quality-cpu-keylift-083)
+AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role": "keys"}
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,7 @@ class AutoRecipe:
     protect: int = 0
     scorer: str | None = None
     ratio: float | None = None  # KVCrush's share of representatives
+    lift: dict | None = None  # ec's --lift, --lift-share, --lift-level, --lift-role (AUTO_LIFT)
 
 
 def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
@@ -101,8 +106,10 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       attention-weighted, entropy-coded steps, the prompt header and the last 64 tokens finer.
       At 0.25 it kept 60/60 needles, 18/40 facts (fact answer NLL +2.6%) and continuation NLL
       +0.2% (full 60/60, 21/40); int4 + sentence eviction kept 58/60, 20/40 (fact NLL +27%),
-      +1.5%. Between int4's and int8's bytes ``uniform`` stored int4 for every token (0.30 of
-      fp16 whatever the budget), which is not lossless (continuation NLL +0.3%, fact answer
+      +1.5%. Since session 34 the keys of the top 30% of the tokens by ``literals`` (the digits,
+      then their sentences) are 4x finer (AUTO_LIFT; ``--lift none`` turns it off). Between
+      int4's and int8's bytes ``uniform`` stored int4 for every token (0.30 of fp16 whatever
+      the budget), which is not lossless (continuation NLL +0.3%, fact answer
       NLL above the full cache's); ``ec`` fills the budget and is lossless within the paired
       intervals from ~0.35 (``bench/results/quality-cpu-ecbudget*``);
     * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``budget / 0.25`` of the tokens
@@ -129,7 +136,7 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
     if best is not None and TIERS.index(best) <= TIERS.index(LOSSLESS_TIER):
         return AutoRecipe("uniform")
     if budget >= EC_FROM:
-        return AutoRecipe("ec", 1.0, FLOOR_PROTECT)
+        return AutoRecipe("ec", 1.0, FLOOR_PROTECT, lift=AUTO_LIFT)
     return AutoRecipe("ec", round(budget / EC_FROM, 2), EVICT_PROTECT, EVICT_SCORER)
 
 

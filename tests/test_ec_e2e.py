@@ -32,6 +32,7 @@ BACKFILL_S1 = "ec-b0.083-k0.33-p32-bf15-22s1ks0-sentences-gap"
 WIDE = "ec-b0.083-k0.33-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
 WIDE_HEADS = {18: (2,), 20: (1, 2)}
 LIFTED = "ec-b0.083-k0.33-p32-lliterals0.1x2-sentences-gap"  # the default, the top tenth by literals 4x finer
+DEFAULT = "ec-b0.25-p64-lliterals0.3x2k"  # the default at 0.25: every token, the keys of the top 30% by literals 4x finer
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1),
              WIDE: ((18, 20), 0, 0)}  # label: (layers, key/value shift)
 
@@ -45,6 +46,8 @@ def store(tmp_path_factory, lm):
                 compress_document(st, doc, CompressRecipe(budget=b, quant="ec", protect=64), lm=lm)
             compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even"), lm=lm)
             compress_document(st, doc, CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="none"), lm=lm)
+            assert CompressRecipe(budget=0.25).default_label() == DEFAULT
+            compress_document(st, doc, CompressRecipe(budget=0.25), lm=lm)
             assert CompressRecipe(budget=0.083).default_label() == EVICT
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
             lifted = CompressRecipe(budget=0.083, lift="literals", lift_share=0.1, lift_level=2)
@@ -246,6 +249,30 @@ def test_literal_lift_stores_digits_finer(lm, store, doc):
 
 def test_literal_lift_loads_locally_and_remotely(lm, store):
     assert_loads_as_decoded(lm, store, "meeting-notes-2026-03.txt", LIFTED, _by_hand)
+
+
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_default_lifts_the_records_keys_alone(lm, store, doc):
+    """The 0.25 default (format 1.10): within the cap, every token kept, the keys of at most 30% of
+    them (every digit outside the finer header and tail among them) 4x finer than their values, the
+    values at the levels of the same recipe without the lift."""
+    v = store.get_version(doc, DEFAULT)
+    assert sum(len(store.read_object(c.object)) for c in v.chunks) <= 0.25 * fp16_size(store, doc)
+    ours = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
+    keys, values = (torch.cat([b.tensors[name] for b in ours]).long() for name in ("token_levels.keys", "token_levels"))
+    base = torch.cat([decode_bundle(store.read_object(c.object)).tensors["token_levels"]
+                      for c in store.get_version(doc, "ec-b0.25-p64").chunks]).long()
+    assert torch.equal(values, base) and keys.numel() == sum(b.n_tokens for b in ours)
+    lifted = keys > values
+    assert bool((keys >= values).all()) and bool(((keys - values)[lifted] == 2).all())
+    assert 0 < int(lifted.sum()) <= 0.3 * keys.numel() + len(ours)
+    ids = torch.cat([b.token_ids for b in ours])
+    digit = torch.tensor([any(c.isdigit() for c in lm.tokenizer.decode([int(i)])) for i in ids])
+    assert bool(digit.any()) and bool((lifted | (values == 2))[digit].all())
+
+
+def test_default_loads_locally_and_remotely(lm, store):
+    assert_loads_as_decoded(lm, store, "meeting-notes-2026-03.txt", DEFAULT, _by_hand)
 
 
 @pytest.mark.parametrize("label", list(BACKFILLS))

@@ -179,14 +179,14 @@ def test_recipe_labels_and_when_scores_are_needed():
 
     # the default at 0.25: every token kept, attention-weighted entropy-coded steps (the model weighs the channels)
     d = CompressRecipe()
-    assert (d.quant, d.keep, d.protect, d.scorer, d.default_label()) == ("ec", 1.0, 64, "hybrid", "ec-b0.25-p64")
+    assert (d.quant, d.keep, d.protect, d.scorer, d.default_label()) == ("ec", 1.0, 64, "hybrid", "ec-b0.25-p64-lliterals0.3x2k")
     assert d.needs_model and not d.uses_scorer and d.as_dict()["protect"] == 64 and "coding" not in d.as_dict()
     assert CompressRecipe(budget=0.3).quant == "ec" and CompressRecipe(budget=0.3).keep == 1.0
     below = CompressRecipe(budget=0.2)  # below 0.25: ec with eviction first, budget / 0.25 of the tokens
     assert (below.quant, below.keep, below.scorer) == ("ec", 0.8, "sentences-gap")
     for b in (0.31, 0.45, 0.5):  # int4 holds every token from ~0.31, int8 from ~0.54: ec fills the bytes between
         mid = CompressRecipe(budget=b)
-        assert (mid.quant, mid.keep, mid.protect, mid.default_label()) == ("ec", 1.0, 64, f"ec-b{b:g}-p64")
+        assert (mid.quant, mid.keep, mid.protect, mid.default_label()) == ("ec", 1.0, 64, f"ec-b{b:g}-p64-lliterals0.3x2k")
     full8 = CompressRecipe(budget=0.6)  # int8 holds every token (lossless): one tier, nothing evicted, no scores
     assert (full8.quant, full8.keep, full8.needs_model) == ("uniform", 1.0, False)
     assert CompressRecipe(budget=0.25, quant="floor", keep=0.95, protect=64).default_label() == "floor-b0.25-k0.95-p64"
@@ -198,6 +198,13 @@ def test_recipe_labels_and_when_scores_are_needed():
     # the same rule at 0.083: a third of the tokens, whole sentences, at ec's steps of 0.25
     low = CompressRecipe(budget=0.083)
     assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.33, 32, "sentences-gap", {})
+    assert low.lift is None  # the auto lift of the keys is measured where every token is kept (0.25)
+    # where every token is kept the auto recipe lifts the keys of the top 30% by literals 4x;
+    # --lift none turns that off, and the label is the old default's (the same bytes)
+    assert (d.lift, d.lift_share, d.lift_level, d.lift_role) == ("literals", 0.3, 2, "keys")
+    assert CompressRecipe(lift="none").default_label() == "ec-b0.25-p64" and "lift" not in CompressRecipe(lift="none").as_dict()
+    assert CompressRecipe(lift_share=0.1).default_label() == "ec-b0.25-p64-lliterals0.1x2k"  # a user's own share stays
+    assert CompressRecipe(lift="sentences").default_label() == "ec-b0.25-p64-lsentences"  # a user's own scorer: no auto role
     assert low.default_label() == "ec-b0.083-k0.33-p32-sentences-gap"
     assert low.needs_model and low.uses_scorer  # the tokenizer splits sentences; eviction ranks by them
     old = CompressRecipe(budget=0.083, quant="int4", scorer="sentences", protect=64, method_options={"ratio": 0.0})

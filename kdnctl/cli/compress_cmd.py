@@ -24,7 +24,7 @@ def compress(
     anchor: Optional[str] = typer.Option(None, "--anchor", help="KVCrush anchor: random | mean | alternate."),
     page_size: Optional[int] = typer.Option(None, "--page-size", help="KVCrush page size (1 = token level)."),
     protect: Optional[int] = typer.Option(None, "--protect", help="With --budget: the last N tokens (and the prompt header) are never evicted and get precision first."),
-    lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder/ec: a second scorer whose top tokens also get precision first (ec: the top quarter at 2x finer steps, see --lift-share/--lift-level; e.g. sentences, surprisal)."),
+    lift: Optional[str] = typer.Option(None, "--lift", help="With --budget floor/ladder/ec: a second scorer whose top tokens also get precision first (ec: the top quarter at 2x finer steps, see --lift-share/--lift-level/--lift-role; e.g. sentences, surprisal). The auto recipe's ec lifts the keys of the top 30% by literals 4x; none turns that off."),
     lift_share: Optional[float] = typer.Option(None, "--lift-share", help="With --quant ec --lift S: the share of the kept tokens lifted (default 0.25)."),
     lift_level: Optional[int] = typer.Option(None, "--lift-level", help="With --quant ec --lift S: the lifted tokens' steps are 2**N finer, N 1 to 4 (default 1)."),
     lift_role: Optional[str] = typer.Option(None, "--lift-role", help="With --quant ec --lift S: keys lifts the keys alone (the values keep their steps); default both."),
