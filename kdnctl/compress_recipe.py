@@ -100,7 +100,9 @@ class CompressRecipe:
                 self.quant, self.keep, self.protect = auto.quant, min(self.keep, auto.keep), max(self.protect, auto.protect)
                 if self.scorer is None and auto.scorer is not None:
                     self.scorer = auto.scorer
-                if auto.lift and self.lift is None and not no_lift:  # a --lift-share etc. of the user's stays
+                # a --lift-share etc. of the user's stays; with --backfill the wide rows share the cap and the
+                # auto lift cost facts there (docs/compression.md, session 35): the user chooses a lift
+                if auto.lift and self.lift is None and not no_lift and self.backfill is None:
                     for name, value in auto.lift.items():
                         if getattr(self, name) is None:
                             setattr(self, name, value)

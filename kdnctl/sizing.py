@@ -79,9 +79,10 @@ EVICT_PROTECT = 32
 LOSSLESS_TIER = "int8"  # from where this tier holds every token, auto stores it (lossless); below, ec
 EVICT_SCORER = "sentences-gap"  # below EC_FROM: whole sentences, ranked given the document and their window
 EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe keeps budget / EC_FROM of the tokens
-# ec's auto lift where every token is kept: the top 30% of the tokens by `literals` (the digits, then their sentences) get
+# ec's auto lift: the top 30% of the kept tokens by `literals` (the digits, then their sentences) get
 # keys 4x finer, the values keep their steps (format 1.10). The records' keys decide which of several
-# alike facts a question reads (docs/compression.md, session 34: bench/results/quality-cpu-keylift-083)
+# alike facts a question reads (docs/compression.md, session 34: bench/results/quality-cpu-keylift-083;
+# at 0.083 it answered 20/40 facts against the unlifted kept set's 14/40, from session 35 the default there too)
 AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role": "keys"}
 
 
@@ -128,7 +129,9 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       keep 0.5: 21/30, 14/40; keep 0.6: 1/14 facts; bench/results/quality-cpu-083-keep/), and the
       same kept set at near-lossless steps answers only 15/40 (full 21/40): what 0.083 loses is
       mostly the evicted context. ``ec`` for every token at 0.083 (steps ~7x coarser than at
-      0.25) kept 1/60 needles;
+      0.25) kept 1/60 needles. Since session 35 the kept set's records' keys are 4x finer here
+      too (AUTO_LIFT: 55/60 needles, 20/40 facts, continuation +10.3% against the unlifted
+      56/60, 14/40, +10.3%, bench/results/quality-cpu-keylift-083);
     * from ~0.54 ``uniform``: the most precise single tier that holds every token (int8,
       lossless on every check)."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
@@ -137,7 +140,7 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
         return AutoRecipe("uniform")
     if budget >= EC_FROM:
         return AutoRecipe("ec", 1.0, FLOOR_PROTECT, lift=AUTO_LIFT)
-    return AutoRecipe("ec", round(budget / EC_FROM, 2), EVICT_PROTECT, EVICT_SCORER)
+    return AutoRecipe("ec", round(budget / EC_FROM, 2), EVICT_PROTECT, EVICT_SCORER, lift=AUTO_LIFT)
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:

@@ -24,7 +24,9 @@ from kdnctl.sizing import EVICT_PROTECT
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
-EVICT = "ec-b0.083-k0.33-p32-sentences-gap"  # the default at 0.083: eviction first, a third of the tokens
+# the default at 0.083: eviction first, a third of the tokens, the keys of the top 30% of them by literals 4x finer
+EVICT = "ec-b0.083-k0.33-p32-lliterals0.3x2k-sentences-gap"
+PLAIN = "ec-b0.083-k0.33-p32-sentences-gap"  # the same kept set without the lift (--lift none)
 BACKFILL = "ec-b0.083-k0.33-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
 BACKFILL_S1 = "ec-b0.083-k0.33-p32-bf15-22s1ks0-sentences-gap"
@@ -50,16 +52,19 @@ def store(tmp_path_factory, lm):
             compress_document(st, doc, CompressRecipe(budget=0.25), lm=lm)
             assert CompressRecipe(budget=0.083).default_label() == EVICT
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
+            assert CompressRecipe(budget=0.083, lift="none").default_label() == PLAIN
+            compress_document(st, doc, CompressRecipe(budget=0.083, lift="none"), lm=lm)
             lifted = CompressRecipe(budget=0.083, lift="literals", lift_share=0.1, lift_level=2)
             assert lifted.default_label() == LIFTED
             compress_document(st, doc, lifted, lm=lm)
-            assert CompressRecipe(budget=0.083, backfill="12-23").default_label() == BACKFILL
-            compress_document(st, doc, CompressRecipe(budget=0.083, backfill="12-23"), lm=lm)
-            s1 = CompressRecipe(budget=0.083, backfill="15-22", backfill_shift=1, backfill_key_shift=0)
+            # the backfill tests compare against the plain kept set's levels: no lift
+            assert CompressRecipe(budget=0.083, backfill="12-23", lift="none").default_label() == BACKFILL
+            compress_document(st, doc, CompressRecipe(budget=0.083, backfill="12-23", lift="none"), lm=lm)
+            s1 = CompressRecipe(budget=0.083, backfill="15-22", backfill_shift=1, backfill_key_shift=0, lift="none")
             assert s1.default_label() == BACKFILL_S1 and s1.as_dict()["backfill_shift"] == 1
             assert s1.as_dict()["backfill_key_shift"] == 0
             compress_document(st, doc, s1, lm=lm)
-            wide = CompressRecipe(budget=0.083, backfill="20.2+18.2+20.1", backfill_shift=0)
+            wide = CompressRecipe(budget=0.083, backfill="20.2+18.2+20.1", backfill_shift=0, lift="none")
             assert wide.default_label() == WIDE and wide.backfill_heads == WIDE_HEADS
             assert wide.backfill == "18.2+20.1+20.2"  # one spelling of a set of heads
             compress_document(st, doc, wide, lm=lm)
@@ -235,7 +240,7 @@ def test_literal_lift_stores_digits_finer(lm, store, doc):
     v = store.get_version(doc, LIFTED)
     assert sum(len(store.read_object(c.object)) for c in v.chunks) <= 0.083 * fp16_size(store, doc)
     ours, base = ([decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, lab).chunks]
-                  for lab in (LIFTED, EVICT))
+                  for lab in (LIFTED, PLAIN))
     kept = torch.cat([b.layer_positions(0)[0] for b in ours])
     assert torch.equal(kept, torch.cat([b.layer_positions(0)[0] for b in base]))
     ids = torch.cat([b.token_ids for b in ours])[kept.long() - int(ours[0].meta["token_start"])]
@@ -251,28 +256,34 @@ def test_literal_lift_loads_locally_and_remotely(lm, store):
     assert_loads_as_decoded(lm, store, "meeting-notes-2026-03.txt", LIFTED, _by_hand)
 
 
+@pytest.mark.parametrize("label, plain, budget", [(DEFAULT, "ec-b0.25-p64", 0.25), (EVICT, PLAIN, 0.083)])
 @pytest.mark.parametrize("doc", list(DOCS))
-def test_default_lifts_the_records_keys_alone(lm, store, doc):
-    """The 0.25 default (format 1.10): within the cap, every token kept, the keys of at most 30% of
-    them (every digit outside the finer header and tail among them) 4x finer than their values, the
-    values at the levels of the same recipe without the lift."""
-    v = store.get_version(doc, DEFAULT)
-    assert sum(len(store.read_object(c.object)) for c in v.chunks) <= 0.25 * fp16_size(store, doc)
+def test_default_lifts_the_records_keys_alone(lm, store, doc, label, plain, budget):
+    """The defaults at 0.25 and 0.083 (format 1.10): within the cap, the kept tokens of the same
+    recipe without the lift (every token at 0.25), the keys of at most 30% of them (every digit
+    outside the finer header and tail among them) 4x finer than their values, the values at the
+    levels of that recipe."""
+    v = store.get_version(doc, label)
+    assert sum(len(store.read_object(c.object)) for c in v.chunks) <= budget * fp16_size(store, doc)
     ours = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
+    theirs = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, plain).chunks]
+    kept = torch.cat([b.layer_positions(0)[0] for b in ours])
+    assert torch.equal(kept, torch.cat([b.layer_positions(0)[0] for b in theirs]))
+    assert (kept.numel() == v.n_tokens) == (budget == 0.25)
     keys, values = (torch.cat([b.tensors[name] for b in ours]).long() for name in ("token_levels.keys", "token_levels"))
-    base = torch.cat([decode_bundle(store.read_object(c.object)).tensors["token_levels"]
-                      for c in store.get_version(doc, "ec-b0.25-p64").chunks]).long()
-    assert torch.equal(values, base) and keys.numel() == sum(b.n_tokens for b in ours)
+    base = torch.cat([b.tensors["token_levels"] for b in theirs]).long()
+    assert torch.equal(values, base) and keys.numel() == kept.numel()
     lifted = keys > values
     assert bool((keys >= values).all()) and bool(((keys - values)[lifted] == 2).all())
     assert 0 < int(lifted.sum()) <= 0.3 * keys.numel() + len(ours)
-    ids = torch.cat([b.token_ids for b in ours])
+    ids = torch.cat([b.token_ids for b in ours])[kept.long() - int(ours[0].meta["token_start"])]
     digit = torch.tensor([any(c.isdigit() for c in lm.tokenizer.decode([int(i)])) for i in ids])
     assert bool(digit.any()) and bool((lifted | (values == 2))[digit].all())
 
 
-def test_default_loads_locally_and_remotely(lm, store):
-    assert_loads_as_decoded(lm, store, "meeting-notes-2026-03.txt", DEFAULT, _by_hand)
+@pytest.mark.parametrize("label", [DEFAULT, EVICT])
+def test_default_loads_locally_and_remotely(lm, store, label):
+    assert_loads_as_decoded(lm, store, "meeting-notes-2026-03.txt", label, _by_hand)
 
 
 @pytest.mark.parametrize("label", list(BACKFILLS))
@@ -282,7 +293,7 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
     v = store.get_version(doc, label)
     stored = sum(len(store.read_object(c.object)) for c in v.chunks)
     assert 0.97 * 0.083 * fp16_size(store, doc) <= stored <= 0.083 * fp16_size(store, doc)
-    evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, EVICT).chunks]
+    evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, PLAIN).chunks]
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
     assert "token_levels" not in bundles[0].tensors
     for c in v.chunks:  # 1.9: the pruned layers, and only they, take their positions from kept
@@ -332,7 +343,7 @@ def test_wide_heads_read_every_token(store, doc):
 
     group = 3  # 9 query heads over 3 KV heads
     full = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, "full").chunks]
-    evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, EVICT).chunks]
+    evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, PLAIN).chunks]
     bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, WIDE).chunks]
     for b, e, f in zip(bundles, evict, full):
         evicted = torch.ones(b.n_tokens, dtype=torch.bool)
@@ -391,7 +402,7 @@ def test_backfill_shift_sets_how_coarse(store, role):
     full = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[role]
                       for c in store.get_version(doc, "full").chunks], 1).float()
     kept = torch.cat([decode_bundle(store.read_object(c.object)).layer_positions(0)[0]
-                      for c in store.get_version(doc, EVICT).chunks])
+                      for c in store.get_version(doc, PLAIN).chunks])
     evicted = torch.ones(full.shape[1], dtype=torch.bool)
     evicted[kept] = False
     err = {}

@@ -198,14 +198,19 @@ def test_recipe_labels_and_when_scores_are_needed():
     # the same rule at 0.083: a third of the tokens, whole sentences, at ec's steps of 0.25
     low = CompressRecipe(budget=0.083)
     assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.33, 32, "sentences-gap", {})
-    assert low.lift is None  # the auto lift of the keys is measured where every token is kept (0.25)
-    # where every token is kept the auto recipe lifts the keys of the top 30% by literals 4x;
+    # the auto recipe lifts the keys of the top 30% of the kept tokens by literals 4x (at 0.083 too
+    # since session 35);
     # --lift none turns that off, and the label is the old default's (the same bytes)
     assert (d.lift, d.lift_share, d.lift_level, d.lift_role) == ("literals", 0.3, 2, "keys")
     assert CompressRecipe(lift="none").default_label() == "ec-b0.25-p64" and "lift" not in CompressRecipe(lift="none").as_dict()
     assert CompressRecipe(lift_share=0.1).default_label() == "ec-b0.25-p64-lliterals0.1x2k"  # a user's own share stays
     assert CompressRecipe(lift="sentences").default_label() == "ec-b0.25-p64-lsentences"  # a user's own scorer: no auto role
-    assert low.default_label() == "ec-b0.083-k0.33-p32-sentences-gap"
+    assert low.default_label() == "ec-b0.083-k0.33-p32-lliterals0.3x2k-sentences-gap"
+    assert (low.lift, low.lift_share, low.lift_level, low.lift_role) == (d.lift, d.lift_share, d.lift_level, d.lift_role)
+    assert CompressRecipe(budget=0.083, lift="none").default_label() == "ec-b0.083-k0.33-p32-sentences-gap"
+    wide = CompressRecipe(budget=0.083, backfill="18.2")  # with --backfill no auto lift (it cost facts there)
+    assert wide.lift is None and wide.lift_role is None and "-l" not in wide.default_label().replace("-local", "")
+    assert CompressRecipe(budget=0.083, backfill="18.2", lift="literals").lift_steps == (0.25, 1)  # the user's own
     assert low.needs_model and low.uses_scorer  # the tokenizer splits sentences; eviction ranks by them
     old = CompressRecipe(budget=0.083, quant="int4", scorer="sentences", protect=64, method_options={"ratio": 0.0})
     assert old.default_label() == "int4-b0.083-p64-sentences" and old.keep == 1.0  # the cap evicts
