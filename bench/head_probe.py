@@ -11,7 +11,15 @@ memory, on the full (unquantized) cache, the kept set everywhere except:
 * ``H:l.h+l.h``    every token in KV head h of layer l (the other heads of that layer see the
                    kept set: their query heads get bundle.masking_bias on the evicted tokens,
                    what a reader of `compress --backfill L.H` adds);
-* ``gap``          nowhere (the default's kept set); ``full`` every token everywhere.
+* ``gap``          nowhere (the default's kept set); ``full`` every token everywhere;
+* ``rec:VARIANT``  VARIANT over another kept set: every sentence holding a digit (the records a
+                   multi-fact question picks from, ``kdnctl.literal_scores.has_digit``) ranked
+                   before every other sentence, each group by the default's ``sentences-gap``.
+
+``--own-tail N`` scores the document's own last N tokens (at most a quarter of it) instead of the
+task: the cache holds the tokens before them (kept set and variants over those alone), so a
+document can say, before any question, how much eviction costs the text that follows it (the
+lines carry ``nll`` like a continuation's; ``--rank`` reads them).
 
 ``--sweep layers`` adds ``L:i`` for every layer, ``--sweep heads:A-B`` adds ``H:l.h`` for every
 KV head of layers A..B: one variant at a time, to rank them. Rank on a task set the evaluation
@@ -23,6 +31,8 @@ One line per task and variant (``bench/selection_probe.py``'s format), a summary
 Diagnostics, not a recipe::
 
     python bench/head_probe.py --tasks examples/eval/realtext-continuation.jsonl --sweep layers > a.log
+    python bench/head_probe.py --tasks examples/eval/realtext-continuation.jsonl --own-tail 64 > own.log
+    python bench/head_probe.py --relate own.log -- a.log
 """
 
 from __future__ import annotations
@@ -96,14 +106,7 @@ def rank(logs: list[str], top: int = 40) -> list[str]:
     """Variants of ``logs`` by mean NLL over the tasks all of them answered, as a share of the
     gap between the kept set (``gap``) and ``full`` they close; prints the table, returns the
     single-head variants best first (what ``--wide`` sets are built from)."""
-    import re
-
-    runs: dict[str, dict[str, float]] = {}
-    for f in logs:
-        for line in Path(f).read_text().splitlines():
-            m = re.match(r"(\S+) (\S+): (\{.*\}) \(", line)
-            if m:
-                runs.setdefault(m.group(2), {})[m.group(1)] = json.loads(m.group(3))["nll"]
+    runs = nll_logs(logs)
     common = sorted(set.intersection(*(set(v) for v in runs.values())))
     mean = {v: sum(per[t] for t in common) / len(common) for v, per in runs.items()}
     full, gap = mean["full"], mean["gap"]
@@ -114,9 +117,63 @@ def rank(logs: list[str], top: int = 40) -> list[str]:
     return [v for v in order if v.startswith("H:") and "+" not in v]
 
 
+def nll_logs(logs: list[str]) -> dict[str, dict[str, float]]:
+    """``{variant: {task id: nll}}`` of head_probe logs."""
+    import re
+
+    runs: dict[str, dict[str, float]] = {}
+    for f in logs:
+        for line in Path(f).read_text().splitlines():
+            m = re.match(r"(\S+) (\S+): (\{.*\}) \(", line)
+            if m:
+                runs.setdefault(m.group(2), {})[m.group(1)] = json.loads(m.group(3))["nll"]
+    return runs
+
+
+def relate(own: list[str], real: list[str]) -> None:
+    """Does a document's own tail (``--own-tail`` logs) foretell what eviction costs its real
+    continuation (logs of the tasks)? Per task the kept set's NLL over the full cache's on
+    each; their rank correlation, and the share of the real excess (ratio - 1, summed) held by
+    the third of the documents whose own tail loses most (a third at random holds a third)."""
+    o, r = nll_logs(own), nll_logs(real)
+    tasks = sorted(set(o["gap"]) & set(o["full"]) & set(r["gap"]) & set(r["full"]))
+    pairs = [(o["gap"][t] / o["full"][t], r["gap"][t] / r["full"][t], t) for t in tasks]
+
+    def ranks(v: list[float]) -> list[float]:
+        order = sorted(range(len(v)), key=v.__getitem__)
+        out = [0.0] * len(v)
+        for k, j in enumerate(order):
+            out[j] = float(k)
+        return out
+
+    def spearman(ps) -> float:
+        a, b = ranks([p[0] for p in ps]), ranks([p[1] for p in ps])
+        ma, mb = sum(a) / len(a), sum(b) / len(b)
+        cov = sum((x - ma) * (y - mb) for x, y in zip(a, b))
+        return cov / (sum((x - ma) ** 2 for x in a) * sum((y - mb) ** 2 for y in b)) ** 0.5
+
+    def top_share(ps) -> float:
+        top = sorted(ps, key=lambda p: -p[0])[: len(ps) // 3]
+        return sum(p[1] - 1 for p in top) / sum(p[1] - 1 for p in ps)
+
+    worst = max(pairs, key=lambda p: p[1])
+    rest = [p for p in pairs if p is not worst]
+    print(f"{len(pairs)} documents: rank correlation {spearman(pairs):.2f}, the top third by own tail holds "
+          f"{100 * top_share(pairs):.0f}% of the real excess")
+    print(f"without {worst[2]} (real {100 * worst[1]:.0f}% of full): rank correlation {spearman(rest):.2f}, "
+          f"top third {100 * top_share(rest):.0f}%")
+    print("| task | own tail: kept / full | real continuation: kept / full |\n|---|---:|---:|")
+    for a, b, t in sorted(pairs, key=lambda p: -p[0]):
+        print(f"| {t} | {100 * a:.1f}% | {100 * b:.1f}% |")
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--rank"]:
         rank(sys.argv[2:])
+        return
+    if sys.argv[1:2] == ["--relate"]:  # --relate OWN_LOGS -- REAL_LOGS
+        args = sys.argv[2:]
+        relate(args[: args.index("--")], args[args.index("--") + 1:])
         return
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default="/tmp/hstore")
@@ -127,6 +184,8 @@ def main() -> None:
     ap.add_argument("--variants", default="full,gap")
     ap.add_argument("--sweep", default=None, help="layers | heads:A-B (one variant per layer or KV head)")
     ap.add_argument("--keep", type=float, default=KEEP)
+    ap.add_argument("--own-tail", type=int, default=0, metavar="N",
+                    help="score the document's last N tokens over a cache of the rest instead of the task")
     args = ap.parse_args()
     torch.set_num_threads(1)
 
@@ -159,14 +218,45 @@ def main() -> None:
         bounds = sentence_bounds(token_texts(lm.tokenizer, token_ids))
         local = local_sentence_surprisal(lm, token_ids, bounds)
         primary = two_rank_scores(surprisal, bounds, local, GAP_WEIGHT)
-        kept = shared_keep(primary[None, None], args.keep, header, PROTECT)
+        records = primary + RECORD_BONUS * torch.tensor(sentence_has_digit(token_texts(lm.tokenizer, token_ids), bounds))
+        # --own-tail: the cache is the document before its last n tokens, which are scored after it
+        n = min(args.own_tail, len(token_ids) // 4)
+        end = len(token_ids) - n
+        kept = {name: shared_keep(score[None, None, :end], args.keep, header, PROTECT)
+                for name, score in (("gap", primary), ("rec", records))}
+        pk, pv = ([x[:, :end] for x in keys], [x[:, :end] for x in values]) if n else (keys, values)
         for var in variants:
             t0 = time.perf_counter()
-            ks, vs, bias = variant_cache(var, keys, values, kept, group)
+            base = var.removeprefix("rec:")
+            ks, vs, bias = variant_cache(base, pk, pv, kept["gap" if base == var else "rec"], group)
             ctx = LoadedContext(keys=[x[None] for x in ks], values=[x[None] for x in vs],
-                                next_position=len(token_ids), token_ids=token_ids, bias=bias, label=var, doc_id=task.id)
-            r = run_task(lm, ctx, task, fmt, 24)
+                                next_position=end, token_ids=token_ids[:end], bias=bias, label=var, doc_id=task.id)
+            r = own_tail_nll(lm, ctx, token_ids[end:]) if n else run_task(lm, ctx, task, fmt, 24)
             print(f"{task.id} {var}: {json.dumps(r)} ({time.perf_counter() - t0:.1f}s)", flush=True)
+
+
+RECORD_BONUS = 10.0  # above any sentences-gap score: a sentence with a digit ranks before every other
+
+
+def sentence_has_digit(texts: list[str], bounds) -> list[float]:
+    """1.0 for every token of a sentence holding a digit, else 0.0."""
+    from kdnctl.literal_scores import has_digit
+
+    out = [0.0] * len(texts)
+    for a, b in bounds:
+        if any(has_digit(t) for t in texts[a:b]):
+            out[a:b] = [1.0] * (b - a)
+    return out
+
+
+def own_tail_nll(lm, ctx, tail: list[int]) -> dict:
+    """Mean NLL of ``tail[1:]`` teacher-forced after ``ctx`` (the first tail token has no
+    prediction from the cache alone)."""
+    from kdnctl.engine.hf import forward_suffix
+
+    logits, _ = forward_suffix(lm, ctx, tail)
+    logp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(tail[1:])[:, None])
+    return {"nll": round(-float(logp.mean()), 5), "n_scored": len(tail) - 1}
 
 
 if __name__ == "__main__":

@@ -109,7 +109,7 @@ def read_probe_logs(paths: list[str]) -> dict[str, dict[str, dict]]:
     runs: dict[str, dict[str, dict]] = {}
     for p in paths:
         for line in open(p):
-            if line.startswith("realtext/") and ": {" in line:
+            if line.startswith("realtext") and ": {" in line:  # realtext/, realtext-multifact/, ...-continuation/
                 head, _, rest = line.partition(": ")
                 tid, var = head.split(" ")
                 runs.setdefault(var, {})[tid] = json.loads(rest[: rest.rindex("}") + 1])
