@@ -194,6 +194,7 @@ def main() -> None:
     from kdnctl.compress_ec import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
+    from kdnctl.literal_scores import SENTENCE, literal_scores
     from kdnctl.model import load_model
     from kdnctl.prompting import PromptFormat
     from kdnctl.sentence_scores import (GAP_WEIGHT, local_sentence_surprisal, sentence_bounds, token_texts,
@@ -215,10 +216,12 @@ def main() -> None:
         bundles, keys, values, token_ids = full_cache(store, task.id)
         header = int(bundles[0].meta.get("header_tokens", 0))
         surprisal = _cat_stats(bundles)["surprisal"].reshape(-1)
-        bounds = sentence_bounds(token_texts(lm.tokenizer, token_ids))
+        texts = token_texts(lm.tokenizer, token_ids)
+        bounds = sentence_bounds(texts)
         local = local_sentence_surprisal(lm, token_ids, bounds)
         primary = two_rank_scores(surprisal, bounds, local, GAP_WEIGHT)
-        records = primary + RECORD_BONUS * torch.tensor(sentence_has_digit(token_texts(lm.tokenizer, token_ids), bounds))
+        # literal_scores' upper classes are the tokens of every sentence holding a digit
+        records = primary + RECORD_BONUS * (literal_scores(surprisal, texts) >= SENTENCE).float()
         # --own-tail: the cache is the document before its last n tokens, which are scored after it
         n = min(args.own_tail, len(token_ids) // 4)
         end = len(token_ids) - n
@@ -236,17 +239,6 @@ def main() -> None:
 
 
 RECORD_BONUS = 10.0  # above any sentences-gap score: a sentence with a digit ranks before every other
-
-
-def sentence_has_digit(texts: list[str], bounds) -> list[float]:
-    """1.0 for every token of a sentence holding a digit, else 0.0."""
-    from kdnctl.literal_scores import has_digit
-
-    out = [0.0] * len(texts)
-    for a, b in bounds:
-        if any(has_digit(t) for t in texts[a:b]):
-            out[a:b] = [1.0] * (b - a)
-    return out
 
 
 def own_tail_nll(lm, ctx, tail: list[int]) -> dict:
