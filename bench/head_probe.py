@@ -14,7 +14,12 @@ memory, on the full (unquantized) cache, the kept set everywhere except:
 * ``gap``          nowhere (the default's kept set); ``full`` every token everywhere;
 * ``rec:VARIANT``  VARIANT over another kept set: every sentence holding a digit (the records a
                    multi-fact question picks from, ``kdnctl.literal_scores.has_digit``) ranked
-                   before every other sentence, each group by the default's ``sentences-gap``.
+                   before every other sentence, each group by the default's ``sentences-gap``;
+* ``ask:VARIANT``  an oracle: the kept set (beyond header and tail) is the sentences the task's
+                   question reads most (its tokens' mean attention over the middle layers, one
+                   prefill of the document and the question): what no offline scorer can know,
+                   so what a third of the tokens can hold at best when chosen by sentence;
+                   ``askt:`` the same by token.
 
 ``--own-tail N`` scores the document's own last N tokens (at most a quarter of it) instead of the
 task: the cache holds the tokens before them (kept set and variants over those alone), so a
@@ -184,6 +189,7 @@ def main() -> None:
     ap.add_argument("--variants", default="full,gap")
     ap.add_argument("--sweep", default=None, help="layers | heads:A-B (one variant per layer or KV head)")
     ap.add_argument("--keep", type=float, default=KEEP)
+    ap.add_argument("--tag", default="", help="prefix of the variants' names in the log (e.g. k50 for --keep 0.5)")
     ap.add_argument("--own-tail", type=int, default=0, metavar="N",
                     help="score the document's last N tokens over a cache of the rest instead of the task")
     args = ap.parse_args()
@@ -200,6 +206,7 @@ def main() -> None:
     from kdnctl.sentence_scores import (GAP_WEIGHT, local_sentence_surprisal, sentence_bounds, token_texts,
                                         two_rank_scores)
     from kdnctl.store import Store
+    from kdnctl.tail_reads import middle_layers, sentence_reads
 
     i, n = (int(x) for x in args.shard.split("/"))
     tasks = load_tasks(args.tasks, kinds=args.kinds.split(","), limit=args.limit)[i::n]
@@ -227,15 +234,30 @@ def main() -> None:
         end = len(token_ids) - n
         kept = {name: shared_keep(score[None, None, :end], args.keep, header, PROTECT)
                 for name, score in (("gap", primary), ("rec", records))}
+        if not n and any(v.startswith("ask") for v in variants):  # the oracle: what the question reads
+            reads = question_reads(lm, token_ids, fmt.question_ids(lm.tokenizer, task.question))
+            per_token = reads[list(middle_layers(len(keys)))].double().mean((0, 1))
+            kept["ask"] = shared_keep(primary[None, None], args.keep, header, PROTECT, sentence_reads(reads, bounds), 1.0)
+            kept["askt"] = shared_keep(primary[None, None], args.keep, header, PROTECT, per_token, 1.0)
         pk, pv = ([x[:, :end] for x in keys], [x[:, :end] for x in values]) if n else (keys, values)
         for var in variants:
             t0 = time.perf_counter()
-            base = var.removeprefix("rec:")
-            ks, vs, bias = variant_cache(base, pk, pv, kept["gap" if base == var else "rec"], group)
+            which, _, base = var.partition(":") if var.split(":")[0] in ("rec", "ask", "askt") else ("gap", "", var)
+            ks, vs, bias = variant_cache(base, pk, pv, kept[which], group)
             ctx = LoadedContext(keys=[x[None] for x in ks], values=[x[None] for x in vs],
                                 next_position=end, token_ids=token_ids[:end], bias=bias, label=var, doc_id=task.id)
             r = own_tail_nll(lm, ctx, token_ids[end:]) if n else run_task(lm, ctx, task, fmt, 24)
-            print(f"{task.id} {var}: {json.dumps(r)} ({time.perf_counter() - t0:.1f}s)", flush=True)
+            name = f"{args.tag}/{var}" if args.tag else var
+            print(f"{task.id} {name}: {json.dumps(r)} ({time.perf_counter() - t0:.1f}s)", flush=True)
+
+
+def question_reads(lm, token_ids: list[int], suffix: list[int]) -> torch.Tensor:
+    """``[L, H, T]``: the attention the question's tokens (``suffix``, after the document) pay
+    each document token, from one prefill of both (``prefill``'s ``window`` statistic)."""
+    from kdnctl.prefill import prefill
+
+    stats = prefill(lm.model, token_ids + suffix, stats=("window",), window=len(suffix)).stats["window"]
+    return stats[..., :len(token_ids)]
 
 
 RECORD_BONUS = 10.0  # above any sentences-gap score: a sentence with a digit ranks before every other

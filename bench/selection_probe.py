@@ -79,13 +79,17 @@ def summarize(paths: list[str]) -> None:
             continue
         print(f"{kind} (n={len(ids)}):")
         full = runs.get("full", {})
-        for var, per in runs.items():
+        for var, per in sorted(runs.items(), key=lambda kv: kv[0] != "full"):  # full first
             nll = sum(per[t]["nll"] for t in ids) / len(ids)
             msg = f"  {var:16s} nll {nll:.4f}"
             if full and var != "full":
                 msg += f" ({100 * nll / (sum(full[t]['nll'] for t in ids) / len(ids)):.1f}% of full)"
             if "correct" in per[ids[0]]:
                 msg += f"  correct {sum(per[t]['correct'] for t in ids)}/{len(ids)}"
+                if full and var != "full":  # answers only the full cache / only this variant gets right
+                    lost = sum(bool(full[t]["correct"]) and not per[t]["correct"] for t in ids)
+                    gained = sum(bool(per[t]["correct"]) and not full[t]["correct"] for t in ids)
+                    msg += f"  vs full lost/gained {lost}/{gained}"
             print(msg)
 
 
