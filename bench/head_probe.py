@@ -194,6 +194,8 @@ def main() -> None:
                     help="score the document's last N tokens over a cache of the rest instead of the task")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    if args.own_tail and any(v.split(":")[0] in ("ask", "askt") for v in args.variants.split(",")):
+        raise SystemExit("ask:/askt: read the task's question; --own-tail scores no question (drop one of them)")
 
     from bench.lowbit_probe import full_cache
     from kdnctl.compress import _cat_stats
