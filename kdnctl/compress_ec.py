@@ -84,12 +84,17 @@ def token_levels(n_tokens: int, header: int, protect: int, lift: torch.Tensor | 
     levels = torch.zeros(n_tokens, dtype=torch.uint8)
     if lift is not None and n_tokens:
         share, level = lift_steps
-        top = torch.argsort(-lift.float().mean((0, 1)), stable=True)[: int(share * n_tokens)]
-        levels[top] = level
+        levels[lift_top(lift, share)] = level
     if protect:
         levels[-protect:] = protect_level
     levels[:header] = protect_level
     return levels
+
+
+def lift_top(lift: torch.Tensor, share: float) -> torch.Tensor:
+    """The ``share`` of the tokens ranked highest by ``lift`` (``[L, H, T]`` ranks, averaged;
+    ties to the earlier token): the tokens ``--lift`` lifts."""
+    return torch.argsort(-lift.float().mean((0, 1)), stable=True)[: int(share * lift.shape[-1])]
 
 
 def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int,
@@ -117,11 +122,12 @@ def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int
 
 
 def refitted(lm, rho: float, token_ids: list[int], bundles: list[KVBundle], keys: list[torch.Tensor],
-             values: list[torch.Tensor], rows: torch.Tensor) -> list[torch.Tensor]:
-    """The kept ``rows``' values per layer, refitted to the full attention (``kdnctl.value_refit``)."""
+             values: list[torch.Tensor], rows: torch.Tensor, hold: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The kept ``rows``' values per layer, refitted to the full attention (``kdnctl.value_refit``);
+    the kept tokens ``hold`` marks keep theirs."""
     last = max(int(b.layer_positions(0).max()) for b in bundles)
     queries, scales = document_queries(lm, token_ids, len(keys), last + 1 + QUESTION_OFFSET)
-    return [refit_values(q, k, v, rows, s, rho).to(v.dtype) for q, k, v, s in zip(queries, keys, values, scales)]
+    return [refit_values(q, k, v, rows, s, rho, hold).to(v.dtype) for q, k, v, s in zip(queries, keys, values, scales)]
 
 
 def _chunk_positions(chunk_positions: torch.Tensor, local: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -157,9 +163,13 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         second = tail_read_scores(lm, token_ids) if recipe.tail_reads else None
         rows = shared_keep(importance, recipe.keep, header, recipe.protect, second, recipe.tail_reads or 0.0)
         keys = [k[:, rows] for k in keys]
-        values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows) if recipe.refit \
-            else [v[:, rows] for v in values]
         lift = lift[..., rows] if lift is not None else None
+        hold = None
+        if recipe.refit_hold:  # the recipe has a lift (checked there)
+            hold = torch.zeros(rows.numel(), dtype=torch.bool)
+            hold[lift_top(lift, recipe.lift_steps[0])] = True
+        values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows, hold) if recipe.refit \
+            else [v[:, rows] for v in values]
     n_tokens = keys[0].shape[1]
     all_positions = torch.cat([b.layer_positions(0)[0] for b in bundles])
     positions = all_positions

@@ -66,6 +66,8 @@ class CompressRecipe:
     # after it, read the full cache's attention output (kdnctl.value_refit); the ridge weight,
     # None or 0 = off (measured at 0.083: continuation NLL better, needles and facts worse)
     refit: float | None = None
+    # with --refit and --lift: the lifted tokens' values stay as they are (the fit moves the rest)
+    refit_hold: bool = False
     # ec: the prompt header and the last ``protect`` tokens get steps 2**level finer; None = the
     # default (PROTECT_LEVEL, 4x), 0 keeps them but spends no extra bits on them
     protect_level: int | None = None
@@ -155,6 +157,11 @@ class CompressRecipe:
         if self.refit and not (self.sized and self.quant == "ec" and self.keep < 1 and self.backfill is None):
             raise UsageError("--refit refits the values of the tokens ec's --keep keeps",
                              hint="use it with --budget B --quant ec --keep K (no --backfill), or --refit 0", param="refit")
+        if not isinstance(self.refit_hold, bool):
+            raise UsageError(f"refit_hold must be true or false, got {self.refit_hold!r}", param="refit_hold")
+        if self.refit_hold and not (self.refit and self.lift):
+            raise UsageError("--refit-hold keeps the tokens --lift lifts out of --refit's fit",
+                             hint="add --refit RHO (e.g. 0.01) and keep a --lift (the auto recipe has one)", param="refit_hold")
         tr = self.tail_reads
         if tr is not None:
             if isinstance(tr, bool) or not isinstance(tr, (int, float)) or not 0 <= tr < 1:
@@ -239,6 +246,8 @@ class CompressRecipe:
             d["key_basis"] = self.key_basis
         if self.refit:
             d["refit"] = self.refit
+        if self.refit_hold:
+            d["refit_hold"] = True
         if self.protect_level is not None:
             d["protect_level"] = self.protect_level
         if self.tail_reads:
@@ -338,7 +347,7 @@ class CompressRecipe:
             if self.key_basis != "auto":
                 label += {"model": "-kbm", "none": "-kb0"}[self.key_basis]
             if self.refit:
-                label += f"-rf{self.refit:g}"
+                label += f"-rf{self.refit:g}" + ("h" if self.refit_hold else "")
             if self.tail_reads:
                 label += f"-tr{self.tail_reads:g}"
         else:

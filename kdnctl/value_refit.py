@@ -62,10 +62,12 @@ def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
 
 
 def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
-                 scale: float, rho: float) -> torch.Tensor:
+                 scale: float, rho: float, hold: torch.Tensor | None = None) -> torch.Tensor:
     """Refitted values ``[H, |S|, D]`` of the ``kept`` tokens (float32).
 
-    queries ``[Hq, N, D]`` (RoPE'd), keys ``[H, T, D]`` (RoPE'd, as stored), values ``[H, T, D]``."""
+    queries ``[Hq, N, D]`` (RoPE'd), keys ``[H, T, D]`` (RoPE'd, as stored), values ``[H, T, D]``;
+    ``hold`` (bool ``[|S|]``): kept tokens whose values stay as they are, the others absorb the fit
+    (a planted number the document's own queries rarely read would otherwise move almost freely)."""
     H, _, D = keys.shape
     group = queries.shape[0] // H
     out = []
@@ -77,33 +79,47 @@ def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         vs = v[kept]
         lam = rho * float(a.pow(2).sum()) / kept.numel()
         resid = target - a @ vs
-        if kept.numel() <= a.shape[0]:  # (A^T A + lam I) dV = A^T r
-            g = a.T @ a
+        free = a if hold is None else a[:, ~hold]  # the held columns' values are fixed: part of the target
+        if free.shape[1] <= free.shape[0]:  # (A^T A + lam I) dV = A^T r
+            g = free.T @ free
             g.diagonal().add_(lam)
-            out.append(vs + torch.linalg.solve(g, a.T @ resid))
+            dv = torch.linalg.solve(g, free.T @ resid)
         else:  # the same, through A^T (A A^T + lam I)^-1 r: the queries' space is the smaller
-            g = a @ a.T
+            g = free @ free.T
             g.diagonal().add_(lam)
-            out.append(vs + a.T @ torch.linalg.solve(g, resid))
+            dv = free.T @ torch.linalg.solve(g, resid)
+        if hold is None:
+            out.append(vs + dv)
+        else:
+            fitted = vs.clone()
+            fitted[~hold] += dv
+            out.append(fitted)
     return torch.stack(out)
 
 
 def naive_refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
-                       scale: float, rho: float) -> torch.Tensor:
-    """Reference for :func:`refit_values`: the normal equations summed one query at a time."""
+                       scale: float, rho: float, hold: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for :func:`refit_values`: the normal equations summed one query at a time (held
+    tokens: their values subtracted from the target, then the free tokens' system solved)."""
     H, _, D = keys.shape
     group = queries.shape[0] // H
     S = kept.numel()
+    hold = torch.zeros(S, dtype=torch.bool) if hold is None else hold
+    free = ~hold
     out = []
     for h in range(H):
         lhs, rhs, norm = torch.zeros(S, S, dtype=torch.float64), torch.zeros(S, D, dtype=torch.float64), 0.0
         k, v = keys[h].double(), values[h].double()
+        vs = v[kept]
         for q in queries[h * group:(h + 1) * group].reshape(-1, D).double():
             w = torch.softmax(k @ q * scale, 0)
             ws = torch.softmax(k[kept] @ q * scale, 0)
             lhs += torch.outer(ws, ws)
-            rhs += torch.outer(ws, w @ v)
+            rhs += torch.outer(ws, w @ v - ws[hold] @ vs[hold])
             norm += float(ws.pow(2).sum())
         lam = rho * norm / S
-        out.append(torch.linalg.solve(lhs + lam * torch.eye(S, dtype=torch.float64), rhs + lam * v[kept]))
+        sub = lhs[free][:, free] + lam * torch.eye(int(free.sum()), dtype=torch.float64)
+        fitted = vs.clone()
+        fitted[free] = torch.linalg.solve(sub, rhs[free] + lam * vs[free])
+        out.append(fitted)
     return torch.stack(out).float()

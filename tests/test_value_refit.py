@@ -34,6 +34,20 @@ def test_refit_equals_the_naive_normal_equations(n, t, s, rho):
     torch.testing.assert_close(fast, ref, **TOL)
 
 
+@pytest.mark.parametrize("n,t,s", [(7, 37, 11), (29, 41, 13)])
+def test_held_tokens_keep_their_values_and_the_rest_equals_the_naive_solve(n, t, s):
+    q, k, v = _case(3, 3, n, t, 17, seed=2 * n + t)
+    kept = torch.randperm(t, generator=torch.Generator().manual_seed(s))[:s].sort().values
+    hold = torch.zeros(s, dtype=torch.bool)
+    hold[torch.randperm(s, generator=torch.Generator().manual_seed(n))[: s // 3]] = True
+    fast = refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold)
+    torch.testing.assert_close(fast, naive_refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold), **TOL)
+    assert torch.equal(fast[:, hold], v[:, kept][:, hold].float())
+    assert not torch.allclose(fast, refit_values(q, k, v, kept, 17 ** -0.5, 0.01), **TOL)  # the free ones absorb more
+    every = refit_values(q, k, v, kept, 17 ** -0.5, 0.01, torch.ones(s, dtype=torch.bool))
+    assert torch.equal(every, v[:, kept].float())
+
+
 def test_keeping_every_token_changes_nothing():
     q, k, v = _case(2, 3, 9, 23, 8, seed=3)
     out = refit_values(q, k, v, torch.arange(23), 8 ** -0.5, 0.1)
@@ -76,6 +90,13 @@ def test_recipe_refit_is_asked_for_recorded_and_labelled():
         CompressRecipe(budget=0.083, backfill="12-23", refit=0.1)
     with pytest.raises(UsageError, match="ridge weight"):
         CompressRecipe(budget=0.083, refit=-1)
+    held = CompressRecipe(budget=0.083, refit=0.01, refit_hold=True)
+    assert held.as_dict()["refit_hold"] is True and "refit_hold" not in on.as_dict()
+    assert held.default_label() == on.default_label().replace("-rf0.01-", "-rf0.01h-")
+    with pytest.raises(UsageError, match="--refit-hold"):  # nothing to hold the values out of
+        CompressRecipe(budget=0.083, refit_hold=True)
+    with pytest.raises(UsageError, match="--refit-hold"):  # no lift: no tokens to hold
+        CompressRecipe(budget=0.083, refit=0.01, refit_hold=True, lift="none")
 
 
 def test_compress_with_refit_end_to_end(tiny_lm, tmp_path_factory):
@@ -115,3 +136,23 @@ def test_compress_with_refit_end_to_end(tiny_lm, tmp_path_factory):
             return total
         better += err(a) < err(b)
     assert better >= 0.8 * len(full.keys)
+
+
+def test_compress_with_held_refit_end_to_end(tiny_lm, tmp_path_factory):
+    """``--refit-hold`` through a real compress: the label says so, the cap holds, and the stored
+    values are neither the refit's nor the plain kept set's."""
+    from budgetkit import fp16_size, trimmed_store
+
+    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.engine.hf import load_document
+
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
+    base = {"budget": 0.3, "quant": "ec", "keep": 0.5, "protect": 16, "scorer": "sentences", "lift": "sentences"}
+    with st.writer():
+        held = compress_document(st, "faq.md", CompressRecipe(**base, refit=0.01, refit_hold=True), lm=tiny_lm)
+        free = compress_document(st, "faq.md", CompressRecipe(**base, refit=0.01), lm=tiny_lm)
+        plain = compress_document(st, "faq.md", CompressRecipe(**base), lm=tiny_lm)
+    assert "-rf0.01h-" in held.label and held.bytes <= 0.3 * fp16_size(st, "faq.md")
+    a, b, c = (load_document(tiny_lm, st, "faq.md", x.label) for x in (held, free, plain))
+    assert a.keys[0].shape == b.keys[0].shape == c.keys[0].shape
+    assert not torch.allclose(a.values[-1], b.values[-1]) and not torch.allclose(a.values[-1], c.values[-1])
