@@ -78,12 +78,28 @@ FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the p
 EVICT_PROTECT = 32
 LOSSLESS_TIER = "int8"  # from where this tier holds every token, auto stores it (lossless); below, ec
 EVICT_SCORER = "sentences-gap"  # below EC_FROM: whole sentences, ranked given the document and their window
-EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe keeps budget / EC_FROM of the tokens
+EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe evicts first
+# below EC_FROM the kept share at the measured point: at 0.083 half of the tokens, steps 1.5x coarser
+# than ec's at 0.25. Session 38 (bench/results/quality-cpu-keep-cont-083, -k50-mf160-083, -k50-083): at
+# 0.083 half of the tokens against a third at 0.25's steps: continuation 108.0% against 110.3% of the
+# full cache (lower on 19 of 30 tasks), needles 57/60 against 55/60, facts 19/40 + 53/143 against
+# 20/40 + 54/143 (within a run's noise). Between it and EC_FROM (every token) the share is
+# interpolated, below it proportional to the budget: measured at 0.083 only
+EVICT_KEEP_AT = (0.083, 0.5)
+
 # ec's auto lift: the top 30% of the kept tokens by `literals` (the digits, then their sentences) get
 # keys 4x finer, the values keep their steps (format 1.10). The records' keys decide which of several
 # alike facts a question reads (docs/compression.md, session 34: bench/results/quality-cpu-keylift-083;
 # at 0.083 it answered 20/40 facts against the unlifted kept set's 14/40, from session 35 the default there too)
 AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role": "keys"}
+
+
+def evict_keep(budget: float) -> float:
+    """The auto recipe's kept token share for a budget below EC_FROM (EVICT_KEEP_AT)."""
+    b0, k0 = EVICT_KEEP_AT
+    if budget <= b0:
+        return round(k0 * budget / b0, 2)
+    return round(k0 + (1 - k0) * (budget - b0) / (EC_FROM - b0), 2)
 
 
 @dataclass(frozen=True)
@@ -113,8 +129,8 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       the budget), which is not lossless (continuation NLL +0.3%, fact answer
       NLL above the full cache's); ``ec`` fills the budget and is lossless within the paired
       intervals from ~0.35 (``bench/results/quality-cpu-ecbudget*``);
-    * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``budget / 0.25`` of the tokens
-      kept (whole sentences, each by the better of two ranks, its mean surprisal given the
+    * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``evict_keep(budget)`` of the
+      tokens kept (half at 0.083 since session 38, a third before; whole sentences, each by the better of two ranks, its mean surprisal given the
       whole document and given its preceding window plus half of what the rest of the document
       explains, the ``sentences-gap`` scorer: a planted fact in a list of alike facts is
       unsurprising given the document but not given its window; at 0.083 on all 130 tasks
@@ -126,12 +142,15 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       beat int4 + sentence eviction (a quarter of the tokens) in one run, and the local ranks
       beat it on facts (numbers in docs/compression.md); keeping more tokens at coarser steps
       does not pay (at 0.083, keep 0.33: 28/30 needles, 11/40 facts; keep 0.42: 27/30, 11/40;
-      keep 0.5: 21/30, 14/40; keep 0.6: 1/14 facts; bench/results/quality-cpu-083-keep/), and the
+      keep 0.5: 21/30, 14/40; keep 0.6: 1/14 facts; bench/results/quality-cpu-083-keep/; with
+      the key basis and the lift below it does: see EVICT_KEEP_AT), and the
       same kept set at near-lossless steps answers only 15/40 (full 21/40): what 0.083 loses is
       mostly the evicted context. ``ec`` for every token at 0.083 (steps ~7x coarser than at
       0.25) kept 1/60 needles. Since session 35 the kept set's records' keys are 4x finer here
       too (AUTO_LIFT: 55/60 needles, 20/40 facts, continuation +10.3% against the unlifted
-      56/60, 14/40, +10.3%, bench/results/quality-cpu-keylift-083);
+      56/60, 14/40, +10.3%, bench/results/quality-cpu-keylift-083). Since session 38 half of
+      the tokens at steps 1.5x coarser (EVICT_KEEP_AT; docs/compression.md, "The keep curve
+      through the real path");
     * from ~0.54 ``uniform``: the most precise single tier that holds every token (int8,
       lossless on every check)."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
@@ -140,7 +159,7 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
         return AutoRecipe("uniform")
     if budget >= EC_FROM:
         return AutoRecipe("ec", 1.0, FLOOR_PROTECT, lift=AUTO_LIFT)
-    return AutoRecipe("ec", round(budget / EC_FROM, 2), EVICT_PROTECT, EVICT_SCORER, lift=AUTO_LIFT)
+    return AutoRecipe("ec", evict_keep(budget), EVICT_PROTECT, EVICT_SCORER, lift=AUTO_LIFT)
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:

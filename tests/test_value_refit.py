@@ -78,10 +78,10 @@ def test_recipe_refit_is_asked_for_recorded_and_labelled():
 
     auto = CompressRecipe(budget=0.083)  # not the default: it lost needles at 0.083 (docs/compression.md)
     assert auto.refit is None and "refit" not in auto.as_dict()
-    assert auto.default_label() == "ec-b0.083-k0.33-p32-lliterals0.3x2k-sentences-gap"
+    assert auto.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"
     on = CompressRecipe(budget=0.083, refit=0.01)
     assert on.refit == 0.01 and on.as_dict()["refit"] == 0.01
-    assert on.default_label() == "ec-b0.083-k0.33-p32-lliterals0.3x2k-rf0.01-sentences-gap"
+    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01-sentences-gap"
     off = CompressRecipe(budget=0.083, refit=0)
     assert off.refit is None and off.default_label() == auto.default_label()
     with pytest.raises(UsageError, match="--refit"):  # every token kept: nothing to refit
