@@ -30,11 +30,14 @@ def main() -> None:
     ap.add_argument("results")
     ap.add_argument("labels", nargs="+")
     ap.add_argument("--against", default=None)
-    ap.add_argument("--tasks-of", default=None, help="another results JSON: only the tasks it holds")
+    ap.add_argument("--tasks-of", default=None, help="another results JSON: only the tasks it holds (before --also joins runs)")
     ap.add_argument("--also", action="append", default=[], help="another run's results JSON of the same tasks")
     ap.add_argument("--worst", type=int, default=0, help="print the N continuation tasks A loses most on")
     args = ap.parse_args()
     tasks = json.load(open(args.results))["tasks"]
+    if args.tasks_of:
+        held = {t["id"] for t in json.load(open(args.tasks_of))["tasks"]}
+        tasks = [t for t in tasks if t["id"] in held]
     for other in args.also:
         more = {t["id"]: t for t in json.load(open(other))["tasks"]}
         for t in tasks:
@@ -50,9 +53,6 @@ def main() -> None:
         for t in cont[:args.worst]:
             print(f"{t['id']} {t.get('source', '')}: " + " ".join(f"{100 * ratio[t['id'], k]:.0f}%" for k in args.labels))
         return
-    if args.tasks_of:
-        held = {t["id"] for t in json.load(open(args.tasks_of))["tasks"]}
-        tasks = [t for t in tasks if t["id"] in held]
     if args.against is None:
         a_label, b_label = args.labels[:2]
         for kind in ("needle", "multifact", "continuation"):  # continuation tasks have an NLL, no answer
