@@ -366,7 +366,9 @@ def test_wide_heads_read_every_token(store, doc):
                 for h in range(3):
                     err = [float((got[h, m] - ref[h, m]).norm() / ref[h, m].norm()) for m in (plain, evicted)]
                     if h in wide:  # the evicted rows about as close as the kept ones at the same steps
-                        assert err[1] < 1.5 * err[0] and err[1] < 0.5
+                        # (half of the tokens kept at 0.083 since session 38: coarser steps than a third's,
+                        # ~0.5 where a mean row would be ~1)
+                        assert err[1] < 1.5 * err[0] and err[1] < 0.65
                     elif bool(evicted.any()):  # one row, the chunk's mean, for every evicted token
                         # (keys rotated to each token's position afterwards: RoPE keeps their norm)
                         rows = got[h, evicted] if role else got[h, evicted].norm(dim=-1, keepdim=True)
