@@ -108,6 +108,10 @@ class CompressRecipe:
                     for name, value in auto.lift.items():
                         if getattr(self, name) is None:
                             setattr(self, name, value)
+                # the auto refit holds the lifted tokens' values, so it comes with a lift (the auto one or
+                # the user's); --refit 0 turns it off, a --refit RHO of the user's stands as given
+                if auto.refit and self.refit is None and self.lift and self.backfill is None and self.keep < 1:
+                    self.refit, self.refit_hold = auto.refit, True
                 # the sentences scorer is the same in every head: KVCrush's head-behaviour
                 # representatives would be arbitrary, so the auto recipe keeps by importance alone
                 if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":

@@ -85,13 +85,20 @@ EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe evicts first
 # full cache (lower on 19 of 30 tasks), needles 57/60 against 55/60, facts 19/40 + 53/143 against
 # 20/40 + 54/143 (within a run's noise). Between it and EC_FROM (every token) the share is
 # interpolated, below it proportional to the budget: measured at 0.083 only
-EVICT_KEEP_AT = (0.083, 0.5)
+EVICT_KEEP_AT = (0.083, 0.6)
 
 # ec's auto lift: the top 30% of the kept tokens by `literals` (the digits, then their sentences) get
 # keys 4x finer, the values keep their steps (format 1.10). The records' keys decide which of several
 # alike facts a question reads (docs/compression.md, session 34: bench/results/quality-cpu-keylift-083;
 # at 0.083 it answered 20/40 facts against the unlifted kept set's 14/40, from session 35 the default there too)
 AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role": "keys"}
+
+# below EC_FROM the kept tokens' values are refitted to the full attention of the document's own
+# queries (kdnctl.value_refit, ridge 0.01), the lifted tokens' values held (--refit-hold: unheld, the
+# fit moved the planted numbers and lost facts). Session 39, at 0.083 with 60% of the tokens
+# (docs/compression.md, "The held refit becomes the 0.083 default"): continuation and facts closer to
+# the full cache at the same bytes; the refit costs one forward pass of the document at compress time
+AUTO_REFIT = 0.01
 
 
 def evict_keep(budget: float) -> float:
@@ -112,6 +119,7 @@ class AutoRecipe:
     scorer: str | None = None
     ratio: float | None = None  # KVCrush's share of representatives
     lift: dict | None = None  # ec's --lift, --lift-share, --lift-level, --lift-role (AUTO_LIFT)
+    refit: float | None = None  # ec's --refit with --refit-hold where the recipe has a lift (AUTO_REFIT)
 
 
 def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
@@ -159,7 +167,7 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
         return AutoRecipe("uniform")
     if budget >= EC_FROM:
         return AutoRecipe("ec", 1.0, FLOOR_PROTECT, lift=AUTO_LIFT)
-    return AutoRecipe("ec", evict_keep(budget), EVICT_PROTECT, EVICT_SCORER, lift=AUTO_LIFT)
+    return AutoRecipe("ec", evict_keep(budget), EVICT_PROTECT, EVICT_SCORER, lift=AUTO_LIFT, refit=AUTO_REFIT)
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:

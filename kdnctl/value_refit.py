@@ -14,7 +14,8 @@ the same solution holds for every value channel, so ec's channel weights do not 
 fit is solved in whichever of the kept tokens or the queries is the smaller space (the
 push-through identity), so its cost grows linearly with the document beyond ``MAX_QUERY_TOKENS``.
 Measured in docs/compression.md ("Values refitted to the full attention"): at 0.083 it lowers
-continuation NLL but loses needles and facts, so it is opt-in (``--refit``).
+continuation NLL but loses needles and facts; with the lifted tokens' values held (``hold``,
+``--refit-hold``) it keeps them, and since session 39 the auto recipe below 0.25 refits that way.
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         vs = v[kept]
         lam = rho * float(a.pow(2).sum()) / kept.numel()
         resid = target - a @ vs
-        free = a if hold is None else a[:, ~hold]  # the held columns' values are fixed: part of the target
+        moves = slice(None) if hold is None else ~hold
+        free = a[:, moves]  # the held columns' values are fixed: part of the target
         if free.shape[1] <= free.shape[0]:  # (A^T A + lam I) dV = A^T r
             g = free.T @ free
             g.diagonal().add_(lam)
@@ -88,12 +90,9 @@ def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
             g = free @ free.T
             g.diagonal().add_(lam)
             dv = free.T @ torch.linalg.solve(g, resid)
-        if hold is None:
-            out.append(vs + dv)
-        else:
-            fitted = vs.clone()
-            fitted[~hold] += dv
-            out.append(fitted)
+        fitted = vs.clone()
+        fitted[moves] += dv
+        out.append(fitted)
     return torch.stack(out)
 
 

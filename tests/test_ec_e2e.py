@@ -24,16 +24,18 @@ from kdnctl.sizing import EVICT_PROTECT
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
-# the default at 0.083: eviction first, half of the tokens, the keys of the top 30% of them by literals 4x finer
-EVICT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"
-PLAIN = "ec-b0.083-k0.5-p32-sentences-gap"  # the same kept set without the lift (--lift none)
-BACKFILL = "ec-b0.083-k0.5-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
+# the default at 0.083: eviction first, 60% of the tokens, the keys of the top 30% of them by literals 4x
+# finer, the other kept tokens' values refitted to the full attention (session 39)
+EVICT = "ec-b0.083-k0.6-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+UNFIT = "ec-b0.083-k0.6-p32-lliterals0.3x2k-sentences-gap"  # the same without the refit (--refit 0)
+PLAIN = "ec-b0.083-k0.6-p32-sentences-gap"  # the same kept set without the lift (--lift none)
+BACKFILL = "ec-b0.083-k0.6-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
-BACKFILL_S1 = "ec-b0.083-k0.5-p32-bf15-22s1ks0-sentences-gap"
+BACKFILL_S1 = "ec-b0.083-k0.6-p32-bf15-22s1ks0-sentences-gap"
 # every token in KV head 2 of layer 18 and heads 1, 2 of layer 20, at the kept tokens' steps
-WIDE = "ec-b0.083-k0.5-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
+WIDE = "ec-b0.083-k0.6-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
 WIDE_HEADS = {18: (2,), 20: (1, 2)}
-LIFTED = "ec-b0.083-k0.5-p32-lliterals0.1x2-sentences-gap"  # the default, the top tenth by literals 4x finer
+LIFTED = "ec-b0.083-k0.6-p32-lliterals0.1x2-rf0.01h-sentences-gap"  # the default, the top tenth by literals 4x finer
 DEFAULT = "ec-b0.25-p64-lliterals0.3x2k"  # the default at 0.25: every token, the keys of the top 30% by literals 4x finer
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1),
              WIDE: ((18, 20), 0, 0)}  # label: (layers, key/value shift)
@@ -52,6 +54,8 @@ def store(tmp_path_factory, lm):
             compress_document(st, doc, CompressRecipe(budget=0.25), lm=lm)
             assert CompressRecipe(budget=0.083).default_label() == EVICT
             compress_document(st, doc, CompressRecipe(budget=0.083), lm=lm)
+            assert CompressRecipe(budget=0.083, refit=0).default_label() == UNFIT
+            compress_document(st, doc, CompressRecipe(budget=0.083, refit=0), lm=lm)
             assert CompressRecipe(budget=0.083, lift="none").default_label() == PLAIN
             compress_document(st, doc, CompressRecipe(budget=0.083, lift="none"), lm=lm)
             lifted = CompressRecipe(budget=0.083, lift="literals", lift_share=0.1, lift_level=2)
@@ -217,8 +221,8 @@ def test_eviction_first_keeps_one_token_set(store, doc):
     n = v.n_tokens
     header = int(bundles[0].meta["header_tokens"])
     tail = EVICT_PROTECT
-    # half of the tokens, or the header and the forced tail where they are more (short documents)
-    assert kept.numel() == max(round(0.5 * n), header + tail) and bool((kept[1:] > kept[:-1]).all())
+    # 60% of the tokens, or the header and the forced tail where they are more (short documents)
+    assert kept.numel() == max(round(0.6 * n), header + tail) and bool((kept[1:] > kept[:-1]).all())
     assert kept[:header].tolist() == list(range(header)) and kept[-tail:].tolist() == list(range(n - tail, n))
     levels = torch.cat([b.tensors["token_levels"] for b in bundles])
     assert bool((levels[:header] == 2).all()) and bool((levels[-tail:] == 2).all())
@@ -231,6 +235,41 @@ def test_eviction_first_keeps_one_token_set(store, doc):
 
 def test_eviction_first_loads_locally_and_remotely(lm, store):
     assert_loads_as_decoded(lm, store, "faq.md", EVICT, _by_hand)
+
+
+@pytest.mark.parametrize("doc", list(DOCS))
+def test_default_refits_the_values_it_does_not_hold(lm, store, doc):
+    """The 0.083 default records its refit, keeps the tokens and key levels of the same recipe
+    without it (--refit 0), and its values give the document's own queries an attention output
+    nearer the full cache's than the unfitted values do, in most layers (the real model)."""
+    from kdnctl.engine.hf import load_document
+    from kdnctl.value_refit import QUESTION_OFFSET, document_queries
+
+    v = store.get_version(doc, EVICT)
+    step, unfit = v.recipe["steps"][-1], store.get_version(doc, UNFIT).recipe["steps"][-1]
+    assert (step["refit"], step["refit_hold"]) == (0.01, True) and "refit" not in unfit
+    ours, theirs = ([decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, lab).chunks]
+                    for lab in (EVICT, UNFIT))
+    assert torch.equal(torch.cat([b.layer_positions(0)[0] for b in ours]), torch.cat([b.layer_positions(0)[0] for b in theirs]))
+    for name in ("token_levels", "token_levels.keys"):
+        assert torch.equal(torch.cat([b.tensors[name] for b in ours]), torch.cat([b.tensors[name] for b in theirs]))
+    full, a, b = (load_document(lm, store, doc, lab) for lab in ("full", EVICT, UNFIT))
+    queries, scales = document_queries(lm, full.token_ids, len(full.keys), full.next_position + QUESTION_OFFSET)
+    nearer = 0
+    for i in range(len(full.keys)):
+        h = full.keys[i].shape[1]
+        group = queries[i].shape[0] // h
+
+        def err(ctx):
+            total = 0.0
+            for j in range(h):
+                q = queries[i][j * group:(j + 1) * group].reshape(-1, full.keys[i].shape[-1])
+                target = torch.softmax(q @ full.keys[i][0, j].float().T * scales[i], -1) @ full.values[i][0, j].float()
+                got = torch.softmax(q @ ctx.keys[i][0, j].float().T * scales[i], -1) @ ctx.values[i][0, j].float()
+                total += float((got - target).pow(2).sum())
+            return total
+        nearer += err(a) < err(b)
+    assert nearer >= 0.8 * len(full.keys)
 
 
 @pytest.mark.parametrize("doc", list(DOCS))

@@ -76,14 +76,23 @@ def test_the_fit_shrinks_the_attention_error_eviction_leaves():
 def test_recipe_refit_is_asked_for_recorded_and_labelled():
     from kdnctl.compress import CompressRecipe
 
-    auto = CompressRecipe(budget=0.083)  # not the default: it lost needles at 0.083 (docs/compression.md)
-    assert auto.refit is None and "refit" not in auto.as_dict()
-    assert auto.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"
-    on = CompressRecipe(budget=0.083, refit=0.01)
-    assert on.refit == 0.01 and on.as_dict()["refit"] == 0.01
-    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01-sentences-gap"
+    # the default below 0.25 since session 39: ridge 0.01, the lifted tokens' values held
+    auto = CompressRecipe(budget=0.083)
+    assert (auto.refit, auto.refit_hold) == (0.01, True)
+    assert auto.as_dict()["refit"] == 0.01 and auto.as_dict()["refit_hold"] is True
+    assert auto.default_label() == "ec-b0.083-k0.6-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+    on = CompressRecipe(budget=0.083, refit=0.01)  # a user's --refit stands as given: no hold
+    assert on.refit == 0.01 and on.as_dict()["refit"] == 0.01 and "refit_hold" not in on.as_dict()
+    assert on.default_label() == "ec-b0.083-k0.6-p32-lliterals0.3x2k-rf0.01-sentences-gap"
     off = CompressRecipe(budget=0.083, refit=0)
-    assert off.refit is None and off.default_label() == auto.default_label()
+    assert off.refit is None and not off.refit_hold and "refit" not in off.as_dict()
+    assert off.default_label() == "ec-b0.083-k0.6-p32-lliterals0.3x2k-sentences-gap"
+    # no lift (nothing to hold), a backfill, every token kept or a spelled-out recipe: no auto refit
+    assert CompressRecipe(budget=0.083, lift="none").refit is None
+    assert CompressRecipe(budget=0.083, backfill="12-23").refit is None
+    assert CompressRecipe(budget=0.25).refit is None
+    assert CompressRecipe(budget=0.083, quant="ec", keep=0.6, protect=32, scorer="sentences-gap").refit is None
+    assert CompressRecipe(budget=0.083, refit_hold=True).default_label() == auto.default_label()
     with pytest.raises(UsageError, match="--refit"):  # every token kept: nothing to refit
         CompressRecipe(budget=0.25, quant="ec", refit=0.1)
     with pytest.raises(UsageError, match="--refit"):
@@ -94,7 +103,7 @@ def test_recipe_refit_is_asked_for_recorded_and_labelled():
     assert held.as_dict()["refit_hold"] is True and "refit_hold" not in on.as_dict()
     assert held.default_label() == on.default_label().replace("-rf0.01-", "-rf0.01h-")
     with pytest.raises(UsageError, match="--refit-hold"):  # nothing to hold the values out of
-        CompressRecipe(budget=0.083, refit_hold=True)
+        CompressRecipe(budget=0.083, refit=0, refit_hold=True)
     with pytest.raises(UsageError, match="--refit-hold"):  # no lift: no tokens to hold
         CompressRecipe(budget=0.083, refit=0.01, refit_hold=True, lift="none")
 
