@@ -85,7 +85,7 @@ EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe evicts first
 # full cache (lower on 19 of 30 tasks), needles 57/60 against 55/60, facts 19/40 + 53/143 against
 # 20/40 + 54/143 (within a run's noise). Between it and EC_FROM (every token) the share is
 # interpolated, below it proportional to the budget: measured at 0.083 only
-EVICT_KEEP_AT = (0.083, 0.6)
+EVICT_KEEP_AT = (0.083, 0.5)
 
 # ec's auto lift: the top 30% of the kept tokens by `literals` (the digits, then their sentences) get
 # keys 4x finer, the values keep their steps (format 1.10). The records' keys decide which of several
@@ -94,10 +94,12 @@ EVICT_KEEP_AT = (0.083, 0.6)
 AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role": "keys"}
 
 # below EC_FROM the kept tokens' values are refitted to the full attention of the document's own
-# queries (kdnctl.value_refit, ridge 0.01), the lifted tokens' values held (--refit-hold: unheld, the
-# fit moved the planted numbers and lost facts). Session 39, at 0.083 with 60% of the tokens
-# (docs/compression.md, "The held refit becomes the 0.083 default"): continuation and facts closer to
-# the full cache at the same bytes; the refit costs one forward pass of the document at compress time
+# queries (kdnctl.value_refit, ridge 0.01), the lifted tokens' values held (unheld, the fit moved the
+# planted numbers: 4 needles and 5 facts lost, session 24). At 0.083 with half of the tokens (sessions
+# 38-39, docs/compression.md "The held refit becomes the 0.083 default"): 56/60 needles, 21/40 facts,
+# continuation 105.8% of the full cache against 57/60, 19/40, 108.0% without it; 60% of the tokens
+# with it lost 2 needles and 2 facts against it for 0.5 points of continuation. Compressing takes
+# ~1.2x as long (one more forward pass, a solve per layer and KV head)
 AUTO_REFIT = 0.01
 
 
@@ -158,7 +160,8 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       too (AUTO_LIFT: 55/60 needles, 20/40 facts, continuation +10.3% against the unlifted
       56/60, 14/40, +10.3%, bench/results/quality-cpu-keylift-083). Since session 38 half of
       the tokens at steps 1.5x coarser (EVICT_KEEP_AT; docs/compression.md, "The keep curve
-      through the real path");
+      through the real path"); since session 39 the kept tokens' values refitted to the
+      document's own queries, the lifted tokens' held (AUTO_REFIT; ``--refit 0`` turns it off);
     * from ~0.54 ``uniform``: the most precise single tier that holds every token (int8,
       lossless on every check)."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}

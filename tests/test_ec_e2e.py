@@ -24,18 +24,18 @@ from kdnctl.sizing import EVICT_PROTECT
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
-# the default at 0.083: eviction first, 60% of the tokens, the keys of the top 30% of them by literals 4x
+# the default at 0.083: eviction first, half of the tokens, the keys of the top 30% of them by literals 4x
 # finer, the other kept tokens' values refitted to the full attention (session 39)
-EVICT = "ec-b0.083-k0.6-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
-UNFIT = "ec-b0.083-k0.6-p32-lliterals0.3x2k-sentences-gap"  # the same without the refit (--refit 0)
-PLAIN = "ec-b0.083-k0.6-p32-sentences-gap"  # the same kept set without the lift (--lift none)
-BACKFILL = "ec-b0.083-k0.6-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
+EVICT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+UNFIT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"  # the same without the refit (--refit 0)
+PLAIN = "ec-b0.083-k0.5-p32-sentences-gap"  # the same kept set without the lift (--lift none)
+BACKFILL = "ec-b0.083-k0.5-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
-BACKFILL_S1 = "ec-b0.083-k0.6-p32-bf15-22s1ks0-sentences-gap"
+BACKFILL_S1 = "ec-b0.083-k0.5-p32-bf15-22s1ks0-sentences-gap"
 # every token in KV head 2 of layer 18 and heads 1, 2 of layer 20, at the kept tokens' steps
-WIDE = "ec-b0.083-k0.6-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
+WIDE = "ec-b0.083-k0.5-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
 WIDE_HEADS = {18: (2,), 20: (1, 2)}
-LIFTED = "ec-b0.083-k0.6-p32-lliterals0.1x2-rf0.01h-sentences-gap"  # the default, the top tenth by literals 4x finer
+LIFTED = "ec-b0.083-k0.5-p32-lliterals0.1x2-rf0.01h-sentences-gap"  # the default, the top tenth by literals 4x finer
 DEFAULT = "ec-b0.25-p64-lliterals0.3x2k"  # the default at 0.25: every token, the keys of the top 30% by literals 4x finer
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1),
              WIDE: ((18, 20), 0, 0)}  # label: (layers, key/value shift)
@@ -221,8 +221,8 @@ def test_eviction_first_keeps_one_token_set(store, doc):
     n = v.n_tokens
     header = int(bundles[0].meta["header_tokens"])
     tail = EVICT_PROTECT
-    # 60% of the tokens, or the header and the forced tail where they are more (short documents)
-    assert kept.numel() == max(round(0.6 * n), header + tail) and bool((kept[1:] > kept[:-1]).all())
+    # half of the tokens, or the header and the forced tail where they are more (short documents)
+    assert kept.numel() == max(round(0.5 * n), header + tail) and bool((kept[1:] > kept[:-1]).all())
     assert kept[:header].tolist() == list(range(header)) and kept[-tail:].tolist() == list(range(n - tail, n))
     levels = torch.cat([b.tensors["token_levels"] for b in bundles])
     assert bool((levels[:header] == 2).all()) and bool((levels[-tail:] == 2).all())

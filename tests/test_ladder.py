@@ -182,12 +182,12 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert (d.quant, d.keep, d.protect, d.scorer, d.default_label()) == ("ec", 1.0, 64, "hybrid", "ec-b0.25-p64-lliterals0.3x2k")
     assert d.needs_model and not d.uses_scorer and d.as_dict()["protect"] == 64 and "coding" not in d.as_dict()
     assert CompressRecipe(budget=0.3).quant == "ec" and CompressRecipe(budget=0.3).keep == 1.0
-    # below 0.25: ec with eviction first, 60% of the tokens at 0.083 (measured), every token at 0.25,
+    # below 0.25: ec with eviction first, half of the tokens at 0.083 (measured), every token at 0.25,
     # the share between them interpolated and below 0.083 proportional to the budget; the kept
     # tokens' values refitted, the lifted ones' held (session 39)
     below = CompressRecipe(budget=0.2)
-    assert (below.quant, below.keep, below.scorer, below.refit, below.refit_hold) == ("ec", 0.88, "sentences-gap", 0.01, True)
-    assert [CompressRecipe(budget=b).keep for b in (0.0415, 0.083, 0.1665, 0.249)] == [0.3, 0.6, 0.8, 1.0]
+    assert (below.quant, below.keep, below.scorer, below.refit, below.refit_hold) == ("ec", 0.85, "sentences-gap", 0.01, True)
+    assert [CompressRecipe(budget=b).keep for b in (0.0415, 0.083, 0.1665, 0.249)] == [0.25, 0.5, 0.75, 1.0]
     for b in (0.31, 0.45, 0.5):  # int4 holds every token from ~0.31, int8 from ~0.54: ec fills the bytes between
         mid = CompressRecipe(budget=b)
         assert (mid.quant, mid.keep, mid.protect, mid.default_label()) == ("ec", 1.0, 64, f"ec-b{b:g}-p64-lliterals0.3x2k")
@@ -199,9 +199,9 @@ def test_recipe_labels_and_when_scores_are_needed():
     u = CompressRecipe(budget=0.25, quant="uniform")  # one tier that fits every token: no scores needed
     assert u.default_label() == "uniform-b0.25" and not u.needs_model and u.keep == 1.0
     assert CompressRecipe(budget=0.6).quant == "uniform"
-    # the same rule at 0.083: 60% of the tokens, whole sentences, their values refitted
+    # the same rule at 0.083: half of the tokens, whole sentences, their values refitted
     low = CompressRecipe(budget=0.083)
-    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.6, 32, "sentences-gap", {})
+    assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.5, 32, "sentences-gap", {})
     # the auto recipe lifts the keys of the top 30% of the kept tokens by literals 4x (at 0.083 too
     # since session 35);
     # --lift none turns that off, and the label is the old default's (the same bytes)
@@ -209,9 +209,9 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(lift="none").default_label() == "ec-b0.25-p64" and "lift" not in CompressRecipe(lift="none").as_dict()
     assert CompressRecipe(lift_share=0.1).default_label() == "ec-b0.25-p64-lliterals0.1x2k"  # a user's own share stays
     assert CompressRecipe(lift="sentences").default_label() == "ec-b0.25-p64-lsentences"  # a user's own scorer: no auto role
-    assert low.default_label() == "ec-b0.083-k0.6-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+    assert low.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
     assert (low.lift, low.lift_share, low.lift_level, low.lift_role) == (d.lift, d.lift_share, d.lift_level, d.lift_role)
-    assert CompressRecipe(budget=0.083, lift="none").default_label() == "ec-b0.083-k0.6-p32-sentences-gap"
+    assert CompressRecipe(budget=0.083, lift="none").default_label() == "ec-b0.083-k0.5-p32-sentences-gap"
     wide = CompressRecipe(budget=0.083, backfill="18.2")  # with --backfill no auto lift (it cost facts there)
     assert wide.lift is None and wide.lift_role is None and "-l" not in wide.default_label().replace("-local", "")
     assert CompressRecipe(budget=0.083, backfill="18.2", lift="literals").lift_steps == (0.25, 1)  # the user's own

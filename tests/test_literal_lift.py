@@ -99,8 +99,8 @@ def test_recipe_lift_share_and_level():
     r = CompressRecipe(budget=0.083, lift="literals", lift_share=0.08, lift_level=2)
     assert r.lift_steps == (0.08, 2)
     assert r.as_dict()["lift_share"] == 0.08 and r.as_dict()["lift_level"] == 2
-    assert r.default_label() == "ec-b0.083-k0.6-p32-lliterals0.08x2-rf0.01h-sentences-gap"
-    toml = Recipe(name="x", compress={"budget": 0.083, "quant": "ec", "keep": 0.6, "protect": 32, "scorer": "sentences-gap",
+    assert r.default_label() == "ec-b0.083-k0.5-p32-lliterals0.08x2-rf0.01h-sentences-gap"
+    toml = Recipe(name="x", compress={"budget": 0.083, "quant": "ec", "keep": 0.5, "protect": 32, "scorer": "sentences-gap",
                                       "lift": "literals", "lift_share": 0.08, "lift_level": 2, "refit": 0.01,
                                       "refit_hold": True})
     assert toml.compress_recipe().default_label() == r.default_label()

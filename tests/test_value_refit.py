@@ -80,18 +80,18 @@ def test_recipe_refit_is_asked_for_recorded_and_labelled():
     auto = CompressRecipe(budget=0.083)
     assert (auto.refit, auto.refit_hold) == (0.01, True)
     assert auto.as_dict()["refit"] == 0.01 and auto.as_dict()["refit_hold"] is True
-    assert auto.default_label() == "ec-b0.083-k0.6-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+    assert auto.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
     on = CompressRecipe(budget=0.083, refit=0.01)  # a user's --refit stands as given: no hold
     assert on.refit == 0.01 and on.as_dict()["refit"] == 0.01 and "refit_hold" not in on.as_dict()
-    assert on.default_label() == "ec-b0.083-k0.6-p32-lliterals0.3x2k-rf0.01-sentences-gap"
+    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01-sentences-gap"
     off = CompressRecipe(budget=0.083, refit=0)
     assert off.refit is None and not off.refit_hold and "refit" not in off.as_dict()
-    assert off.default_label() == "ec-b0.083-k0.6-p32-lliterals0.3x2k-sentences-gap"
+    assert off.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"
     # no lift (nothing to hold), a backfill, every token kept or a spelled-out recipe: no auto refit
     assert CompressRecipe(budget=0.083, lift="none").refit is None
     assert CompressRecipe(budget=0.083, backfill="12-23").refit is None
     assert CompressRecipe(budget=0.25).refit is None
-    assert CompressRecipe(budget=0.083, quant="ec", keep=0.6, protect=32, scorer="sentences-gap").refit is None
+    assert CompressRecipe(budget=0.083, quant="ec", keep=0.5, protect=32, scorer="sentences-gap").refit is None
     assert CompressRecipe(budget=0.083, refit_hold=True).default_label() == auto.default_label()
     with pytest.raises(UsageError, match="--refit"):  # every token kept: nothing to refit
         CompressRecipe(budget=0.25, quant="ec", refit=0.1)
