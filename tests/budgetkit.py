@@ -12,6 +12,7 @@ from kdnctl.corpus import read_corpus
 from kdnctl.ingest import IngestOptions, ingest_documents
 from kdnctl.sizing import fp16_bytes
 from kdnctl.store import Store
+from kdnctl.value_refit import QUESTION_OFFSET, document_queries
 
 DOCS = {"faq.md": 300, "meeting-notes-2026-03.txt": 220}  # document -> tokens kept
 
@@ -72,3 +73,25 @@ def assert_loads_as_decoded(lm, st, doc: str, label: str, by_hand) -> None:
     with ThreadServer(st.root) as srv:
         got = forward_suffix(lm, load_document(lm, RemoteStore(srv.url), doc, label), suffix)[0]
     assert torch.equal(got, local)
+
+
+def layers_read_nearer(lm, full, a, b) -> int:
+    """In how many layers the loaded cache ``a`` gives the document's own queries (placed after
+    it, as the value refit places them) an attention output nearer the ``full`` cache's than ``b``
+    does (squared error summed over KV heads and their query heads)."""
+    queries, scales = document_queries(lm, full.token_ids, len(full.keys), full.next_position + QUESTION_OFFSET)
+    nearer = 0
+    for i in range(len(full.keys)):
+        h = full.keys[i].shape[1]
+        group = queries[i].shape[0] // h
+
+        def err(ctx):
+            total = 0.0
+            for j in range(h):
+                q = queries[i][j * group:(j + 1) * group].reshape(-1, full.keys[i].shape[-1])
+                target = torch.softmax(q @ full.keys[i][0, j].float().T * scales[i], -1) @ full.values[i][0, j].float()
+                got = torch.softmax(q @ ctx.keys[i][0, j].float().T * scales[i], -1) @ ctx.values[i][0, j].float()
+                total += float((got - target).pow(2).sum())
+            return total
+        nearer += err(a) < err(b)
+    return nearer

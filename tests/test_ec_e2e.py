@@ -15,7 +15,7 @@ from safetensors.torch import load as safetensors_load, load_file
 
 import kdnctl
 
-from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, rope_by_hand, trimmed_store
+from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, layers_read_nearer, rope_by_hand, trimmed_store
 from conftest import run_cli
 
 from kdnctl.bundle import FORMAT_VERSION, decode_bundle, parse_head, read_meta, stored_rows
@@ -243,7 +243,6 @@ def test_default_refits_the_values_it_does_not_hold(lm, store, doc):
     without it (--refit 0), and its values give the document's own queries an attention output
     nearer the full cache's than the unfitted values do, in most layers (the real model)."""
     from kdnctl.engine.hf import load_document
-    from kdnctl.value_refit import QUESTION_OFFSET, document_queries
 
     v = store.get_version(doc, EVICT)
     step, unfit = v.recipe["steps"][-1], store.get_version(doc, UNFIT).recipe["steps"][-1]
@@ -254,21 +253,7 @@ def test_default_refits_the_values_it_does_not_hold(lm, store, doc):
     for name in ("token_levels", "token_levels.keys"):
         assert torch.equal(torch.cat([b.tensors[name] for b in ours]), torch.cat([b.tensors[name] for b in theirs]))
     full, a, b = (load_document(lm, store, doc, lab) for lab in ("full", EVICT, UNFIT))
-    queries, scales = document_queries(lm, full.token_ids, len(full.keys), full.next_position + QUESTION_OFFSET)
-    nearer = 0
-    for i in range(len(full.keys)):
-        h = full.keys[i].shape[1]
-        group = queries[i].shape[0] // h
-
-        def err(ctx):
-            total = 0.0
-            for j in range(h):
-                q = queries[i][j * group:(j + 1) * group].reshape(-1, full.keys[i].shape[-1])
-                target = torch.softmax(q @ full.keys[i][0, j].float().T * scales[i], -1) @ full.values[i][0, j].float()
-                got = torch.softmax(q @ ctx.keys[i][0, j].float().T * scales[i], -1) @ ctx.values[i][0, j].float()
-                total += float((got - target).pow(2).sum())
-            return total
-        nearer += err(a) < err(b)
+    nearer = layers_read_nearer(lm, full, a, b)
     assert nearer >= 0.8 * len(full.keys)
 
 
