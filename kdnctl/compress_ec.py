@@ -32,7 +32,8 @@ from .bundle_kept import kept_positions_dtype
 from .compress_recipe import LIFT_LEVEL, LIFT_SHARE, PROTECT_LEVEL
 from .errors import UsageError
 from .quant.basis import basis_for_model, load_basis
-from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
+from .quant import transforms as tf
+from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role, roundtrip_role
 from .quant.sensitivity import key_weights, value_weights
 from .tail_reads import tail_read_scores
 from .value_refit import QUESTION_OFFSET, document_queries, refit_values
@@ -122,12 +123,24 @@ def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int
 
 
 def refitted(lm, rho: float, token_ids: list[int], bundles: list[KVBundle], keys: list[torch.Tensor],
-             values: list[torch.Tensor], rows: torch.Tensor, hold: torch.Tensor | None = None) -> list[torch.Tensor]:
+             values: list[torch.Tensor], rows: torch.Tensor, hold: torch.Tensor | None = None,
+             kept_keys: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The kept ``rows``' values per layer, refitted to the full attention (``kdnctl.value_refit``);
-    the kept tokens ``hold`` marks keep theirs."""
+    the kept tokens ``hold`` marks keep theirs; ``kept_keys`` per layer: the keys they are read
+    with (default: ``keys``' rows)."""
     last = max(int(b.layer_positions(0).max()) for b in bundles)
     queries, scales = document_queries(lm, token_ids, len(keys), last + 1 + QUESTION_OFFSET)
-    return [refit_values(q, k, v, rows, s, rho, hold).to(v.dtype) for q, k, v, s in zip(queries, keys, values, scales)]
+    kept_keys = kept_keys or [None] * len(keys)
+    return [refit_values(q, k, v, rows, s, rho, hold, kk).to(v.dtype)
+            for q, k, v, s, kk in zip(queries, keys, values, scales, kept_keys)]
+
+
+def decoded_keys(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, bounds, basis: torch.Tensor | None,
+                 positions: torch.Tensor, theta: float | None) -> torch.Tensor:
+    """RoPE'd keys ``[H, T, D]`` as the loader decodes ec's transformed keys ``x`` coded at
+    ``step`` chunk by chunk (``bounds``: each chunk's ``[start, end)`` in ``x``)."""
+    k = torch.cat([roundtrip_role(x[:, a:b], step, levels[a:b], basis) for a, b in bounds], 1)
+    return tf.rope(k, positions, theta) if theta else k
 
 
 def _chunk_positions(chunk_positions: torch.Tensor, local: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -168,8 +181,9 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         if recipe.refit_hold:  # the recipe has a lift (checked there)
             hold = torch.zeros(rows.numel(), dtype=torch.bool)
             hold[lift_top(lift, recipe.lift_steps[0])] = True
-        values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows, hold) if recipe.refit \
-            else [v[:, rows] for v in values]
+        # --refit-decoded refits below, once the keys' steps are known
+        values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows, hold) \
+            if recipe.refit and not recipe.refit_decoded else [v[:, rows] for v in values]
     n_tokens = keys[0].shape[1]
     all_positions = torch.cat([b.layer_positions(0)[0] for b in bundles])
     positions = all_positions
@@ -216,6 +230,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     widen = (d ** 0.5 if basis is not None else 1.0, 1.0)
     floors = [tuple(step_floor(x, finest + (s if i in backfill else 0)) * wd for x, s, wd in zip(xs[i], shifts, widen))
               for i in range(n_layers)]
+    mult = None
     if recipe.layers == "fisher" and n_tokens > header:
         probe = lf.probe_ids(lm, token_ids, header)  # the document's own text, over the kept tokens' cache
         fisher = lf.channel_fisher(lm, keys, values, probe, int(positions.max()) + 1, 0.25 ** levels.float(), recipe.seed)
@@ -243,9 +258,22 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     def payload(alpha: float) -> int:
         return sum(t.numel() for chunk in encoded(alpha) for t in chunk.values())
 
+    overhead = len(bundles) * (6144 + 200 * n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
+    if rows is not None and recipe.refit_decoded:
+        # fit the values to the kept keys as the loader will read them: coded at a first fit of the
+        # scale (the refitted values move the final scale only a little)
+        first = fit_scale(payload, cap - overhead)
+        if first is not None:
+            kept_keys = [decoded_keys(xs[i][0], steps_at(first, i)[0], levels_by_role[0], kept_bounds,
+                                      None if basis is None else basis[i], positions, theta) for i in range(n_layers)]
+            values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows, hold, kept_keys)
+            xs = [(x[0], v.float()) for x, v in zip(xs, values)]  # ec's transform leaves values as they are
+            base = [(b[0], relative_steps(x[1], vw[i]) * (1.0 if mult is None else mult[i, 1]))
+                    for i, (b, x) in enumerate(zip(base, xs))]
+            floors = [(f[0], step_floor(x[1], finest)) for f, x in zip(floors, xs)]
+            payload.cache_clear()
     recipe_meta = child_recipe(src, step)
     qmeta = q.meta(n_heads, d)
-    overhead = len(bundles) * (6144 + 200 * n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
     alpha = None
     for _attempt in range(4):
         # a refit (the first guess of the headers was short) starts next to the last scale

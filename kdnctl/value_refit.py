@@ -63,12 +63,15 @@ def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
 
 
 def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
-                 scale: float, rho: float, hold: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: float, rho: float, hold: torch.Tensor | None = None,
+                 kept_keys: torch.Tensor | None = None) -> torch.Tensor:
     """Refitted values ``[H, |S|, D]`` of the ``kept`` tokens (float32).
 
     queries ``[Hq, N, D]`` (RoPE'd), keys ``[H, T, D]`` (RoPE'd, as stored), values ``[H, T, D]``;
     ``hold`` (bool ``[|S|]``): kept tokens whose values stay as they are, the others absorb the fit
-    (a planted number the document's own queries rarely read would otherwise move almost freely)."""
+    (a planted number the document's own queries rarely read would otherwise move almost freely);
+    ``kept_keys`` ``[H, |S|, D]``: the keys the kept tokens are read with (e.g. as the loader
+    decodes them), default ``keys[:, kept]``; the target is always the full, exact attention."""
     H, _, D = keys.shape
     group = queries.shape[0] // H
     out = []
@@ -76,7 +79,8 @@ def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         q = queries[h * group:(h + 1) * group].reshape(-1, D).float()
         k, v = keys[h].float(), values[h].float()
         target = torch.cat([torch.softmax(b @ k.T * scale, -1) @ v for b in q.split(_BLOCK)])
-        a = torch.softmax(q @ k[kept].T * scale, -1)  # [N, S]
+        ks = k[kept] if kept_keys is None else kept_keys[h].float()
+        a = torch.softmax(q @ ks.T * scale, -1)  # [N, S]
         vs = v[kept]
         lam = rho * float(a.pow(2).sum()) / kept.numel()
         resid = target - a @ vs
@@ -97,7 +101,8 @@ def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
 
 def naive_refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
-                       scale: float, rho: float, hold: torch.Tensor | None = None) -> torch.Tensor:
+                       scale: float, rho: float, hold: torch.Tensor | None = None,
+                       kept_keys: torch.Tensor | None = None) -> torch.Tensor:
     """Reference for :func:`refit_values`: the normal equations summed one query at a time (held
     tokens: their values subtracted from the target, then the free tokens' system solved)."""
     H, _, D = keys.shape
@@ -110,9 +115,10 @@ def naive_refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.
         lhs, rhs, norm = torch.zeros(S, S, dtype=torch.float64), torch.zeros(S, D, dtype=torch.float64), 0.0
         k, v = keys[h].double(), values[h].double()
         vs = v[kept]
+        ks = k[kept] if kept_keys is None else kept_keys[h].double()
         for q in queries[h * group:(h + 1) * group].reshape(-1, D).double():
             w = torch.softmax(k @ q * scale, 0)
-            ws = torch.softmax(k[kept] @ q * scale, 0)
+            ws = torch.softmax(ks @ q * scale, 0)
             lhs += torch.outer(ws, ws)
             rhs += torch.outer(ws, w @ v - ws[hold] @ vs[hold])
             norm += float(ws.pow(2).sum())

@@ -13,7 +13,7 @@ import torch
 
 from kdnctl.errors import BundleFormatError, UsageError
 from kdnctl.quant import basis as kb
-from kdnctl.quant.entropy import EntropyQuantizer, decode_role, encode_role, quantize_codes
+from kdnctl.quant.entropy import EntropyQuantizer, decode_role, encode_role, quantize_codes, roundtrip_role
 
 
 def _orthonormal(n_layers, h, d, seed):
@@ -55,6 +55,21 @@ def test_rotated_codes_decode_within_half_a_step_of_each_axis(shape):
     ints = quantize_codes(x, step16, mean, levels, basis)
     by_hand = ((ints / 2.0 ** levels.float()[None, :, None]) @ basis.transpose(-1, -2)) * step16[:, None] + mean[:, None]
     torch.testing.assert_close(got, by_hand, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+def test_a_roundtrip_without_the_coder_is_what_decoding_the_stored_role_gives(rotated):
+    """``roundtrip_role`` (what ``--refit-decoded`` reads the keys as) equals encode then decode."""
+    h, t, d = 3, 29, 16
+    x = _correlated_keys(h, t, d, seed=9)
+    basis = _orthonormal(1, h, d, seed=3)[0] if rotated else None
+    step = torch.rand(h, d, generator=torch.Generator().manual_seed(4)) * 0.3 + 0.05
+    levels = torch.zeros(t, dtype=torch.uint8)
+    levels[::5] = 2
+    want = decode_role(*encode_role(x, step, levels, basis=basis), h, d, levels, "layers.0.keys", basis=basis)
+    got = roundtrip_role(x, step, levels, basis)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, x, rtol=1e-3, atol=1e-3)  # the steps are coarse enough to move them
 
 
 def test_correlated_keys_store_fewer_bytes_in_their_axes_at_the_same_error():

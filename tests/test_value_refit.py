@@ -48,6 +48,25 @@ def test_held_tokens_keep_their_values_and_the_rest_equals_the_naive_solve(n, t,
     assert torch.equal(every, v[:, kept].float())
 
 
+@pytest.mark.parametrize("n,t,s", [(7, 37, 11), (29, 41, 13)])
+@pytest.mark.parametrize("held", [False, True])
+def test_a_fit_to_the_keys_the_tokens_are_read_with_equals_the_naive_solve(n, t, s, held):
+    """``kept_keys`` (``--refit-decoded``: the keys as decoded) replace the kept keys in the fit,
+    not in the target; the kept keys themselves give the plain fit back."""
+    q, k, v = _case(3, 3, n, t, 17, seed=3 * n + t)
+    kept = torch.randperm(t, generator=torch.Generator().manual_seed(s))[:s].sort().values
+    hold = None
+    if held:
+        hold = torch.zeros(s, dtype=torch.bool)
+        hold[: s // 3] = True
+    noisy = k[:, kept] + 0.3 * torch.randn(3, s, 17, generator=torch.Generator().manual_seed(t))
+    fast = refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold, noisy)
+    torch.testing.assert_close(fast, naive_refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold, noisy), **TOL)
+    plain = refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold)
+    assert not torch.allclose(fast, plain, **TOL)
+    torch.testing.assert_close(refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold, k[:, kept]), plain)
+
+
 def test_keeping_every_token_changes_nothing():
     q, k, v = _case(2, 3, 9, 23, 8, seed=3)
     out = refit_values(q, k, v, torch.arange(23), 8 ** -0.5, 0.1)
@@ -149,3 +168,29 @@ def test_compress_with_held_refit_end_to_end(tiny_lm, tmp_path_factory):
     a, b, c = (load_document(tiny_lm, st, "faq.md", x.label) for x in (held, free, plain))
     assert a.keys[0].shape == b.keys[0].shape == c.keys[0].shape
     assert not torch.allclose(a.values[-1], b.values[-1]) and not torch.allclose(a.values[-1], c.values[-1])
+
+
+def test_compress_with_refit_to_the_decoded_keys_end_to_end(tiny_lm, tmp_path_factory):
+    """``--refit-decoded`` through a real compress: the label and the recipe say so, the cap holds,
+    the kept tokens are the plain refit's, and read with the keys as loaded its values give the
+    document's own queries an attention output nearer the full cache's in most layers."""
+    from budgetkit import fp16_size, layers_read_nearer, trimmed_store
+
+    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.engine.hf import load_document
+
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
+    base = {"budget": 0.3, "quant": "ec", "keep": 0.5, "protect": 16, "scorer": "sentences", "refit": 0.01}
+    with pytest.raises(UsageError, match="--refit-decoded"):
+        CompressRecipe(**{**base, "refit": 0}, refit_decoded=True)
+    with st.writer():
+        dec = compress_document(st, "faq.md", CompressRecipe(**base, refit_decoded=True), lm=tiny_lm)
+        plain = compress_document(st, "faq.md", CompressRecipe(**base), lm=tiny_lm)
+        full = load_document(tiny_lm, st, "faq.md", "full")
+    assert dec.label == plain.label.replace("-rf0.01-", "-rf0.01d-")
+    assert st.get_version("faq.md", dec.label).recipe["steps"][-1]["refit_decoded"] is True
+    assert dec.bytes <= 0.3 * fp16_size(st, "faq.md")
+    a, b = load_document(tiny_lm, st, "faq.md", dec.label), load_document(tiny_lm, st, "faq.md", plain.label)
+    assert a.keys[0].shape == b.keys[0].shape and a.keys[0].shape[2] < full.keys[0].shape[2]
+    assert not torch.allclose(a.values[-1], b.values[-1])
+    assert layers_read_nearer(tiny_lm, full, a, b) >= 0.8 * len(full.keys)

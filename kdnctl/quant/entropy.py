@@ -222,6 +222,20 @@ def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torc
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
 
 
+def stored_step_mean(x: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step and the per-channel mean of ``x [H, T, D]`` as :func:`encode_role` stores them (float16)."""
+    step = step.to(torch.float16).float()
+    return step, (x.mean(1).to(torch.float16).float() if x.shape[1] else torch.zeros_like(step))
+
+
+def roundtrip_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor,
+                   basis: torch.Tensor | None = None) -> torch.Tensor:
+    """What :func:`decode_role` gives back for ``encode_role(x, step, levels, basis=basis)``
+    (the coding is lossless, so it is skipped): float32 ``[H, T, D]``."""
+    step, mean = stored_step_mean(x, step)
+    return dequantize_codes(quantize_codes(x, step, mean, levels, basis), step, mean, levels, basis)
+
+
 def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, coding: str = DEFAULT_CODING,
                 compress: Callable[[bytes], bytes] | None = None, basis: torch.Tensor | None = None,
                 stored: torch.Tensor | None = None):
@@ -231,9 +245,7 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, codin
     other coders on the same frames (``bench/rate_probe.py``); bundles use ``coding``.
     ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`). ``stored`` (bool ``[H, T]``):
     only these rows are coded (the others decode to the mean)."""
-    t = x.shape[1]
-    step = step.to(torch.float16).float()
-    mean = x.mean(1).to(torch.float16).float() if t else torch.zeros_like(step)
+    step, mean = stored_step_mean(x, step)
     codes = quantize_codes(x, step, mean, levels, basis)
     lim = float(codes.abs().max()) if codes.numel() else 0.0
     if lim > 32767:
