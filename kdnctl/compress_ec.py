@@ -36,6 +36,7 @@ from .quant import transforms as tf
 from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role, roundtrip_role
 from .quant.sensitivity import key_weights, value_weights
 from .tail_reads import tail_read_scores
+from .value_feedback import feedback_values
 from .value_refit import QUESTION_OFFSET, document_queries, refit_values
 from .versions import child_recipe
 
@@ -122,14 +123,19 @@ def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int
     return torch.tensor(sorted(first + rest[:want - len(first)]), dtype=torch.int64)
 
 
-def refitted(lm, rho: float, token_ids: list[int], bundles: list[KVBundle], keys: list[torch.Tensor],
+def refit_queries(lm, token_ids: list[int], bundles: list[KVBundle], n_layers: int):
+    """(queries per layer, attention scale per layer) the value refit fits to: the document's
+    own, placed after it (``kdnctl.value_refit.document_queries``)."""
+    last = max(int(b.layer_positions(0).max()) for b in bundles)
+    return document_queries(lm, token_ids, n_layers, last + 1 + QUESTION_OFFSET)
+
+
+def refitted(rho: float, queries: list[torch.Tensor], scales: list[float], keys: list[torch.Tensor],
              values: list[torch.Tensor], rows: torch.Tensor, hold: torch.Tensor | None = None,
              kept_keys: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The kept ``rows``' values per layer, refitted to the full attention (``kdnctl.value_refit``);
     the kept tokens ``hold`` marks keep theirs; ``kept_keys`` per layer: the keys they are read
     with (default: ``keys``' rows)."""
-    last = max(int(b.layer_positions(0).max()) for b in bundles)
-    queries, scales = document_queries(lm, token_ids, len(keys), last + 1 + QUESTION_OFFSET)
     kept_keys = kept_keys or [None] * len(keys)
     return [refit_values(q, k, v, rows, s, rho, hold, kk).to(v.dtype)
             for q, k, v, s, kk in zip(queries, keys, values, scales, kept_keys)]
@@ -168,7 +174,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         raise UsageError(f"the key basis registered for this model is {list(basis.shape)}, its keys are "
                          f"[{n_layers}, {n_heads}, {d}, {d}]", hint="re-calibrate it: scripts/calibrate_key_basis.py")
     header = int(bundles[0].meta.get("header_tokens", 0))
-    rows = None
+    rows = hold = fit_queries = None
     all_keys, all_values = keys, values
     if recipe.keep < 1:
         if importance is None:
@@ -177,12 +183,12 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         rows = shared_keep(importance, recipe.keep, header, recipe.protect, second, recipe.tail_reads or 0.0)
         keys = [k[:, rows] for k in keys]
         lift = lift[..., rows] if lift is not None else None
-        hold = None
         if recipe.refit_hold:  # the recipe has a lift (checked there)
             hold = torch.zeros(rows.numel(), dtype=torch.bool)
             hold[lift_top(lift, recipe.lift_steps[0])] = True
+        fit_queries = refit_queries(lm, token_ids, bundles, n_layers) if recipe.refit else None
         # --refit-decoded refits below, once the keys' steps are known
-        values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows, hold) \
+        values = refitted(recipe.refit, *fit_queries, all_keys, all_values, rows, hold) \
             if recipe.refit and not recipe.refit_decoded else [v[:, rows] for v in values]
     n_tokens = keys[0].shape[1]
     all_positions = torch.cat([b.layer_positions(0)[0] for b in bundles])
@@ -240,7 +246,12 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     def steps_at(alpha: float, i: int):
         return tuple(clamp_steps(alpha * b, f) for b, f in zip(base[i], floors[i]))
 
-    def encoded(alpha: float):
+    def encoded(alpha: float, feedback: bool = False):
+        # --refit-feedback: the values rounded with feedback at these steps (the sizes are fitted
+        # without it: the same grid, codes a little apart)
+        fed = [feedback_values(fit_queries[0][i], kept_keys[i] if kept_keys else keys[i], xs[i][1],
+                               fit_queries[1][i], recipe.refit, steps_at(alpha, i)[1], levels_by_role[1],
+                               kept_bounds, hold) for i in range(n_layers)] if feedback else None
         out = []
         for (ks, ke), (ls, le) in zip(kept_bounds, local_bounds):
             chunk = {}
@@ -249,8 +260,11 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                     a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, rl[ks:ke])
                     axes = basis[i] if basis is not None and role == "keys" else None
                     rows_here = held_rows(~evicted[ls:le], narrow_mask[i]) if i in narrow else None
+                    mean = None
+                    if fed is not None and role == "values":  # the grid is centred where plain rounding's is
+                        x, mean = fed[i], x[:, a:b].mean(1)
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
-                        encode_role(x[:, a:b], s, lv, q.coding, basis=axes, stored=rows_here)
+                        encode_role(x[:, a:b], s, lv, q.coding, basis=axes, stored=rows_here, mean=mean)
             out.append(chunk)
         return out
 
@@ -259,6 +273,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         return sum(t.numel() for chunk in encoded(alpha) for t in chunk.values())
 
     overhead = len(bundles) * (6144 + 200 * n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
+    kept_keys = None
     if rows is not None and recipe.refit_decoded:
         # fit the values to the kept keys as the loader will read them: coded at a first fit of the
         # scale (the refitted values move the final scale only a little)
@@ -266,7 +281,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         if first is not None:
             kept_keys = [decoded_keys(xs[i][0], steps_at(first, i)[0], levels_by_role[0], kept_bounds,
                                       None if basis is None else basis[i], positions, theta) for i in range(n_layers)]
-            values = refitted(lm, recipe.refit, token_ids, bundles, all_keys, all_values, rows, hold, kept_keys)
+            values = refitted(recipe.refit, *fit_queries, all_keys, all_values, rows, hold, kept_keys)
             xs = [(x[0], v.float()) for x, v in zip(xs, values)]  # ec's transform leaves values as they are
             base = [(b[0], relative_steps(x[1], vw[i]) * (1.0 if mult is None else mult[i, 1]))
                     for i, (b, x) in enumerate(zip(base, xs))]
@@ -283,7 +298,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             raise UsageError(f"a budget of {recipe.budget:g} is too small for --quant ec even at its coarsest steps",
                              hint="raise --budget or use --quant auto (which evicts)")
         new_tensors, metas = [], []
-        for b, (ls, le), (ks, ke), chunk in zip(bundles, local_bounds, kept_bounds, encoded(alpha)):
+        for b, (ls, le), (ks, ke), chunk in zip(bundles, local_bounds, kept_bounds,
+                                                encoded(alpha, rows is not None and recipe.refit_feedback)):
             t = {"token_ids": b.tensors["token_ids"], "positions": b.tensors["positions"], **chunk}
             if backfill:  # layers of two lengths: each layer its own levels (a backfilled one: every token)
                 for i in range(n_layers):

@@ -71,6 +71,9 @@ class CompressRecipe:
     # with --refit: fit the values to the kept keys as the loader decodes them (quantized at a first
     # fit of the budget's scale), not to the keys before quantization
     refit_decoded: bool = False
+    # with --refit: the refitted values rounded to ec's grid token by token, each rounding error
+    # carried into the chunk's later tokens through the fit's normal matrix (kdnctl.value_feedback)
+    refit_feedback: bool = False
     # ec: the prompt header and the last ``protect`` tokens get steps 2**level finer; None = the
     # default (PROTECT_LEVEL, 4x), 0 keeps them but spends no extra bits on them
     protect_level: int | None = None
@@ -169,11 +172,13 @@ class CompressRecipe:
         if self.refit_hold and not (self.refit and self.lift):
             raise UsageError("--refit-hold keeps the tokens --lift lifts out of --refit's fit",
                              hint="add --refit RHO (e.g. 0.01) and keep a --lift (the auto recipe has one)", param="refit_hold")
-        if not isinstance(self.refit_decoded, bool):
-            raise UsageError(f"refit_decoded must be true or false, got {self.refit_decoded!r}", param="refit_decoded")
-        if self.refit_decoded and not self.refit:
-            raise UsageError("--refit-decoded fits --refit's values to the decoded keys",
-                             hint="add --refit RHO (e.g. 0.01), or drop --refit-decoded", param="refit_decoded")
+        for name in ("refit_decoded", "refit_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise UsageError(f"{name} must be true or false, got {getattr(self, name)!r}", param=name)
+            if getattr(self, name) and not self.refit:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"{flag} goes with --refit's value fit", hint=f"add --refit RHO (e.g. 0.01), or drop {flag}",
+                                 param=name)
         tr = self.tail_reads
         if tr is not None:
             if isinstance(tr, bool) or not isinstance(tr, (int, float)) or not 0 <= tr < 1:
@@ -262,6 +267,8 @@ class CompressRecipe:
             d["refit_hold"] = True
         if self.refit_decoded:
             d["refit_decoded"] = True
+        if self.refit_feedback:
+            d["refit_feedback"] = True
         if self.protect_level is not None:
             d["protect_level"] = self.protect_level
         if self.tail_reads:
@@ -361,7 +368,8 @@ class CompressRecipe:
             if self.key_basis != "auto":
                 label += {"model": "-kbm", "none": "-kb0"}[self.key_basis]
             if self.refit:
-                label += f"-rf{self.refit:g}" + ("h" if self.refit_hold else "") + ("d" if self.refit_decoded else "")
+                label += f"-rf{self.refit:g}" + ("h" if self.refit_hold else "") + ("d" if self.refit_decoded else "") \
+                    + ("f" if self.refit_feedback else "")
             if self.tail_reads:
                 label += f"-tr{self.tail_reads:g}"
         else:

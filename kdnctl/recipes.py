@@ -60,7 +60,8 @@ class Recipe:
         options = c.pop("options", {})
         allowed = {"method", "budget", "keep", "scorer", "quant", "group_size", "seed", "allocator", "allocator_options",
                    "protect", "coding", "lift", "key_weight", "layers", "backfill", "backfill_shift", "backfill_key_shift",
-                   "key_basis", "refit", "refit_hold", "refit_decoded", "protect_level", "tail_reads",
+                   "key_basis", "refit", "refit_hold", "refit_decoded", "refit_feedback",
+                   "protect_level", "tail_reads",
                    "lift_share", "lift_level", "lift_role"}
         bad = set(c) - allowed
         if bad:

@@ -222,10 +222,13 @@ def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torc
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
 
 
-def stored_step_mean(x: torch.Tensor, step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step and the per-channel mean of ``x [H, T, D]`` as :func:`encode_role` stores them (float16)."""
+def stored_step_mean(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step and the per-channel mean (``x [H, T, D]``'s own unless given) as
+    :func:`encode_role` stores them (float16)."""
     step = step.to(torch.float16).float()
-    return step, (x.mean(1).to(torch.float16).float() if x.shape[1] else torch.zeros_like(step))
+    if mean is None:
+        mean = x.mean(1) if x.shape[1] else torch.zeros_like(step)
+    return step, mean.to(torch.float16).float()
 
 
 def roundtrip_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor,
@@ -238,14 +241,15 @@ def roundtrip_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor,
 
 def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, coding: str = DEFAULT_CODING,
                 compress: Callable[[bytes], bytes] | None = None, basis: torch.Tensor | None = None,
-                stored: torch.Tensor | None = None):
+                stored: torch.Tensor | None = None, mean: torch.Tensor | None = None):
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
     ``compress`` (bytes -> bytes) replaces the coder of the code frames, for measuring
     other coders on the same frames (``bench/rate_probe.py``); bundles use ``coding``.
     ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`). ``stored`` (bool ``[H, T]``):
-    only these rows are coded (the others decode to the mean)."""
-    step, mean = stored_step_mean(x, step)
+    only these rows are coded (the others decode to the mean). ``mean [H, D]``: the grid's
+    centre, default ``x``'s mean (``kdnctl.value_feedback`` rounds to a grid of its own first)."""
+    step, mean = stored_step_mean(x, step, mean)
     codes = quantize_codes(x, step, mean, levels, basis)
     lim = float(codes.abs().max()) if codes.numel() else 0.0
     if lim > 32767:
