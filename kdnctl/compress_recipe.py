@@ -118,6 +118,7 @@ class CompressRecipe:
                 # the user's); --refit 0 turns it off, a --refit RHO of the user's stands as given
                 if auto.refit and self.refit is None and self.lift and self.backfill is None and self.keep < 1:
                     self.refit, self.refit_hold = auto.refit, True
+                    self.refit_decoded = self.refit_feedback = True  # session 40: fitted to the keys as decoded, rounded with feedback
                 # the sentences scorer is the same in every head: KVCrush's head-behaviour
                 # representatives would be arbitrary, so the auto recipe keeps by importance alone
                 if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":

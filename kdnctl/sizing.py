@@ -98,8 +98,10 @@ AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role"
 # planted numbers: 4 needles and 5 facts lost, session 24). At 0.083 with half of the tokens (sessions
 # 38-39, docs/compression.md "The held refit becomes the 0.083 default"): 56/60 needles, 21/40 facts,
 # continuation 105.8% of the full cache against 57/60, 19/40, 108.0% without it; 60% of the tokens
-# with it lost 2 needles and 2 facts against it for 0.5 points of continuation. Compressing takes
-# ~1.2x as long (one more forward pass, a solve per layer and KV head)
+# with it lost 2 needles and 2 facts against it for 0.5 points of continuation. Since session 40 the
+# fit reads the kept keys as the loader decodes them and the fitted values are rounded with feedback
+# through the fit's normal matrix (--refit-decoded --refit-feedback, kdnctl.value_feedback):
+# continuation 104.8% (n=30) against 105.8%. Compressing takes ~1.9x the held refit's time
 AUTO_REFIT = 0.01
 
 
@@ -121,7 +123,7 @@ class AutoRecipe:
     scorer: str | None = None
     ratio: float | None = None  # KVCrush's share of representatives
     lift: dict | None = None  # ec's --lift, --lift-share, --lift-level, --lift-role (AUTO_LIFT)
-    refit: float | None = None  # ec's --refit with --refit-hold where the recipe has a lift (AUTO_REFIT)
+    refit: float | None = None  # ec's --refit with --refit-hold, --refit-decoded, --refit-feedback where the recipe has a lift (AUTO_REFIT)
 
 
 def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
 # the default at 0.083: eviction first, half of the tokens, the keys of the top 30% of them by literals 4x
 # finer, the other kept tokens' values refitted to the full attention (session 39)
-EVICT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+EVICT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
 UNFIT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"  # the same without the refit (--refit 0)
 PLAIN = "ec-b0.083-k0.5-p32-sentences-gap"  # the same kept set without the lift (--lift none)
 BACKFILL = "ec-b0.083-k0.5-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
@@ -35,7 +35,7 @@ BACKFILL_S1 = "ec-b0.083-k0.5-p32-bf15-22s1ks0-sentences-gap"
 # every token in KV head 2 of layer 18 and heads 1, 2 of layer 20, at the kept tokens' steps
 WIDE = "ec-b0.083-k0.5-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
 WIDE_HEADS = {18: (2,), 20: (1, 2)}
-LIFTED = "ec-b0.083-k0.5-p32-lliterals0.1x2-rf0.01h-sentences-gap"  # the default, the top tenth by literals 4x finer
+LIFTED = "ec-b0.083-k0.5-p32-lliterals0.1x2-rf0.01hdf-sentences-gap"  # the default, the top tenth by literals 4x finer
 DEFAULT = "ec-b0.25-p64-lliterals0.3x2k"  # the default at 0.25: every token, the keys of the top 30% by literals 4x finer
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1),
              WIDE: ((18, 20), 0, 0)}  # label: (layers, key/value shift)
@@ -246,7 +246,8 @@ def test_default_refits_the_values_it_does_not_hold(lm, store, doc):
 
     v = store.get_version(doc, EVICT)
     step, unfit = v.recipe["steps"][-1], store.get_version(doc, UNFIT).recipe["steps"][-1]
-    assert (step["refit"], step["refit_hold"]) == (0.01, True) and "refit" not in unfit
+    assert (step["refit"], step["refit_hold"], step["refit_decoded"], step["refit_feedback"]) == (0.01, True, True, True)
+    assert "refit" not in unfit
     ours, theirs = ([decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, lab).chunks]
                     for lab in (EVICT, UNFIT))
     assert torch.equal(torch.cat([b.layer_positions(0)[0] for b in ours]), torch.cat([b.layer_positions(0)[0] for b in theirs]))

@@ -123,7 +123,7 @@ def test_lift_role_refusals():
     from kdnctl.errors import UsageError
 
     r = CompressRecipe(budget=0.083, lift="literals", lift_share=0.08, lift_level=4, lift_role="keys")
-    assert r.as_dict()["lift_role"] == "keys" and r.default_label().endswith("-lliterals0.08x4k-rf0.01h-sentences-gap")
+    assert r.as_dict()["lift_role"] == "keys" and r.default_label().endswith("-lliterals0.08x4k-rf0.01hdf-sentences-gap")
     for bad, match in [(dict(lift="literals", lift_role="values"), "lift_role"), (dict(lift_role="keys", lift="none"), "--lift")]:
         with pytest.raises(UsageError, match=match):
             CompressRecipe(budget=0.083, **bad)

@@ -209,7 +209,7 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(lift="none").default_label() == "ec-b0.25-p64" and "lift" not in CompressRecipe(lift="none").as_dict()
     assert CompressRecipe(lift_share=0.1).default_label() == "ec-b0.25-p64-lliterals0.1x2k"  # a user's own share stays
     assert CompressRecipe(lift="sentences").default_label() == "ec-b0.25-p64-lsentences"  # a user's own scorer: no auto role
-    assert low.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+    assert low.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
     assert (low.lift, low.lift_share, low.lift_level, low.lift_role) == (d.lift, d.lift_share, d.lift_level, d.lift_role)
     assert CompressRecipe(budget=0.083, lift="none").default_label() == "ec-b0.083-k0.5-p32-sentences-gap"
     wide = CompressRecipe(budget=0.083, backfill="18.2")  # with --backfill no auto lift (it cost facts there)

@@ -99,10 +99,10 @@ def test_recipe_lift_share_and_level():
     r = CompressRecipe(budget=0.083, lift="literals", lift_share=0.08, lift_level=2)
     assert r.lift_steps == (0.08, 2)
     assert r.as_dict()["lift_share"] == 0.08 and r.as_dict()["lift_level"] == 2
-    assert r.default_label() == "ec-b0.083-k0.5-p32-lliterals0.08x2-rf0.01h-sentences-gap"
+    assert r.default_label() == "ec-b0.083-k0.5-p32-lliterals0.08x2-rf0.01hdf-sentences-gap"
     toml = Recipe(name="x", compress={"budget": 0.083, "quant": "ec", "keep": 0.5, "protect": 32, "scorer": "sentences-gap",
                                       "lift": "literals", "lift_share": 0.08, "lift_level": 2, "refit": 0.01,
-                                      "refit_hold": True})
+                                      "refit_hold": True, "refit_decoded": True, "refit_feedback": True})
     assert toml.compress_recipe().default_label() == r.default_label()
     assert CompressRecipe(budget=0.083, lift="literals", lift_share=0.06, lift_level=4).lift_steps == (0.06, 4)
     for bad, match in [(dict(lift_share=0.1, lift="none"), "--lift"), (dict(lift="literals", lift_level=5), "lift_level"),

@@ -76,7 +76,7 @@ def test_recipe_tail_reads_is_asked_for_recorded_and_labelled():
     assert auto.tail_reads is None and "tail_reads" not in auto.as_dict()
     on = CompressRecipe(budget=0.083, tail_reads=0.25)
     assert on.as_dict()["tail_reads"] == 0.25
-    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-tr0.25-sentences-gap"
+    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-tr0.25-sentences-gap"
     assert CompressRecipe(budget=0.083, tail_reads=0).default_label() == auto.default_label()
     with pytest.raises(UsageError, match="--tail-reads"):  # every token kept: nothing to choose
         CompressRecipe(budget=0.25, quant="ec", tail_reads=0.25)
@@ -85,7 +85,7 @@ def test_recipe_tail_reads_is_asked_for_recorded_and_labelled():
     r = Recipe(name="x", compress={"budget": 0.083, "quant": "ec", "keep": 0.5, "protect": 32,
                                    "scorer": "sentences-gap", "tail_reads": 0.25, "lift": "literals",
                                    "lift_share": 0.3, "lift_level": 2, "lift_role": "keys", "refit": 0.01,
-                                   "refit_hold": True})
+                                   "refit_hold": True, "refit_decoded": True, "refit_feedback": True})
     assert r.compress_recipe().default_label() == on.default_label()
 
 

@@ -95,16 +95,22 @@ def test_the_fit_shrinks_the_attention_error_eviction_leaves():
 def test_recipe_refit_is_asked_for_recorded_and_labelled():
     from kdnctl.compress import CompressRecipe
 
-    # the default below 0.25 since session 39: ridge 0.01, the lifted tokens' values held
+    # the default below 0.25 since session 39: ridge 0.01, the lifted tokens' values held; since
+    # session 40 fitted to the keys as decoded and rounded with feedback
     auto = CompressRecipe(budget=0.083)
-    assert (auto.refit, auto.refit_hold) == (0.01, True)
-    assert auto.as_dict()["refit"] == 0.01 and auto.as_dict()["refit_hold"] is True
-    assert auto.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+    assert (auto.refit, auto.refit_hold, auto.refit_decoded, auto.refit_feedback) == (0.01, True, True, True)
+    assert {k: auto.as_dict()[k] for k in ("refit", "refit_hold", "refit_decoded", "refit_feedback")} == \
+        {"refit": 0.01, "refit_hold": True, "refit_decoded": True, "refit_feedback": True}
+    # session 39's default, spelled out, keeps its label
+    s39 = CompressRecipe(budget=0.083, refit=0.01, refit_hold=True)
+    assert not (s39.refit_decoded or s39.refit_feedback)
+    assert s39.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+    assert auto.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
     on = CompressRecipe(budget=0.083, refit=0.01)  # a user's --refit stands as given: no hold
     assert on.refit == 0.01 and on.as_dict()["refit"] == 0.01 and "refit_hold" not in on.as_dict()
     assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01-sentences-gap"
     off = CompressRecipe(budget=0.083, refit=0)
-    assert off.refit is None and not off.refit_hold and "refit" not in off.as_dict()
+    assert off.refit is None and not (off.refit_hold or off.refit_decoded or off.refit_feedback) and "refit" not in off.as_dict()
     assert off.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"
     # no lift (nothing to hold), a backfill, every token kept or a spelled-out recipe: no auto refit
     assert CompressRecipe(budget=0.083, lift="none").refit is None
