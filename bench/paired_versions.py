@@ -1,8 +1,8 @@
 """Paired comparison of two versions in bench/quality.py results: per task, who answers what.
 
     python bench/paired_versions.py RESULTS.json A B
-        per kind: how many each answers, tasks only A / only B answers (exact McNemar p) and the
-        mean NLL of A, B, full (``--tasks-of OTHER.json``: only the tasks another run holds;
+        per kind: how many each answers, tasks only A / only B answers (exact McNemar p; for
+        continuations: tasks where A's / B's NLL is lower, exact sign test) and the mean NLL of A, B, full (``--tasks-of OTHER.json``: only the tasks another run holds;
         ``--also OTHER.json``: the versions of another run of the same tasks too, where its full
         cache agrees task for task; ``--worst N``: the N continuation tasks A loses most on, each
         label's NLL / full there)
@@ -67,6 +67,10 @@ def main() -> None:
                 line += (f"{a_label} answers {sum(a for a, _ in ok)}, {b_label} {sum(b for _, b in ok)}; "
                          f"only {a_label} answers {only_a}, only {b_label} answers {only_b}, "
                          f"exact McNemar p = {mcnemar(only_a, only_b):.3f}; ")
+            if kind == "continuation":  # per task, whose NLL is lower (exact sign test over the tasks that differ)
+                lower = [t["by_version"][a_label]["nll"] - t["by_version"][b_label]["nll"] for t in ts]
+                a_low, b_low = sum(x < 0 for x in lower), sum(x > 0 for x in lower)
+                line += f"{a_label} lower on {a_low}, {b_label} lower on {b_low} (sign test p = {mcnemar(a_low, b_low):.3f}); "
             print(line + f"mean NLL: full {nll['full'] / len(ts):.4f}, " + ", ".join(
                 f"{k} {nll[k] / len(ts):.4f} ({nll[k] / nll['full'] * 100:.2f}%)" for k in (a_label, b_label)))
         return

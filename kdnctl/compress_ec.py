@@ -33,7 +33,8 @@ from .compress_recipe import LIFT_LEVEL, LIFT_SHARE, PROTECT_LEVEL
 from .errors import UsageError
 from .quant.basis import basis_for_model, load_basis
 from .quant import transforms as tf
-from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role, roundtrip_role
+from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
+from .quant.grid import roundtrip_role
 from .quant.sensitivity import key_weights, value_weights
 from .tail_reads import tail_read_scores
 from .value_feedback import feedback_values

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant.entropy import stored_step_mean
+from .quant.grid import stored_step_mean
 
 
 def read_together(queries: torch.Tensor, kept_keys: torch.Tensor, scale: float, rho: float) -> tuple[torch.Tensor, float]:

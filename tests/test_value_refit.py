@@ -176,18 +176,14 @@ def test_compress_with_held_refit_end_to_end(tiny_lm, tmp_path_factory):
     assert not torch.allclose(a.values[-1], b.values[-1]) and not torch.allclose(a.values[-1], c.values[-1])
 
 
-def test_compress_with_refit_to_the_decoded_keys_end_to_end(tiny_lm, tmp_path_factory, monkeypatch):
-    """``--refit-decoded`` through a real compress: the label and the recipe say so, the cap holds,
-    the kept tokens are the plain refit's, and the keys the fit reads are the keys the version
-    loads with (quantized, up to the codes a last small move of the scale flips), not the keys
-    before quantization that the plain refit reads. (The tiny model's coarse values hide what
-    this gives the attention output; ``test_a_fit_to_the_keys...`` has that, the real path's runs
-    in docs/compression.md the rest.)"""
-    from budgetkit import fp16_size, trimmed_store
+@pytest.fixture(scope="module")
+def refit_versions(tiny_lm, tmp_path_factory):
+    """The tiny model's faq.md refitted three ways (plain, ``--refit-decoded``, ``--refit-feedback``)
+    and, per layer, the keys the decoded refit fitted to (``kept_keys``, seen in ``refit_values``)."""
+    from budgetkit import trimmed_store
 
     import kdnctl.compress_ec as ce
     from kdnctl.compress import CompressRecipe, compress_document
-    from kdnctl.engine.hf import load_document
 
     seen: list = []
 
@@ -195,23 +191,47 @@ def test_compress_with_refit_to_the_decoded_keys_end_to_end(tiny_lm, tmp_path_fa
         seen.append(args[7] if len(args) > 7 else kw.get("kept_keys"))
         return refit_values(*args, **kw)
 
-    monkeypatch.setattr(ce, "refit_values", spy)
     st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
     base = {"budget": 0.3, "quant": "ec", "keep": 0.5, "protect": 16, "scorer": "sentences", "refit": 0.01}
-    with pytest.raises(UsageError, match="--refit-decoded"):
-        CompressRecipe(**{**base, "refit": 0}, refit_decoded=True)
-    with st.writer():
-        dec = compress_document(st, "faq.md", CompressRecipe(**base, refit_decoded=True), lm=tiny_lm)
-        fitted_to = seen[:]
-        plain = compress_document(st, "faq.md", CompressRecipe(**base), lm=tiny_lm)
-        full = load_document(tiny_lm, st, "faq.md", "full")
+    out = {}
+    with pytest.MonkeyPatch.context() as mp, st.writer():
+        mp.setattr(ce, "refit_values", spy)
+        for name, extra in (("decoded", {"refit_decoded": True}), ("feedback", {"refit_feedback": True}), ("plain", {})):
+            del seen[:]
+            out[name] = compress_document(st, "faq.md", CompressRecipe(**base, **extra), lm=tiny_lm)
+            out[name + ".fitted_to"] = seen[:]
+    return st, out
+
+
+@pytest.mark.parametrize("flag", ["--refit-decoded", "--refit-feedback"])
+def test_refit_options_need_a_refit(flag):
+    from kdnctl.compress import CompressRecipe
+
+    with pytest.raises(UsageError, match=flag):
+        CompressRecipe(budget=0.3, quant="ec", keep=0.5, refit=0, **{flag[2:].replace("-", "_"): True})
+
+
+def test_compress_with_refit_to_the_decoded_keys_end_to_end(tiny_lm, refit_versions):
+    """``--refit-decoded`` through a real compress: the label and the recipe say so, the cap holds,
+    the kept tokens are the plain refit's, and the keys the fit reads are the keys the version
+    loads with (quantized, up to the codes a last small move of the scale flips), not the keys
+    before quantization that the plain refit reads. (The tiny model's coarse values hide what
+    this gives the attention output; ``test_a_fit_to_the_keys...`` has that, the real path's runs
+    in docs/compression.md the rest.)"""
+    from budgetkit import fp16_size
+
+    from kdnctl.engine.hf import load_document
+
+    st, v = refit_versions
+    dec, plain, fitted_to = v["decoded"], v["plain"], v["decoded.fitted_to"]
+    full = load_document(tiny_lm, st, "faq.md", "full")
     assert dec.label == plain.label.replace("-rf0.01-", "-rf0.01d-")
     assert st.get_version("faq.md", dec.label).recipe["steps"][-1]["refit_decoded"] is True
     assert dec.bytes <= 0.3 * fp16_size(st, "faq.md")
     a, b = load_document(tiny_lm, st, "faq.md", dec.label), load_document(tiny_lm, st, "faq.md", plain.label)
     assert a.keys[0].shape == b.keys[0].shape and a.keys[0].shape[2] < full.keys[0].shape[2]
     assert not torch.allclose(a.values[-1], b.values[-1])
-    assert len(fitted_to) == len(full.keys) and all(k is None for k in seen[len(fitted_to):])
+    assert len(fitted_to) == len(full.keys) and all(k is None for k in v["plain.fitted_to"])
     kept = torch.cat([torch.nonzero(c.kept).flatten() + c.start for c in _kept_chunks(st, dec.label)])
     for i, kk in enumerate(fitted_to):
         loaded, exact = a.keys[i][0].float(), full.keys[i][0][:, kept].float()
@@ -268,24 +288,18 @@ def test_feedback_costs_less_through_the_normal_matrix_than_plain_rounding():
     assert fed < 0.9 * plain
 
 
-def test_compress_with_feedback_end_to_end(tiny_lm, tmp_path_factory):
+def test_compress_with_feedback_end_to_end(tiny_lm, refit_versions):
     """``--refit-feedback`` through a real compress: the label says so, the cap holds, the kept
-    tokens and keys are the plain refit's, and the stored values give the document's own queries
-    an attention output nearer the full cache's in most layers (the tiny model's values are
-    coarse: rounding is most of its error)."""
-    from budgetkit import fp16_size, layers_read_nearer, trimmed_store
+    tokens are the plain refit's, and the stored values give the document's own queries an
+    attention output nearer the full cache's in most layers (the tiny model's values are coarse:
+    rounding is most of its error)."""
+    from budgetkit import fp16_size, layers_read_nearer
 
-    from kdnctl.compress import CompressRecipe, compress_document
     from kdnctl.engine.hf import load_document
 
-    st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
-    base = {"budget": 0.3, "quant": "ec", "keep": 0.5, "protect": 16, "scorer": "sentences", "refit": 0.01}
-    with pytest.raises(UsageError, match="--refit-feedback"):
-        CompressRecipe(**{**base, "refit": 0}, refit_feedback=True)
-    with st.writer():
-        fed = compress_document(st, "faq.md", CompressRecipe(**base, refit_feedback=True), lm=tiny_lm)
-        plain = compress_document(st, "faq.md", CompressRecipe(**base), lm=tiny_lm)
-        full = load_document(tiny_lm, st, "faq.md", "full")
+    st, v = refit_versions
+    fed, plain = v["feedback"], v["plain"]
+    full = load_document(tiny_lm, st, "faq.md", "full")
     assert fed.label == plain.label.replace("-rf0.01-", "-rf0.01f-") and fed.bytes <= 0.3 * fp16_size(st, "faq.md")
     assert st.get_version("faq.md", fed.label).recipe["steps"][-1]["refit_feedback"] is True
     a, b = load_document(tiny_lm, st, "faq.md", fed.label), load_document(tiny_lm, st, "faq.md", plain.label)

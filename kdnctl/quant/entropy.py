@@ -53,6 +53,7 @@ from kdnctl.errors import BundleFormatError, InputError
 from . import transforms as tf
 from .base import Quantizer, check_kv, need
 from .basis import load_basis
+from .grid import dequantize_codes, quantize_codes, roundtrip_role, stored_step_mean  # noqa: F401 (re-exported)
 
 ROLES = ("keys", "values")
 ZSTD_LEVEL = 3  # how bundles before format 1.6 were written
@@ -145,29 +146,6 @@ def _u8(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
-def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,
-                   basis: torch.Tensor | None = None) -> torch.Tensor:
-    """Integer codes (as float) of ``x [H, T, D]``: ``round((x - mean) / (step / 2**level))``;
-    with ``basis [H, D, D]`` (``kdnctl.quant.basis``) the step-normalised rows are first rotated
-    into its axes: ``round(((x - mean) / step) @ basis * 2**level)``."""
-    if basis is None:
-        div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]
-        return torch.round((x - mean[:, None, :]) / div)
-    u = (x - mean[:, None, :]) / step[:, None, :]
-    return torch.round((u @ basis) * torch.pow(2.0, levels.float())[None, :, None])
-
-
-def dequantize_codes(codes: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,
-                     basis: torch.Tensor | None = None) -> torch.Tensor:
-    """``codes [..., H, T, D]`` with ``step``/``mean`` ``[..., H, D]``, ``levels [..., T]`` and
-    optionally ``basis [..., H, D, D]`` (the inverse of :func:`quantize_codes`)."""
-    if basis is None:
-        div = step[..., None, :] / torch.pow(2.0, levels.float())[..., None, :, None]
-        return codes * div + mean[..., None, :]
-    z = codes * torch.pow(2.0, -levels.float())[..., None, :, None]
-    return (z @ basis.transpose(-1, -2)) * step[..., None, :] + mean[..., None, :]
-
-
 def codes_per_byte(peak: int) -> int:
     """How many codes in ``[-peak, peak]`` one byte holds as base-``2 peak + 1`` digits (1: none;
     0: every code is 0 and nothing is stored). Huffman coding spends at least one bit per
@@ -220,23 +198,6 @@ def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torc
     else:
         spread = codes.float().std(1, unbiased=False) if codes.shape[1] > 1 else codes.float().abs().amax(1)
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
-
-
-def stored_step_mean(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The step and the per-channel mean (``x [H, T, D]``'s own unless given) as
-    :func:`encode_role` stores them (float16)."""
-    step = step.to(torch.float16).float()
-    if mean is None:
-        mean = x.mean(1) if x.shape[1] else torch.zeros_like(step)
-    return step, mean.to(torch.float16).float()
-
-
-def roundtrip_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor,
-                   basis: torch.Tensor | None = None) -> torch.Tensor:
-    """What :func:`decode_role` gives back for ``encode_role(x, step, levels, basis=basis)``
-    (the coding is lossless, so it is skipped): float32 ``[H, T, D]``."""
-    step, mean = stored_step_mean(x, step)
-    return dequantize_codes(quantize_codes(x, step, mean, levels, basis), step, mean, levels, basis)
 
 
 def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, coding: str = DEFAULT_CODING,
