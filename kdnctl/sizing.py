@@ -163,7 +163,8 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
       56/60, 14/40, +10.3%, bench/results/quality-cpu-keylift-083). Since session 38 half of
       the tokens at steps 1.5x coarser (EVICT_KEEP_AT; docs/compression.md, "The keep curve
       through the real path"); since session 39 the kept tokens' values refitted to the
-      document's own queries, the lifted tokens' held (AUTO_REFIT; ``--refit 0`` turns it off);
+      document's own queries, the lifted tokens' held (AUTO_REFIT; ``--refit 0`` turns it off),
+      since session 40 fitted to the keys as decoded and rounded with feedback;
     * from ~0.54 ``uniform``: the most precise single tier that holds every token (int8,
       lossless on every check)."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
