@@ -23,13 +23,7 @@ from __future__ import annotations
 import torch
 
 from .quant.grid import stored_step_mean
-
-
-def read_together(queries: torch.Tensor, kept_keys: torch.Tensor, scale: float, rho: float) -> tuple[torch.Tensor, float]:
-    """``(A_S [N, S], lam)`` of one KV head: the attention of its group's ``queries [g, N, D]``
-    over ``kept_keys [S, D]`` and the refit's ridge weight (``kdnctl.value_refit``)."""
-    a = torch.softmax(queries.reshape(-1, kept_keys.shape[-1]).float() @ kept_keys.float().T * scale, -1)
-    return a, rho * float(a.pow(2).sum()) / max(kept_keys.shape[0], 1)
+from .value_refit import read_together
 
 
 def round_with_feedback(x: torch.Tensor, h: torch.Tensor, mean: torch.Tensor, div: torch.Tensor,

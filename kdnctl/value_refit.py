@@ -62,6 +62,13 @@ def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
     return [q * cos + rotate_half(q) * sin for q in raw], scales
 
 
+def read_together(queries: torch.Tensor, kept_keys: torch.Tensor, scale: float, rho: float) -> tuple[torch.Tensor, float]:
+    """``(A_S [N, S], lam)`` of one KV head: the attention of its group's ``queries [g, N, D]``
+    over ``kept_keys [S, D]``, and the ridge weight ``lam`` of the fit (also the feedback's, ``kdnctl.value_feedback``)."""
+    a = torch.softmax(queries.reshape(-1, kept_keys.shape[-1]).float() @ kept_keys.float().T * scale, -1)
+    return a, rho * float(a.pow(2).sum()) / max(kept_keys.shape[0], 1)
+
+
 def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
                  scale: float, rho: float, hold: torch.Tensor | None = None,
                  kept_keys: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,10 +86,8 @@ def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
         q = queries[h * group:(h + 1) * group].reshape(-1, D).float()
         k, v = keys[h].float(), values[h].float()
         target = torch.cat([torch.softmax(b @ k.T * scale, -1) @ v for b in q.split(_BLOCK)])
-        ks = k[kept] if kept_keys is None else kept_keys[h].float()
-        a = torch.softmax(q @ ks.T * scale, -1)  # [N, S]
+        a, lam = read_together(q, k[kept] if kept_keys is None else kept_keys[h], scale, rho)  # [N, S]
         vs = v[kept]
-        lam = rho * float(a.pow(2).sum()) / kept.numel()
         resid = target - a @ vs
         moves = slice(None) if hold is None else ~hold
         free = a[:, moves]  # the held columns' values are fixed: part of the target
