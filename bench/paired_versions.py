@@ -9,6 +9,7 @@
     python bench/paired_versions.py NEW.json LABEL --against OLD.json
         LABEL in two deterministic runs on the tasks both hold (the full cache must agree): counts,
         tasks only one run answers (exact McNemar p), identical answers, the largest NLL change
+        (``--old-label L``: the old run named that version L, e.g. a ``--label`` given by hand)
 
 The quotes in docs/compression.md of ``bench/results/quality-cpu-layers*/`` come from here.
 """
@@ -32,6 +33,7 @@ def main() -> None:
     ap.add_argument("--against", default=None)
     ap.add_argument("--tasks-of", default=None, help="another results JSON: only the tasks it holds (before --also joins runs)")
     ap.add_argument("--also", action="append", default=[], help="another run's results JSON of the same tasks")
+    ap.add_argument("--old-label", default=None, help="with --against and one label: its label in the old run")
     ap.add_argument("--worst", type=int, default=0, help="print the N continuation tasks A loses most on")
     args = ap.parse_args()
     tasks = json.load(open(args.results))["tasks"]
@@ -76,6 +78,11 @@ def main() -> None:
         return
     new = {t["id"]: t for t in tasks}
     old = {t["id"]: t for t in json.load(open(args.against))["tasks"]}
+    if args.old_label:
+        if len(args.labels) != 1:
+            raise SystemExit("--old-label pairs one label with its old name: give one label")
+        for t in old.values():  # the old run's name for the version, read as the new one's
+            t["by_version"][args.labels[0]] = t["by_version"][args.old_label]
     for label in args.labels:
         for kind in ("needle", "multifact", "continuation"):
             ids = [i for i in new if new[i]["kind"] == kind and i in old]
