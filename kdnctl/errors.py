@@ -101,6 +101,13 @@ class StoreLockedError(KdnError):
     default_hint = "another kdnctl command is writing to this store; wait for it to finish"
 
 
+class StoreReadOnlyError(StoreLockedError):
+    """A write (ingest, compress, gc, rebuild-catalog) to a store on a read-only filesystem or
+    without write permission; reads still work."""
+
+    default_hint = "reads (ls, show, verify, ask) still work; writes need a writable copy of the store"
+
+
 class ModelLoadError(KdnError):
     """The model path is missing or not a model kdnctl can load."""
 
@@ -161,6 +168,7 @@ EXIT_CODES: dict[type[KdnError], int] = {
         BundleFormatError,
         StoreCorruptError,
         StoreLockedError,
+        StoreReadOnlyError,
         ModelLoadError,
         RemoteError,
         UnsupportedError,

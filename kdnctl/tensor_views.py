@@ -44,7 +44,7 @@ def tensor_index(header: dict[str, Any], n_header: int, total: int) -> list[tupl
         except UnicodeEncodeError:
             raise _unreadable(f"tensor name {name!r} is not valid UTF-8") from None
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dt not in _DTYPES:
+        if not isinstance(dt, str) or dt not in _DTYPES:
             raise _unreadable(f"tensor {name!r} has unknown dtype {dt!r}")
         if type(shape) is not list or not all(type(x) is int and x >= 0 for x in shape):  # (bool is not int)
             raise _unreadable(f"tensor {name!r} has an invalid shape {shape!r}")

@@ -223,6 +223,9 @@ def test_gc_removes_superseded_versions_and_orphans_but_keeps_current(store):
     d2, v2 = add_doc(store, text=b"second text", chunks=(b"shared", b"new-1"), mode="independent",
                      salt="")
     orphan = store.put_object(b"nobody refers to me")
+    os.utime(store.object_path(orphan), (time.time() - 3600, time.time() - 3600))  # older than the last commit
+    time.sleep(0.02)  # file times are coarser than the commit's clock
+    fresh = store.put_object(b"written after the last commit")  # a writer between put and commit
     old_tmp, new_tmp = store.root / "tmp" / "old.tmp", store.root / "tmp" / "new.tmp"
     old_tmp.write_bytes(b"12345")
     new_tmp.write_bytes(b"live")
@@ -243,6 +246,7 @@ def test_gc_removes_superseded_versions_and_orphans_but_keeps_current(store):
     assert stats["bytes_freed"] == freed
     for sha in gone:
         assert not store.has_object(sha)
+    assert stats["kept_newer"] == 1 and store.has_object(fresh)  # newer than the catalog's last commit
     assert store.has_object(v2.chunks[0].object)  # "shared" is still used by the current version
     assert store.has_object(d2.text_object) and store.has_object(v2.chunks[1].object)
     assert not old_tmp.exists() and new_tmp.exists()
@@ -309,7 +313,7 @@ def test_catalog_dump_equal_for_stores_built_the_same_way(tmp_path):
         add_doc(s, "doc-b", b"bbb", (b"x",), created=created)
     da = a.catalog_dump()
     assert da == b.catalog_dump()
-    assert da["meta"] == {"schema_version": 1}
+    assert da["meta"] == {"schema_version": 1, "last_commit": {}}  # (each store's own id is left out)
     assert set(da) == {"meta", "docs", "current", "versions", "prefix"}
     assert len(da["versions"]) == 3 and len(da["prefix"]) == 4
     assert all("created" not in v for v in da["docs"].values())

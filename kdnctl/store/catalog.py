@@ -103,6 +103,15 @@ def release_env(key: str) -> None:
                 del _ENVS[key]
 
 
+def forget_env(catalog_dir: Path) -> None:
+    """Close and drop this process's shared environment of ``catalog_dir`` (its store is being
+    removed): a later store at the same path must not get the old mapping."""
+    with _ENVS_LOCK:
+        entry = _ENVS.pop(str(Path(catalog_dir).resolve()), None)
+    if entry is not None:
+        entry[0].close()
+
+
 def open_dbs(root: Path, env: lmdb.Environment) -> dict:
     """Handles of the catalog's databases (opened, never created), after
     checking the schema key. A catalog without it is damaged, not new: only create_catalog
@@ -132,9 +141,46 @@ def open_dbs(root: Path, env: lmdb.Environment) -> dict:
 
 
 
-def create_catalog(catalog_dir: Path) -> None:
-    """Make a new catalog beside ``catalog_dir`` (databases + schema key, one txn), then rename
-    it into place: a crash leaves either no catalog or a complete one, never an empty one."""
+# Catalog meta keys besides the schema version: the store's identity (the same id is written
+# beside the objects, IDENTITY_FILE), the time and count of the last record commit, and gc's
+# bookkeeping (``retired``/``released``/``held`` entries, keyed by a prefix).
+STORE_ID_KEY = b"store_id"
+LAST_COMMIT_KEY = b"last_commit"
+IDENTITY_FILE = "store-id"  # in objects/: which store these objects belong to
+
+
+def new_store_id() -> str:
+    return uuid.uuid4().hex
+
+
+def read_identity_file(objects_dir: Path) -> str | None:
+    """The store id written beside the objects, or None if there is none (a store made before
+    identities existed). A file that does not hold an id is damage, not absence."""
+    path = Path(objects_dir) / IDENTITY_FILE
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StoreCorruptError(f"{path} cannot be read ({e.strerror or e})", hint=CATALOG_HINT) from None
+    try:
+        sid = json.loads(raw)["store_id"]
+    except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+        sid = None
+    if not (isinstance(sid, str) and len(sid) == 32 and all(ch in "0123456789abcdef" for ch in sid)):
+        raise StoreCorruptError(f"{path} does not hold a store id (damaged)", hint=CATALOG_HINT)
+    return sid
+
+
+def write_identity_file(objects_dir: Path, store_id: str) -> None:
+    from ..durable import write_atomic
+
+    write_atomic(Path(objects_dir) / IDENTITY_FILE, [json.dumps({"store_id": store_id}).encode()])
+
+
+def create_catalog(catalog_dir: Path, store_id: str | None = None) -> None:
+    """Make a new catalog beside ``catalog_dir`` (databases + schema key + the store id, one txn),
+    then rename it into place: a crash leaves either no catalog or a complete one, never an empty one."""
     staging = catalog_dir.parent / f".catalog-new-{uuid.uuid4().hex[:12]}"
     staging.mkdir(parents=True)
     try:
@@ -143,6 +189,8 @@ def create_catalog(catalog_dir: Path) -> None:
             with env.begin(write=True) as txn:
                 dbs = {name: env.open_db(name.encode(), txn=txn) for name in DBS}
                 txn.put(b"schema_version", json.dumps(SCHEMA_VERSION).encode(), db=dbs["meta"])
+                if store_id is not None:
+                    txn.put(STORE_ID_KEY, json.dumps(store_id).encode(), db=dbs["meta"])
             env.sync(True)
         finally:
             env.close()

@@ -12,6 +12,7 @@ Invariants the code below protects (promises: docs/reliability.md):
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
@@ -20,15 +21,74 @@ import uuid
 from pathlib import Path
 from typing import Iterator
 
-from kdnctl.errors import NotFoundError, StoreCorruptError, StoreLockedError, UsageError
+from kdnctl.errors import NotFoundError, StoreCorruptError, StoreLockedError, StoreReadOnlyError, UsageError
 
 from ..durable import fsync_dir
 from . import catalog as cat
 from .maintenance import Maintenance, hash_file
 from .reads import CatalogReader, dumps_json, lookup_key, seal_record
-from .records import DocumentRecord, VersionRecord, check_id, check_sha, record_dict
+from .records import CATALOG_HINT, DocumentRecord, VersionRecord, check_id, check_sha, record_dict
 
 LAYOUT = {"objects", "tmp", "catalog", "write.lock"}
+READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+# Stores this process created (root, whether the directory existed before): a command that
+# fails before it wrote anything removes the empty store it made (``discard_unused_new_stores``).
+_CREATED: list[tuple[Path, bool]] = []
+
+
+def read_only_error(root: Path) -> StoreReadOnlyError:
+    return StoreReadOnlyError(f"store {root} is read-only")
+
+
+def discard_unused_new_stores() -> list[Path]:
+    """Remove every store this process created that still holds no record and no object (the
+    command that made it failed before writing). Returns the roots removed."""
+    import shutil
+
+    removed = []
+    while _CREATED:
+        root, existed = _CREATED.pop()
+        objects = root / "objects"
+        if any(p.is_file() for p in objects.rglob("*") if p.name != cat.IDENTITY_FILE) if objects.is_dir() else False:
+            continue
+        try:
+            env = lmdb_open_readonly(root / "catalog")
+        except Exception:  # noqa: BLE001 - not a catalog this process made: leave it alone
+            continue
+        try:
+            with env.begin() as txn:
+                empty = all(txn.stat(env.open_db(name.encode(), txn=txn, create=False))["entries"] == 0
+                            for name in ("docs", "versions", "current", "prefix"))
+        except Exception:  # noqa: BLE001
+            empty = False
+        finally:
+            env.close()
+        if not empty:
+            continue
+        cat.forget_env(root / "catalog")
+        for name in LAYOUT:
+            path = root / name
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.exists():
+                path.unlink(missing_ok=True)
+        if not existed:
+            try:
+                root.rmdir()
+            except OSError:
+                pass
+        removed.append(root)
+    return removed
+
+
+def lmdb_open_readonly(catalog_dir: Path):
+    import lmdb
+
+    key = str(catalog_dir.resolve())
+    if key in cat._ENVS:
+        raise RuntimeError("catalog in use")
+    return lmdb.open(key, subdir=True, max_dbs=8, readonly=True, lock=False, create=False)
 
 
 def default_store_root() -> Path:
@@ -64,7 +124,8 @@ class Store(CatalogReader, Maintenance):
             raise UsageError(f"store path {self.root} is not a directory")
         entries = set(os.listdir(self.root)) if self.root.is_dir() else set()
         leftovers = {e for e in entries if e.startswith(".catalog-new-")}  # an interrupted create
-        has_objects = self.objects_dir.is_dir() and any(p.is_file() for p in self.objects_dir.rglob("*"))
+        has_objects = self.objects_dir.is_dir() and any(p.is_file() and p.name != cat.IDENTITY_FILE
+                                                        for p in self.objects_dir.rglob("*"))
         if has_objects:
             raise cat.damaged_error(self.root, "it holds objects but no catalog (catalog/data.mdb is missing)")
         if entries - LAYOUT - leftovers:
@@ -76,15 +137,23 @@ class Store(CatalogReader, Maintenance):
         if not create:
             raise NotFoundError(f"no kdnctl store at {self.root}",
                                 hint="run `kdnctl ingest` first, or point KDN_STORE/--store at an existing store")
+        existed = self.root.is_dir()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             if self.catalog_dir.is_dir() and set(os.listdir(self.catalog_dir)) <= {"lock.mdb"}:
                 (self.catalog_dir / "lock.mdb").unlink(missing_ok=True)  # an old-style create cut short
-            cat.create_catalog(self.catalog_dir)
             for d in (self.objects_dir, self.tmp_dir):
                 d.mkdir(exist_ok=True)
+            # the identity goes beside the objects first, then into the catalog's creating txn:
+            # a crash in between leaves an identity file and no catalog, which a retry reuses
+            store_id = cat.read_identity_file(self.objects_dir) or cat.new_store_id()
+            cat.write_identity_file(self.objects_dir, store_id)
+            cat.create_catalog(self.catalog_dir, store_id)
         except OSError as e:
+            if e.errno == errno.EROFS:
+                raise read_only_error(self.root) from None
             raise UsageError(f"cannot create a store at {self.root}: {e.strerror or e}") from None
+        _CREATED.append((self.root, existed))
 
     # -- lifecycle / locking -------------------------------------------------------------
     def close(self) -> None:
@@ -111,7 +180,7 @@ class Store(CatalogReader, Maintenance):
     def writer(self) -> Iterator["Store"]:
         """Exclusive, non-blocking writer lock; re-entrant within this Store instance."""
         if self._lock_depth == 0:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = open_lock(self.root, self.lock_path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -123,6 +192,12 @@ class Store(CatalogReader, Maintenance):
             os.ftruncate(fd, 0)
             os.pwrite(fd, str(os.getpid()).encode(), 0)
             self._lock_fd = fd
+            try:
+                self._ensure_identity()
+            except BaseException:
+                self._lock_fd = None
+                os.close(fd)
+                raise
         self._lock_depth += 1
         try:
             yield self
@@ -132,6 +207,108 @@ class Store(CatalogReader, Maintenance):
                 fd, self._lock_fd = self._lock_fd, None
                 os.ftruncate(fd, 0)
                 os.close(fd)
+
+    # -- identity ----------------------------------------------------------------------------
+    def catalog_identity(self, txn=None) -> str | None:
+        """The store id recorded in the catalog, or None (a catalog made before identities)."""
+        import json
+
+        def get(t):
+            return t.get(cat.STORE_ID_KEY, db=self._db["meta"])
+
+        if txn is None:
+            with self._env.begin() as t:
+                raw = get(t)
+        else:
+            raw = get(txn)
+        if raw is None:
+            return None
+        try:
+            sid = json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            sid = None
+        if not isinstance(sid, str) or len(sid) != 32:
+            raise StoreCorruptError(f"the catalog of {self.root} holds a damaged store id", hint=CATALOG_HINT)
+        return sid
+
+    def objects_identity(self) -> str | None:
+        """The store id written beside the objects, or None."""
+        return cat.read_identity_file(self.objects_dir)
+
+    def _ensure_identity(self) -> None:
+        """A writer's first step: a store made before identities existed adopts one (written
+        beside the objects, then into the catalog); a catalog without an id in a store that has
+        one adopts it only when every record it holds points at an object that is here (it is
+        this store's catalog from before the identity, not another store's). Anything else is
+        left for ``check_identity`` to refuse where it matters (gc)."""
+        import json
+
+        in_catalog, beside = self.catalog_identity(), self.objects_identity()
+        if in_catalog is not None:
+            if beside is None and not self._has_objects():
+                cat.write_identity_file(self.objects_dir, in_catalog)  # a create cut short
+            return
+        if beside is None:
+            beside = cat.new_store_id()
+            cat.write_identity_file(self.objects_dir, beside)
+        elif self._records_point_elsewhere():
+            return
+        with self._env.begin(write=True) as txn:
+            txn.put(cat.STORE_ID_KEY, json.dumps(beside).encode(), db=self._db["meta"])
+
+    def _has_objects(self) -> bool:
+        return self.objects_dir.is_dir() and any(p.is_file() for sub in self.objects_dir.iterdir() if sub.is_dir()
+                                                 for p in sub.iterdir())
+
+    def _records_point_elsewhere(self) -> bool:
+        try:
+            refs = {d.text_object for d in self._all_documents()}
+            refs.update(c.object for v in self.all_versions() for c in v.chunks)
+        except StoreCorruptError:
+            return True
+        return any(not self.has_object(sha) for sha in refs)
+
+    def check_identity(self, what: str) -> str:
+        """The store id, after checking the catalog belongs to these objects (refuses otherwise)."""
+        in_catalog, beside = self.catalog_identity(), self.objects_identity()
+        if in_catalog is not None and in_catalog == beside:
+            return in_catalog
+        if in_catalog is None:
+            why = "the catalog records no store id but the objects have one" if beside else "the store has no id"
+        elif beside is None:
+            why = f"the objects carry no store id (objects/{cat.IDENTITY_FILE} is missing) but the catalog does"
+        else:
+            why = (f"the catalog belongs to another store (catalog id {in_catalog[:12]}, "
+                   f"objects' id {beside[:12]})")
+        raise StoreCorruptError(f"{what} refused: {why}; nothing was deleted",
+                                hint="put this store's own catalog back (or rebuild it with `kdnctl rebuild-catalog`), "
+                                     "then run `kdnctl verify`")
+
+    def last_commit(self, txn=None) -> float | None:
+        """When a record was last committed (None: never, in a catalog made before this was kept)."""
+        import json
+
+        def get(t):
+            return t.get(cat.LAST_COMMIT_KEY, db=self._db["meta"])
+
+        if txn is None:
+            with self._env.begin() as t:
+                raw = get(t)
+        else:
+            raw = get(txn)
+        if raw is None:
+            return None
+        try:
+            t = json.loads(raw)["created"]
+        except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+            t = None
+        if not isinstance(t, (int, float)) or isinstance(t, bool):
+            raise StoreCorruptError(f"the catalog of {self.root} holds a damaged last-commit entry", hint=CATALOG_HINT)
+        return float(t)
+
+    def _stamp_commit(self, txn, now: float) -> None:
+        prev = self.last_commit(txn)
+        txn.put(cat.LAST_COMMIT_KEY, dumps_json({"created": max(now, prev or 0.0)}), db=self._db["meta"])
 
     def _require_writer(self, what: str) -> None:
         if self._lock_depth == 0:
@@ -153,6 +330,10 @@ class Store(CatalogReader, Maintenance):
         final = self.object_path(sha)
         # Idempotent; but a damaged copy of the same content is replaced, not trusted.
         if final.is_file() and hash_file(final) == sha:
+            try:  # written again now: gc keeps objects newer than the catalog's last commit
+                os.utime(final)
+            except OSError:
+                pass
             return sha
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
         # host and pid in the name let gc tell a dead writer's leftovers from a live write
@@ -279,6 +460,7 @@ class Store(CatalogReader, Maintenance):
                 txn.put(cat.key(doc.doc_id, doc.doc_version), seal_record(doc), db=self._db["docs"])
                 txn.put(cat.key(doc.doc_id), dumps_json(doc.doc_version), db=self._db["current"])
                 self._put_version(txn, version, now)
+            self._stamp_commit(txn, now)
 
     def commit_version(self, version: VersionRecord) -> None:
         """Add (or replace) a label of an existing document version, in one txn."""
@@ -298,6 +480,7 @@ class Store(CatalogReader, Maintenance):
                 if txn.get(cat.key(version.doc_id, version.doc_version), db=self._db["docs"]) is None:
                     raise NotFoundError(f"document {version.doc_id} version {version.doc_version} is not in the store")
                 self._put_version(txn, version, now)
+            self._stamp_commit(txn, now)
 
     def remove_document(self, doc_id: str) -> None:
         """Forget a document: it stops being current; `gc` then reclaims its data after the grace period."""
@@ -311,6 +494,18 @@ class Store(CatalogReader, Maintenance):
                 raise NotFoundError(f"document {doc_id!r} is not in the store")
             txn.delete(k, db=self._db["current"])
             txn.put(cat.key("retired", doc_id, prev), dumps_json({"created": time.time()}), db=self._db["meta"])
+            self._stamp_commit(txn, time.time())
+
+
+def open_lock(root: Path, lock_path: Path) -> int:
+    """The write lock's file descriptor (not yet locked); a store that cannot be written is one
+    clear error, not an OSError."""
+    try:
+        return os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        if e.errno in READ_ONLY_ERRNOS:
+            raise read_only_error(root) from None
+        raise
 
 
 class ObjectDir:

@@ -1,9 +1,16 @@
-"""`verify` (check every record, object and bundle header) and `gc` (reclaim, with a grace period).
+"""`verify` (check every record, object and bundle) and `gc` (reclaim, with a grace period).
 
-gc deletes only what it can prove unreferenced: it reads (and validates) the whole catalog
-first and any damaged record stops it before anything is deleted. Superseded document versions
-and labels replaced by a re-commit keep their objects for ``grace_s`` seconds after they stopped
-being current, so a reader (a load, a `pull`) that picked a version just before keeps its objects.
+gc deletes only what a trusted catalog proves unreferenced (docs/store.md, "Safety"):
+- the catalog must carry this store's id, the one written beside the objects at creation;
+- verify's record checks must pass: a record that is damaged, points at a missing object or at
+  a bundle that names another place, might have been any object's rightful owner, so gc
+  refuses and deletes nothing;
+- an unreferenced object newer than the catalog's last commit is kept (the catalog may be an
+  older backup, or a writer is between writing objects and committing them);
+- objects ``rebuild-catalog`` could not place are held (``held`` entries) until released.
+Superseded document versions and labels replaced by a re-commit keep their objects for
+``grace_s`` seconds after they stopped being current, so a reader (a load, a `pull`) that
+picked a version just before keeps its objects.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import socket
 import time
 from dataclasses import dataclass, field
@@ -26,6 +34,11 @@ from .records import CATALOG_HINT, SHA_RE, VersionRecord, bundle_mismatch
 
 DEFAULT_GRACE_S = 600.0  # superseded objects stay this long after they stopped being current
 TMP_GRACE_S = 600.0  # a tmp file of a live (or unknown) writer is left alone this long
+# An object written this close before the last commit counts as newer (file times are coarser
+# than the clock the commit reads).
+COMMIT_SLACK_S = 0.0
+META_KEYS = ("schema_version", "store_id", "last_commit")  # plain meta keys; the rest are prefixed
+SEGMENT_RE = re.compile(r"#\d+$")  # a segment of a document longer than the model's context
 
 
 @dataclass
@@ -73,13 +86,35 @@ def _key_basis_problem(meta: dict, seen: dict[str, str | None]) -> str | None:
     return seen[sha]
 
 
-def _bundle_meta(path: Path) -> dict:
-    from kdnctl.bundle import header_size, read_meta
+def check_head(head: bytes, total: int) -> dict:
+    """A bundle's metadata after every check its header allows without its payload: JSON,
+    format version, tensor index (against the bundle's length ``total``) and header digest."""
+    from kdnctl.bundle import parse_head
+    from kdnctl.bundle_layout import Layout
+
+    meta, meta_json, digest, n, index = parse_head(head, total)
+    if digest is not None:
+        try:
+            computed = Layout(index, total - 8 - n).digest(meta_json)
+        except UnicodeEncodeError:
+            raise BundleFormatError("bundle metadata is not valid UTF-8 (corrupted?)") from None
+        if digest != computed:
+            raise BundleFormatError("bundle header checksum mismatch (corrupted metadata or tensor index)")
+    return meta
+
+
+def _bundle_meta(path: Path, *, full: bool = True) -> dict:
+    """The bundle's metadata after the checks a load makes: with ``full``, the whole decoder
+    (header, tensor index, digest, every tensor's structure); else the header-only ones."""
+    from kdnctl.bundle import decode_bundle, header_size
 
     with open(path, "rb") as f:
-        n = header_size(f.read(8))
-        f.seek(0)
-        return read_meta(f.read(n))
+        if full:
+            return decode_bundle(bytearray(f.read())).meta
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        head += f.read(header_size(head) - 8)
+        return check_head(head, size)
 
 
 def hash_file(path: Path) -> str:
@@ -110,8 +145,10 @@ def _dead_writer(p: Path) -> bool:
 class Maintenance:
     """verify and gc, a mixin of Store (needs its catalog reader and object layout)."""
 
-    def verify_report(self, *, check_bundles: bool = True) -> VerifyReport:
-        """Check every catalog record, object and bundle header (docs/reliability.md)."""
+    def verify_report(self, *, check_bundles: bool = True, rehash: bool = True) -> VerifyReport:
+        """Check every catalog record, object and bundle header (docs/reliability.md).
+        ``rehash=False`` (gc) skips re-hashing object bytes: a corrupted object that a record
+        uses is never deleted anyway; everything else is checked."""
         rep = VerifyReport()
         bad = rep.problems.append
         docs: dict[tuple, Any] = {}
@@ -161,9 +198,9 @@ class Maintenance:
                     rep.n_records += 1
                     try:
                         kind = cat.split(k)[0]
-                        if kind in ("retired", "released"):
+                        if kind in ("retired", "released", "held"):
                             _time_of(v)
-                        elif kind != "schema_version":
+                        elif kind not in META_KEYS:
                             bad(f"unknown catalog meta entry {_show(k)}")
                     except (KdnError, ValueError, UnicodeDecodeError):
                         bad(f"catalog meta entry {_show(k)} is unreadable")
@@ -172,6 +209,9 @@ class Maintenance:
         refs: dict[str, list[str]] = {}
         for d in docs.values():
             refs.setdefault(d.text_object, []).append(f"text of {d.doc_id}@{d.doc_version}")
+            if d.text_object != d.content_sha256 and not SEGMENT_RE.search(d.doc_id):
+                bad(f"document {d.doc_id}@{d.doc_version} names text object {d.text_object[:12]} but its content "
+                    f"hash is {d.content_sha256[:12]} (the record points at another text)")
         for r in versions.values():
             for c in r.chunks:
                 refs.setdefault(c.object, []).append(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}")
@@ -182,7 +222,7 @@ class Maintenance:
                 continue
             rep.n_objects += 1
             rep.n_bytes += p.stat().st_size
-            if hash_file(p) != p.name:
+            if rehash and hash_file(p) != p.name:
                 used = refs.get(p.name)
                 where = f"used by {'; '.join(used[:3])}" if used else "unreferenced"
                 bad(f"object {p.name[:12]} is corrupted (hash mismatch), {where}")
@@ -200,7 +240,7 @@ class Maintenance:
                         continue
                     if c.object not in metas:
                         try:
-                            metas[c.object] = _bundle_meta(self.object_path(c.object))
+                            metas[c.object] = _bundle_meta(self.object_path(c.object), full=rehash)
                         except (BundleFormatError, OSError) as e:
                             metas[c.object] = getattr(e, "message", str(e))
                     meta = metas[c.object]
@@ -234,8 +274,17 @@ class Maintenance:
         grace = DEFAULT_GRACE_S if grace_s is None else float(grace_s)
         tmp_grace = TMP_GRACE_S if tmp_grace_s is None else float(tmp_grace_s)
         with self.writer():
+            self.check_identity("gc")
+            checked = self.verify_report(check_bundles=True, rehash=False)
+            if checked.problems:
+                n = len(checked.problems)
+                raise StoreCorruptError(
+                    f"gc refuses: {n} catalog record(s) fail verify's checks (first: {checked.problems[0][:200]}); "
+                    "a damaged record may own any object, so nothing was deleted",
+                    hint="run `kdnctl verify` for the list; restore the catalog or objects it names (or rebuild the "
+                         "catalog with `kdnctl rebuild-catalog`), then gc again")
             names = ("doc_versions_removed", "versions_removed", "prefix_entries_removed",
-                     "objects_removed", "tmp_removed", "bytes_freed", "kept_in_grace")
+                     "objects_removed", "tmp_removed", "bytes_freed", "kept_in_grace", "kept_newer", "kept_held")
             stats: dict[str, Any] = {"dry_run": dry_run, "grace_s": grace, **dict.fromkeys(names, 0)}
             refs: set[str] = set()  # objects referenced once this txn is done
             now = time.time()
@@ -255,14 +304,22 @@ class Maintenance:
                     doc_recs = [(k, self._doc(k, v)) for k, v in self._scan(txn, "docs")]
                     ver_recs = [(k, self._version(k, v)) for k, v in self._scan(txn, "versions")]
                     prefix_keys = [(k, cat.split(k)) for k, _ in self._scan(txn, "prefix")]
-                    retired, released = {}, {}
+                    retired, released, held = {}, {}, set()
                     for k, v in self._scan(txn, "meta"):
                         parts = cat.split(k)
                         if parts[0] == "retired" and len(parts) == 3:
                             retired[(parts[1], parts[2])] = (k, _time_of(v))
                         elif parts[0] == "released" and len(parts) == 2:
                             released[parts[1]] = (k, _time_of(v))
+                        elif parts[0] == "held" and len(parts) == 2:
+                            held.add(parts[1])
                     created = {(d.doc_id, d.doc_version): d.created for _, d in doc_recs}
+                    # objects newer than this are kept: a catalog that predates them cannot judge them
+                    last = self.last_commit(txn)
+                    if last is None:  # a catalog from before the commit time was kept: its newest record
+                        times = [d.created for _, d in doc_recs] + [r.created for _, r in ver_recs]
+                        times += [t for _, t in retired.values()] + [t for _, t in released.values()]
+                        last = max(times, default=float("-inf"))
                     for doc_id, dv in current.items():
                         if (doc_id, dv) not in created:
                             raise StoreCorruptError(f"current version of {doc_id!r} points at a missing document "
@@ -326,7 +383,12 @@ class Maintenance:
             # unreferenced files (harmless), never a reference to a deleted file.
             for p in object_files(self):
                 if SHA_RE.match(p.name) and p.name not in refs:
-                    reclaim(p, "objects_removed")
+                    if p.name in held:
+                        stats["kept_held"] += 1
+                    elif p.stat().st_mtime > last - COMMIT_SLACK_S:
+                        stats["kept_newer"] += 1
+                    else:
+                        reclaim(p, "objects_removed")
             for p in sorted(self.tmp_dir.iterdir()) if self.tmp_dir.is_dir() else []:
                 if p.is_file() and (_dead_writer(p) or now - p.stat().st_mtime >= tmp_grace):
                     reclaim(p, "tmp_removed")

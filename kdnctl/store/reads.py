@@ -203,6 +203,12 @@ class CatalogReader:
         return [v for v in records if current.get(v.doc_id) == v.doc_version]
 
     @catalog_reads
+    def _all_documents(self) -> list[DocumentRecord]:
+        """Every document record, superseded ones included."""
+        with self._env.begin() as txn:
+            return [self._doc(k, v) for k, v in self._scan(txn, "docs")]
+
+    @catalog_reads
     def all_versions(self) -> list[VersionRecord]:
         """Every version record, superseded ones (still in gc's grace period) included."""
         with self._env.begin() as txn:
@@ -283,6 +289,8 @@ class CatalogReader:
             for db in DBS:
                 entries = {}
                 for k, v in self._scan(txn, db):
+                    if db == "meta" and k == cat.STORE_ID_KEY:
+                        continue  # each store's own
                     val = json.loads(v)
                     if isinstance(val, dict):
                         val.pop("created", None)
