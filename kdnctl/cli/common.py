@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ FLAGS: dict[str, str] = {
     "heads": "--heads", "label": "--label", "model": "--model", "recompute": "--recompute",
     "retrieve": "--retrieve", "scorer": "--scorer", "source": "--from", "steer": "--steer",
     "allocator": "--allocator", "method": "--method", "quant": "--quant", "corpus": "--corpus",
+    "keep": "--keep", "window": "--window", "doc_id": "DOC",
 }
 
 
@@ -94,12 +96,29 @@ def progress_bar(total: int, desc: str, unit: str = "tok"):
     return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not interactive(), file=sys.stderr)
 
 
+def _discard_new_stores() -> None:
+    from ..store.local import discard_unused_new_stores
+
+    try:
+        discard_unused_new_stores()
+    except OSError:
+        pass
+
+
 def run_cli(app: typer.Typer, args: list[str] | None = None) -> None:
     """Entry point: one place maps domain errors to a one-line message and an exit code.
     ``args`` defaults to the process's command line."""
     debug = os.environ.get("KDNCTL_DEBUG") == "1"
+    from ..store.local import forget_new_stores
+
+    forget_new_stores()  # only stores this command creates count
     try:
-        app(args=args, standalone_mode=False)
+        try:
+            app(args=args, standalone_mode=False)
+        except BaseException as exc:
+            if not (type(exc).__name__ == "Exit" and getattr(exc, "exit_code", 1) == 0):
+                _discard_new_stores()  # a command that failed before writing leaves no new store behind
+            raise
     except KdnError as exc:
         if debug:
             raise
@@ -119,5 +138,9 @@ def run_cli(app: typer.Typer, args: list[str] | None = None) -> None:
             sys.exit(2)
         if debug:
             raise
+        if isinstance(exc, OSError) and exc.errno == errno.EROFS:
+            message(f"error: {exc.filename or 'the target'} is on a read-only file system (hint: write to a writable "
+                    "copy or another path)")
+            sys.exit(7)
         message(f"error: unexpected {type(exc).__name__}: {exc} (hint: rerun with KDNCTL_DEBUG=1 for a traceback)")
         sys.exit(1)

@@ -63,6 +63,10 @@ def compress(
         label = label or load_recipe(recipe_file).label
     else:
         opts = {k: v for k, v in {"ratio": kvcrush_ratio, "anchor": anchor, "page_size": page_size}.items() if v is not None}
+        if keep is not None and not 0 < keep <= 1:
+            from ..errors import UsageError
+
+            raise UsageError(f"keep must be in (0, 1], got {keep}", param="keep")
         if budget is None and keep is None:
             budget = 0.25  # the default: a size budget filled by precision first
         recipe = CompressRecipe(budget=budget, keep=keep if keep is not None else 1.0, method=method,

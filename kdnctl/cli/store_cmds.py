@@ -158,12 +158,15 @@ def parse_duration(text: str) -> float:
 def gc(store: Optional[Path] = StoreOpt, dry_run: bool = typer.Option(False, "--dry-run"),
        grace: str = typer.Option("10m", "--grace", help="Keep objects of versions superseded less than this long ago "
                                  "(readers may still be loading them), e.g. 30s, 10m, 2h; 0 = none."),
+       release_held: bool = typer.Option(False, "--release-held", help="Also remove unreferenced objects that "
+                                         "rebuild-catalog could not place (held until now)."),
        as_json: bool = JsonOpt) -> None:
-    """Drop superseded document versions (after --grace), unreferenced objects and stale temp files."""
+    """Drop superseded document versions (after --grace), unreferenced objects and stale temp files.
+    Refuses (deleting nothing) while the catalog is another store's or any record fails verify."""
     grace_s = parse_duration(grace)
     st = open_store(store)
     with st.writer():
-        report = st.gc(dry_run=dry_run, grace_s=grace_s)
+        report = st.gc(dry_run=dry_run, grace_s=grace_s, release_held=release_held)
     if as_json:
         emit_json(report)
     else:
@@ -184,6 +187,11 @@ def rebuild_catalog(store: Optional[Path] = StoreOpt, model: Optional[str] = Mod
     else:
         for line in report.skipped:
             message(f"not recovered: {line}")
+        for line in report.dropped:
+            message(f"dropped (held by the old catalog, not recovered): {line}")
+        if report.held:
+            message(f"{report.held} object(s) no rebuilt record uses are held: gc keeps them "
+                    "(`kdnctl gc --release-held` lets it remove them)")
         message(f"rebuilt {len(report.documents)} document(s), {report.versions} version(s)"
                 + (f"; damaged catalog kept at {report.damaged_catalog}" if report.damaged_catalog else "")
                 + "; run `kdnctl verify`")

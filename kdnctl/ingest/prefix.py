@@ -51,8 +51,8 @@ class IngestOptions:
             raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
         from ..prefill import stat_names
 
-        if self.chunk_tokens < 1:
-            raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
+        if not isinstance(self.window, int) or self.window < 1:
+            raise UsageError(f"window must be an integer >= 1, got {self.window}", param="window")
         self.stat_names = tuple(sorted(stat_names(self.stat_names)))
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise UsageError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype!r}")
@@ -71,12 +71,7 @@ class IngestOptions:
 
     def version_key(self) -> str:
         """What, beyond text/model/header, the stored bytes depend on (for ``doc_version_for``)."""
-        key = f"{self.chunk_tokens}|{self.window}|{self.stats}"
-        if self.stats and tuple(self.stat_names) != tuple(sorted(("accum", "surprisal", "window"))):
-            key += "|" + ",".join(self.stat_names)
-        if self.kv_dtype is not None:
-            key += f"|kv={self.kv_dtype}"
-        return key
+        return version_key_of(self.recipe())
 
 
 @dataclass
@@ -124,10 +119,28 @@ class IngestReport:
         }
 
 
-def doc_version_for(doc: Document, fingerprint: str, opts: IngestOptions, header: str) -> str:
-    """A document version is what its bundles depend on: text, model, chunking and prompt header."""
-    key = f"{doc.content_sha256}|{fingerprint}|{opts.version_key()}|{header}"
+def version_key_of(recipe: dict) -> str:
+    """What, beyond text/model/header, the stored bytes depend on, from the ingest recipe stored
+    in every full bundle (``IngestOptions.recipe()``): ingest and ``rebuild-catalog`` both derive
+    the document version through this one function."""
+    stats = bool(recipe.get("stats", True))
+    key = f"{recipe['chunk_tokens']}|{recipe['window']}|{stats}"
+    names = tuple(recipe.get("stat_names") or ())
+    if stats and names != tuple(sorted(("accum", "surprisal", "window"))):
+        key += "|" + ",".join(names)
+    if recipe.get("kv_dtype") is not None:
+        key += f"|kv={recipe['kv_dtype']}"
+    return key
+
+
+def doc_version_of(content_sha256: str, fingerprint: str, recipe: dict, header: str) -> str:
+    """A document version is what its bundles depend on: text, model, ingest recipe, prompt header."""
+    key = f"{content_sha256}|{fingerprint}|{version_key_of(recipe)}|{header}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def doc_version_for(doc: Document, fingerprint: str, opts: IngestOptions, header: str) -> str:
+    return doc_version_of(doc.content_sha256, fingerprint, opts.recipe(), header)
 
 
 def _segments(ids: list[int], n_header: int, max_positions: int | None) -> list[list[int]]:

@@ -1,11 +1,14 @@
 """Rebuild a damaged catalog from the objects: every prefix-mode bundle names its document,
-document version, label, chunk index, token range, chain hash, parent and recipe, so the
-version records can be recomputed exactly. A document's text object is found by recomputing
-its document version (``doc_version_for``: text hash, model, chunking, prompt header) for
-every non-bundle object, which needs the model the bundles were made with (for its prompt
-header). What cannot be recovered is reported, never guessed: independent-mode chunks (they
-are shared and name no document), documents whose text or model is not available, and
-incomplete versions. The damaged catalog is kept beside the new one (``catalog.damaged-*``).
+document version, label, chunk index, token range, chain hash, parent and recipe, so every
+version record (full, compressed, edited) can be recomputed exactly. A document's text object
+is found by recomputing its document version with ingest's own function (``doc_version_of``:
+text hash, model, ingest recipe, prompt header) for every non-bundle object, which needs the
+model the bundles were made with (for its prompt header). What cannot be recovered is
+reported, never guessed: independent-mode chunks (they are shared and name no document),
+documents whose text or model is not available, and incomplete versions; their objects are
+held (gc keeps them) until released. A rebuild that would hold fewer versions than the catalog
+it replaces needs ``force`` and lists what it drops; the old catalog is always kept beside the
+new one (``catalog.damaged-*``).
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from pathlib import Path
 
 from ..bundle import header_size, read_meta
 from ..fastread import blake3_hex, xxh3_hex
-from ..errors import BundleFormatError, StoreLockedError, UsageError
+from ..errors import BundleFormatError, KdnError, StoreLockedError, UsageError
 from ..prompting import PromptFormat
 from ..store import ChunkRef, DocumentRecord, Store, VersionRecord, is_sha
 from ..store import catalog as cat
+from ..store.local import open_lock
+from .prefix import doc_version_of
 
 REBUILT_SOURCE = "(rebuilt from bundles)"
 
@@ -39,10 +44,12 @@ class RebuildReport:
     versions: int = 0
     skipped: list[str] = field(default_factory=list)  # what could not be recovered, and why
     damaged_catalog: str | None = None
+    dropped: list[str] = field(default_factory=list)  # versions the old catalog held that the new one lacks
+    held: int = 0  # objects no rebuilt record uses, kept from gc until released
 
     def as_dict(self) -> dict:
         return {"documents": self.documents, "versions": self.versions, "skipped": self.skipped,
-                "damaged_catalog": self.damaged_catalog}
+                "damaged_catalog": self.damaged_catalog, "dropped": self.dropped, "held": self.held}
 
 
 def _scan(objects: Path, report: RebuildReport) -> tuple[dict, list[str]]:
@@ -89,7 +96,7 @@ def _version(key: tuple, chunks: dict) -> VersionRecord:
 
 @contextlib.contextmanager
 def _write_lock(root: Path):
-    fd = os.open(root / "write.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_lock(root, root / "write.lock")
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -100,18 +107,42 @@ def _write_lock(root: Path):
         os.close(fd)
 
 
+def _old_catalog(root: Path) -> tuple[set[str] | None, bool]:
+    """The versions (``doc@version/label``) the present catalog holds, or None when it cannot be
+    read at all; and whether it is healthy (opens and passes verify's record checks)."""
+    try:
+        with Store(root, create=False) as st:
+            with st._env.begin() as txn:
+                keys = {"{}@{}/{}".format(*cat.split(k)) for k, _ in st._scan(txn, "versions")}
+            healthy = not st.verify_report(check_bundles=False, rehash=False).problems
+            return keys, healthy
+    except (KdnError, OSError, ValueError, UnicodeDecodeError, IndexError):
+        return None, False
+    except Exception:  # noqa: BLE001 - LMDB's own errors on a damaged file: unreadable
+        return None, False
+
+
+def _store_id(objects: Path) -> str:
+    try:
+        sid = cat.read_identity_file(objects)
+    except KdnError:
+        sid = None
+    if sid is None:
+        sid = cat.new_store_id()
+        cat.write_identity_file(objects, sid)
+    return sid
+
+
 def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = False) -> RebuildReport:
     """Rebuild ``root``'s catalog from its objects with ``lm`` (the model of its bundles)."""
+    import json
+
     root = Path(root)
     if not (root / "objects").is_dir():
         raise UsageError(f"{root} has no objects/ directory: nothing to rebuild from")
-    if not force:
-        try:
-            Store(root, create=False).close()
-        except Exception:  # noqa: BLE001 - any failure to open is what this command is for
-            pass
-        else:
-            raise UsageError(f"the catalog of {root} is healthy; nothing to rebuild", hint="pass --force to rebuild anyway")
+    old_keys, healthy = _old_catalog(root)
+    if healthy and not force:
+        raise UsageError(f"the catalog of {root} is healthy; nothing to rebuild", hint="pass --force to rebuild anyway")
     report = RebuildReport()
     header = PromptFormat.for_tokenizer(lm.tokenizer).header
     with _write_lock(root):
@@ -123,17 +154,19 @@ def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = F
                 report.skipped.append(f"{key[0]}@{key[1]}/{key[2]}: chunks missing; version not rebuilt")
             else:
                 complete[key] = _version(key, chunks)
-        # text objects: recompute each document version from every candidate text
-        wanted = {}
-        for (doc_id, dv, _), v in complete.items():
+        # text objects: each candidate text's document version, derived as ingest derives it
+        wanted: dict[tuple, str] = {}
+        for (doc_id, dv, _), v in sorted(complete.items(), key=lambda kv: kv[1].parent is not None):
             r = _ingest_recipe(v.recipe)
-            if r is not None and v.fingerprint == lm.fingerprint:
-                wanted[(doc_id, dv)] = (r.get("chunk_tokens"), r.get("window"), r.get("stats"))
+            if r is not None and v.fingerprint == lm.fingerprint and (doc_id, dv) not in wanted:
+                wanted[(doc_id, dv)] = json.dumps(r, sort_keys=True)
         by_dv = {}
         for text_sha in others:
-            for params in set(wanted.values()):
-                key = f"{text_sha}|{lm.fingerprint}|{params[0]}|{params[1]}|{params[2]}|{header}"
-                by_dv[hashlib.sha256(key.encode()).hexdigest()[:16]] = text_sha
+            for recipe in set(wanted.values()):
+                try:
+                    by_dv[doc_version_of(text_sha, lm.fingerprint, json.loads(recipe), header)] = text_sha
+                except (KeyError, TypeError):
+                    continue  # not an ingest recipe this kdnctl wrote
         docs = []
         for (doc_id, dv), _ in sorted(wanted.items()):
             text = by_dv.get(dv)
@@ -143,14 +176,23 @@ def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = F
                 continue
             docs.append(DocumentRecord(doc_id, dv, text, REBUILT_SOURCE, full[0].n_tokens, full[0].fingerprint,
                                        text, max(v.created for (d, x, _), v in complete.items() if (d, x) == (doc_id, dv))))
+        kept = {(d.doc_id, d.doc_version) for d in docs}
         for key in complete:
-            if key[:2] not in {(d.doc_id, d.doc_version) for d in docs}:
+            if key[:2] not in kept:
                 report.skipped.append(f"{key[0]}@{key[1]}/{key[2]}: made with another model or without its text")
+        new_keys = {f"{k[0]}@{k[1]}/{k[2]}" for k in complete if k[:2] in kept}
+        report.dropped = sorted((old_keys or set()) - new_keys)
+        if report.dropped and not force:
+            listed = ", ".join(report.dropped[:3]) + (" ..." if len(report.dropped) > 3 else "")
+            raise UsageError(f"rebuilding would drop {len(report.dropped)} of the {len(old_keys)} version(s) the present "
+                             f"catalog holds ({listed}); nothing was changed",
+                             hint="run `kdnctl verify`; pass --force to rebuild anyway (the old catalog is kept aside)")
+        store_id = _store_id(root / "objects")
         old = root / "catalog"
         if old.exists():
             report.damaged_catalog = str(root / f"catalog.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
             os.rename(old, report.damaged_catalog)
-        cat.create_catalog(old)
+        cat.create_catalog(old, store_id)
     with Store(root, create=False) as st, st.writer():
         for d in sorted(docs, key=lambda d: d.created):  # the newest version of a document ends current
             labels = sorted((v for k, v in complete.items() if k[:2] == (d.doc_id, d.doc_version)),
@@ -161,4 +203,5 @@ def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = F
             report.versions += len(labels)
             if d.doc_id not in report.documents:
                 report.documents.append(d.doc_id)
+        report.held = st.hold_unreferenced("not recovered by rebuild-catalog")
     return report

@@ -41,6 +41,10 @@ def read_only_error(root: Path) -> StoreReadOnlyError:
     return StoreReadOnlyError(f"store {root} is read-only")
 
 
+def forget_new_stores() -> None:
+    _CREATED.clear()
+
+
 def discard_unused_new_stores() -> list[Path]:
     """Remove every store this process created that still holds no record and no object (the
     command that made it failed before writing). Returns the roots removed."""

@@ -153,6 +153,7 @@ class Maintenance:
         bad = rep.problems.append
         docs: dict[tuple, Any] = {}
         versions: dict[tuple, VersionRecord] = {}
+        n_held = 0
         try:
             with self._env.begin() as txn:
                 for k, v in self._scan(txn, "docs"):
@@ -200,6 +201,7 @@ class Maintenance:
                         kind = cat.split(k)[0]
                         if kind in ("retired", "released", "held"):
                             _time_of(v)
+                            n_held += kind == "held"
                         elif kind not in META_KEYS:
                             bad(f"unknown catalog meta entry {_show(k)}")
                     except (KdnError, ValueError, UnicodeDecodeError):
@@ -255,7 +257,11 @@ class Maintenance:
                         bad(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}: object {c.object[:12]} {basis}")
         orphans = len(present - set(refs))
         if orphans:
-            rep.info.append(f"{orphans} unreferenced object(s) (`kdnctl gc` removes them)")
+            rep.info.append(f"{orphans} unreferenced object(s) (`kdnctl gc` removes those older than the catalog's "
+                            "last commit and not held)")
+        if n_held:
+            rep.info.append(f"{n_held} object(s) held by rebuild-catalog (gc keeps them; `kdnctl gc --release-held` "
+                            "lets it remove the unreferenced ones)")
         tmps = [p for p in self.tmp_dir.iterdir() if p.is_file()] if self.tmp_dir.is_dir() else []
         if tmps:
             size = sum(p.stat().st_size for p in tmps)
@@ -264,11 +270,25 @@ class Maintenance:
                             "(interrupted writes; `kdnctl gc` removes those)")
         return rep
 
+    def hold_unreferenced(self, reason: str) -> int:
+        """Mark every object no record uses as held: gc keeps it until ``gc(release_held=True)``
+        (what a rebuilt catalog could not place may still be someone's data)."""
+        from .reads import dumps_json
+
+        self._require_writer("hold_unreferenced")
+        refs = {d.text_object for d in self._all_documents()}
+        refs.update(c.object for v in self.all_versions() for c in v.chunks)
+        loose = [p.name for p in object_files(self) if SHA_RE.match(p.name) and p.name not in refs]
+        with self._env.begin(write=True) as txn:
+            for sha in loose:
+                txn.put(cat.key("held", sha), dumps_json({"created": time.time(), "reason": reason}), db=self._db["meta"])
+        return len(loose)
+
     def verify(self) -> list[str]:
         return self.verify_report().problems
 
     def gc(self, *, dry_run: bool = False, grace_s: float | None = None,
-           tmp_grace_s: float | None = None) -> dict:
+           tmp_grace_s: float | None = None, release_held: bool = False) -> dict:
         """Drop superseded doc versions (after the grace period), then unreferenced objects and
         stale tmp files. Holds the writer lock so no writer is between put_object and commit."""
         grace = DEFAULT_GRACE_S if grace_s is None else float(grace_s)
@@ -304,7 +324,7 @@ class Maintenance:
                     doc_recs = [(k, self._doc(k, v)) for k, v in self._scan(txn, "docs")]
                     ver_recs = [(k, self._version(k, v)) for k, v in self._scan(txn, "versions")]
                     prefix_keys = [(k, cat.split(k)) for k, _ in self._scan(txn, "prefix")]
-                    retired, released, held = {}, {}, set()
+                    retired, released, held, held_keys = {}, {}, set(), []
                     for k, v in self._scan(txn, "meta"):
                         parts = cat.split(k)
                         if parts[0] == "retired" and len(parts) == 3:
@@ -312,7 +332,12 @@ class Maintenance:
                         elif parts[0] == "released" and len(parts) == 2:
                             released[parts[1]] = (k, _time_of(v))
                         elif parts[0] == "held" and len(parts) == 2:
+                            held_keys.append(k)
                             held.add(parts[1])
+                    if release_held:
+                        for k in held_keys:
+                            drop("meta", k, None)
+                        held = set()
                     created = {(d.doc_id, d.doc_version): d.created for _, d in doc_recs}
                     # objects newer than this are kept: a catalog that predates them cannot judge them
                     last = self.last_commit(txn)

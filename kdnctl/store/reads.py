@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterator
 
 import lmdb
 
-from kdnctl.errors import KdnError, NotFoundError, StoreCorruptError
+from kdnctl.errors import KdnError, NotFoundError, StoreCorruptError, UsageError
 
 from . import catalog as cat
 from .catalog import DBS
@@ -58,6 +58,16 @@ def lookup_key(*parts: str) -> bytes | None:
 
 def _show(k: bytes) -> str:
     return repr(k.replace(b"\x00", b"/"))[2:-1][:80]
+
+
+def check_lookup(kind: str, value) -> None:
+    """An id no record can have because of its form (empty, not text, NUL, a lone surrogate) is a
+    usage error, not damage; one that is merely too long is simply not in the store."""
+    from .records import id_problem
+
+    problem = id_problem(kind, value)
+    if problem and not problem.startswith(f"{kind} "):  # (the length problem reads "<kind> '...' is longer")
+        raise UsageError(problem, param=kind)
 
 
 def catalog_reads(fn: Callable) -> Callable:
@@ -109,7 +119,7 @@ class CatalogReader:
     def _scan(self, txn, db: str, *prefix: str) -> Iterator[tuple[bytes, bytes]]:
         if prefix:
             p = lookup_key(*prefix)
-            if p is None:
+            if p is None or not all(prefix):
                 return
             p += SEP.encode()
         else:
@@ -125,6 +135,9 @@ class CatalogReader:
     # -- reads -----------------------------------------------------------------------------
     @catalog_reads
     def get_document(self, doc_id: str, doc_version: str | None = None) -> DocumentRecord:
+        check_lookup("doc_id", doc_id)
+        if doc_version is not None:
+            check_lookup("doc_version", doc_version)
         with self._env.begin() as txn:
             dv = doc_version or self._current(txn, doc_id)
             k = lookup_key(doc_id, dv) if dv else None
@@ -158,12 +171,17 @@ class CatalogReader:
 
     @catalog_reads
     def document_history(self, doc_id: str) -> list[DocumentRecord]:
+        check_lookup("doc_id", doc_id)
         with self._env.begin() as txn:
             docs = [self._doc(k, v) for k, v in self._scan(txn, "docs", doc_id)]
         return sorted(docs, key=lambda d: (d.created, d.doc_version))
 
     @catalog_reads
     def get_version(self, doc_id: str, label: str = "full", doc_version: str | None = None) -> VersionRecord:
+        check_lookup("doc_id", doc_id)
+        check_lookup("label", label)
+        if doc_version is not None:
+            check_lookup("doc_version", doc_version)
         with self._env.begin() as txn:
             dv = doc_version or self._current(txn, doc_id)
             dk = lookup_key(doc_id, dv) if dv else None
