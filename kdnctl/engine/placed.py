@@ -185,7 +185,11 @@ def read_placed(p: Plan, bufs, views, starts: list[int], *, expect_fingerprint: 
             segs.append(smv[item[2] : item[2] + item[3]])
     t_read = t_hash = 0.0
     pos, i = base, 0
-    fd = os.open(p.path, os.O_RDONLY)
+    try:  # planned earlier: gc may have removed it since (the loader turns that into "retry")
+        fd = os.open(p.path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise StoreCorruptError(f"object {ref.object[:12]} is missing from "
+                                f"{os.path.dirname(os.path.dirname(p.path))}") from None
     try:
         while i < len(segs):
             j, nbytes = i, 0

@@ -57,17 +57,9 @@ def discard_unused_new_stores() -> list[Path]:
         if any(p.is_file() for p in objects.rglob("*") if p.name != cat.IDENTITY_FILE) if objects.is_dir() else False:
             continue
         try:
-            env = lmdb_open_readonly(root / "catalog")
-        except Exception:  # noqa: BLE001 - not a catalog this process made: leave it alone
-            continue
-        try:
-            with env.begin() as txn:
-                empty = all(txn.stat(env.open_db(name.encode(), txn=txn, create=False))["entries"] == 0
-                            for name in ("docs", "versions", "current", "prefix"))
-        except Exception:  # noqa: BLE001
+            empty = catalog_is_empty(root / "catalog")
+        except Exception:  # noqa: BLE001 - not a catalog this process can read: leave it alone
             empty = False
-        finally:
-            env.close()
         if not empty:
             continue
         cat.forget_env(root / "catalog")
@@ -86,18 +78,24 @@ def discard_unused_new_stores() -> list[Path]:
     return removed
 
 
-def lmdb_open_readonly(catalog_dir: Path):
+def catalog_is_empty(catalog_dir: Path) -> bool:
+    """True if the catalog holds no document, version, current or prefix entry."""
     import lmdb
 
     key = str(catalog_dir.resolve())
-    if key in cat._ENVS:
-        raise RuntimeError("catalog in use")
-    return lmdb.open(key, subdir=True, max_dbs=8, readonly=True, lock=False, create=False)
+    shared = cat._ENVS.get(key)
+    env = shared[0] if shared else lmdb.open(key, subdir=True, max_dbs=8, readonly=True, lock=False, create=False)
+    try:
+        with env.begin() as txn:
+            return all(txn.stat(env.open_db(name.encode(), txn=txn, create=False))["entries"] == 0
+                       for name in ("docs", "versions", "current", "prefix"))
+    finally:
+        if not shared:
+            env.close()
 
 
 def default_store_root() -> Path:
     return Path(os.environ.get("KDN_STORE", ".kdn"))
-
 
 
 class Store(CatalogReader, Maintenance):
