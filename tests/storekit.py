@@ -75,3 +75,8 @@ def add_label(store: Store, doc: DocumentRecord, label: str, chunks, salt="", mo
                             doc.n_tokens, mode)
         store.commit_version(ver)
     return ver
+
+
+# Every gc run of the attack suite: (case, objects a trusted record referenced that gc deleted);
+# tests/test_attack_total.py sums it over the run.
+GC_CASES: list[tuple[str, int]] = []
