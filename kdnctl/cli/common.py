@@ -97,7 +97,7 @@ def progress_bar(total: int, desc: str, unit: str = "tok"):
 
 
 def _discard_new_stores() -> None:
-    from ..store.local import discard_unused_new_stores
+    from ..store.created import discard_unused_new_stores
 
     try:
         discard_unused_new_stores()
@@ -109,7 +109,7 @@ def run_cli(app: typer.Typer, args: list[str] | None = None) -> None:
     """Entry point: one place maps domain errors to a one-line message and an exit code.
     ``args`` defaults to the process's command line."""
     debug = os.environ.get("KDNCTL_DEBUG") == "1"
-    from ..store.local import forget_new_stores
+    from ..store.created import forget_new_stores
 
     forget_new_stores()  # only stores this command creates count
     try:

@@ -25,80 +25,23 @@ from kdnctl.errors import NotFoundError, StoreCorruptError, StoreLockedError, St
 
 from ..durable import fsync_dir
 from . import catalog as cat
+from .created import LAYOUT, remember_created
+from .identity import Identity
 from .maintenance import Maintenance, hash_file
 from .reads import CatalogReader, dumps_json, lookup_key, seal_record
 from .records import CATALOG_HINT, DocumentRecord, VersionRecord, check_id, check_sha, record_dict
 
-LAYOUT = {"objects", "tmp", "catalog", "write.lock"}
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
-
-# Stores this process created (root, whether the directory existed before): a command that
-# fails before it wrote anything removes the empty store it made (``discard_unused_new_stores``).
-_CREATED: list[tuple[Path, bool]] = []
-
 
 def read_only_error(root: Path) -> StoreReadOnlyError:
     return StoreReadOnlyError(f"store {root} is read-only")
-
-
-def forget_new_stores() -> None:
-    _CREATED.clear()
-
-
-def discard_unused_new_stores() -> list[Path]:
-    """Remove every store this process created that still holds no record and no object (the
-    command that made it failed before writing). Returns the roots removed."""
-    import shutil
-
-    removed = []
-    while _CREATED:
-        root, existed = _CREATED.pop()
-        objects = root / "objects"
-        if any(p.is_file() for p in objects.rglob("*") if p.name != cat.IDENTITY_FILE) if objects.is_dir() else False:
-            continue
-        try:
-            empty = catalog_is_empty(root / "catalog")
-        except Exception:  # noqa: BLE001 - not a catalog this process can read: leave it alone
-            empty = False
-        if not empty:
-            continue
-        cat.forget_env(root / "catalog")
-        for name in LAYOUT:
-            path = root / name
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            elif path.exists():
-                path.unlink(missing_ok=True)
-        if not existed:
-            try:
-                root.rmdir()
-            except OSError:
-                pass
-        removed.append(root)
-    return removed
-
-
-def catalog_is_empty(catalog_dir: Path) -> bool:
-    """True if the catalog holds no document, version, current or prefix entry."""
-    import lmdb
-
-    key = str(catalog_dir.resolve())
-    shared = cat._ENVS.get(key)
-    env = shared[0] if shared else lmdb.open(key, subdir=True, max_dbs=8, readonly=True, lock=False, create=False)
-    try:
-        with env.begin() as txn:
-            return all(txn.stat(env.open_db(name.encode(), txn=txn, create=False))["entries"] == 0
-                       for name in ("docs", "versions", "current", "prefix"))
-    finally:
-        if not shared:
-            env.close()
 
 
 def default_store_root() -> Path:
     return Path(os.environ.get("KDN_STORE", ".kdn"))
 
 
-class Store(CatalogReader, Maintenance):
+class Store(CatalogReader, Maintenance, Identity):
     def __init__(self, root: str | os.PathLike, *, create: bool = True):
         self.root = Path(root)
         self.objects_dir = self.root / "objects"
@@ -155,7 +98,7 @@ class Store(CatalogReader, Maintenance):
             if e.errno == errno.EROFS:
                 raise read_only_error(self.root) from None
             raise UsageError(f"cannot create a store at {self.root}: {e.strerror or e}") from None
-        _CREATED.append((self.root, existed))
+        remember_created(self.root, existed)
 
     # -- lifecycle / locking -------------------------------------------------------------
     def close(self) -> None:
@@ -209,108 +152,6 @@ class Store(CatalogReader, Maintenance):
                 fd, self._lock_fd = self._lock_fd, None
                 os.ftruncate(fd, 0)
                 os.close(fd)
-
-    # -- identity ----------------------------------------------------------------------------
-    def catalog_identity(self, txn=None) -> str | None:
-        """The store id recorded in the catalog, or None (a catalog made before identities)."""
-        import json
-
-        def get(t):
-            return t.get(cat.STORE_ID_KEY, db=self._db["meta"])
-
-        if txn is None:
-            with self._env.begin() as t:
-                raw = get(t)
-        else:
-            raw = get(txn)
-        if raw is None:
-            return None
-        try:
-            sid = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            sid = None
-        if not isinstance(sid, str) or len(sid) != 32:
-            raise StoreCorruptError(f"the catalog of {self.root} holds a damaged store id", hint=CATALOG_HINT)
-        return sid
-
-    def objects_identity(self) -> str | None:
-        """The store id written beside the objects, or None."""
-        return cat.read_identity_file(self.objects_dir)
-
-    def _ensure_identity(self) -> None:
-        """A writer's first step: a store made before identities existed adopts one (written
-        beside the objects, then into the catalog); a catalog without an id in a store that has
-        one adopts it only when every record it holds points at an object that is here (it is
-        this store's catalog from before the identity, not another store's). Anything else is
-        left for ``check_identity`` to refuse where it matters (gc)."""
-        import json
-
-        in_catalog, beside = self.catalog_identity(), self.objects_identity()
-        if in_catalog is not None:
-            if beside is None and not self._has_objects():
-                cat.write_identity_file(self.objects_dir, in_catalog)  # a create cut short
-            return
-        if beside is None:
-            beside = cat.new_store_id()
-            cat.write_identity_file(self.objects_dir, beside)
-        elif self._records_point_elsewhere():
-            return
-        with self._env.begin(write=True) as txn:
-            txn.put(cat.STORE_ID_KEY, json.dumps(beside).encode(), db=self._db["meta"])
-
-    def _has_objects(self) -> bool:
-        return self.objects_dir.is_dir() and any(p.is_file() for sub in self.objects_dir.iterdir() if sub.is_dir()
-                                                 for p in sub.iterdir())
-
-    def _records_point_elsewhere(self) -> bool:
-        try:
-            refs = {d.text_object for d in self._all_documents()}
-            refs.update(c.object for v in self.all_versions() for c in v.chunks)
-        except StoreCorruptError:
-            return True
-        return any(not self.has_object(sha) for sha in refs)
-
-    def check_identity(self, what: str) -> str:
-        """The store id, after checking the catalog belongs to these objects (refuses otherwise)."""
-        in_catalog, beside = self.catalog_identity(), self.objects_identity()
-        if in_catalog is not None and in_catalog == beside:
-            return in_catalog
-        if in_catalog is None:
-            why = "the catalog records no store id but the objects have one" if beside else "the store has no id"
-        elif beside is None:
-            why = f"the objects carry no store id (objects/{cat.IDENTITY_FILE} is missing) but the catalog does"
-        else:
-            why = (f"the catalog belongs to another store (catalog id {in_catalog[:12]}, "
-                   f"objects' id {beside[:12]})")
-        raise StoreCorruptError(f"{what} refused: {why}; nothing was deleted",
-                                hint="put this store's own catalog back (or rebuild it with `kdnctl rebuild-catalog`), "
-                                     "then run `kdnctl verify`")
-
-    def last_commit(self, txn=None) -> float | None:
-        """When a record was last committed (None: never, in a catalog made before this was kept)."""
-        import json
-
-        def get(t):
-            return t.get(cat.LAST_COMMIT_KEY, db=self._db["meta"])
-
-        if txn is None:
-            with self._env.begin() as t:
-                raw = get(t)
-        else:
-            raw = get(txn)
-        if raw is None:
-            return None
-        try:
-            t = json.loads(raw)["created"]
-        except (ValueError, UnicodeDecodeError, TypeError, KeyError):
-            t = None
-        if not isinstance(t, (int, float)) or isinstance(t, bool):
-            raise StoreCorruptError(f"the catalog of {self.root} holds a damaged last-commit entry", hint=CATALOG_HINT)
-        return float(t)
-
-    def _stamp_commit(self, txn, now: float) -> None:
-        prev = self.last_commit(txn)
-        txn.put(cat.LAST_COMMIT_KEY, dumps_json({"created": max(now, prev or 0.0)}), db=self._db["meta"])
 
     def _require_writer(self, what: str) -> None:
         if self._lock_depth == 0:
