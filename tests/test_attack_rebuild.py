@@ -14,8 +14,10 @@ import pytest
 from conftest import cli_json, run_cli
 from storekit import GC_CASES
 
-from kdnctl.errors import NotFoundError
+from kdnctl.errors import NotFoundError, StoreCorruptError
 from kdnctl.store import Store
+from kdnctl.store import catalog as cat
+from kdnctl.store.reads import seal_record
 
 pytestmark = pytest.mark.model
 
@@ -158,3 +160,38 @@ def test_gc_racing_a_load_ends_in_the_retry_message(default_store, tmp_path, lm,
         with pytest.raises(NotFoundError, match="changed while it was being loaded"):
             load_version(lm, st, old)  # gc done before the load started
     assert json.loads(run_cli("verify", "--json", store=root).stdout)["ok"]
+
+
+def test_rebuild_recovers_a_document_split_into_segments(tmp_path, tiny_lm):
+    """A document longer than the model's context is stored as segments (``doc#1``, ``doc#2``)
+    whose texts are not the document's: their bundles name the text, so they rebuild too."""
+    from kdnctl.corpus import Document
+    from kdnctl.ingest import IngestOptions, ingest_documents
+    from kdnctl.ingest.rebuild import rebuild_catalog
+
+    import hashlib
+
+    text = " ".join(f"Entry {i}: {DOC}" for i in range(30))
+    doc = Document(doc_id="long.txt", text=text, source="long.txt", content_sha256=hashlib.sha256(text.encode()).hexdigest())
+    root = tmp_path / "kdn"
+    with Store(root) as st:
+        ingest_documents(st, tiny_lm, [doc], IngestOptions(stats=False))
+        want = {d.doc_id: (d.doc_version, d.text_object, d.content_sha256) for d in st.list_documents()}
+        trusted = _referenced(root)
+    assert len(want) >= 2 and all(d.startswith("long.txt#") for d in want)
+    (root / "catalog" / "data.mdb").write_bytes(b"")
+    report = rebuild_catalog(root, tiny_lm)
+    assert report.skipped == [] and sorted(report.documents) == sorted(want)
+    with Store(root, create=False) as st:
+        assert {d.doc_id: (d.doc_version, d.text_object, d.content_sha256) for d in st.list_documents()} == want
+        assert st.verify() == []
+    assert _referenced(root) == trusted
+    with Store(root, create=False) as st:  # a segment's record pointed at another segment's text
+        first, second = (st.get_document(d) for d in sorted(want)[:2])
+        first.text_object = second.text_object
+        with st._env.begin(write=True) as txn:
+            txn.put(cat.key(first.doc_id, first.doc_version), seal_record(first), db=st._db["docs"])
+        problems = st.verify()
+        assert len(problems) == 1 and "its bundles name" in problems[0], problems
+        with pytest.raises(StoreCorruptError, match="nothing was deleted"):
+            st.gc(grace_s=0)

@@ -155,8 +155,10 @@ def _segments(ids: list[int], n_header: int, max_positions: int | None) -> list[
 
 def build_chunk_bundles(
     lm, doc_id: str, doc_version: str, token_ids: list[int], result, opts: IngestOptions, recipe: dict,
-    header_tokens: int = 0,
+    header_tokens: int = 0, document: dict | None = None,
 ) -> list[KVBundle]:
+    """``document``: the document record's ``content_sha256`` and ``text_object``, kept in every
+    bundle so that `rebuild-catalog` and `verify` can tie the bundles to their text."""
     bounds = chunk_bounds(len(token_ids), opts.chunk_tokens)
     hashes = chain_hashes(token_ids, opts.chunk_tokens, lm.fingerprint)
     kv_dtype = KV_DTYPES[opts.kv_dtype] if opts.kv_dtype else None
@@ -184,6 +186,7 @@ def build_chunk_bundles(
             dtype=opts.kv_dtype or lm.summary["dtype"],
             mode="prefix",
             header_tokens=header_tokens,
+            **(document or {}),
         )
         bundles.append(KVBundle(meta=meta, tensors=tensors))
     return bundles
@@ -242,12 +245,14 @@ def write_segment(objects, lm: LoadedModel, doc: Document, seg: Segment, opts: I
     result = prefill(lm.model, seg.token_ids, stats=opts.stats_wanted, window=opts.window,
                      block_tokens=opts.block_tokens, on_progress=on_progress)
     t_write = time.perf_counter()
+    text = seg.text.encode("utf-8")
+    document = {"content_sha256": doc.content_sha256, "text_object": hashlib.sha256(text).hexdigest()}
     bundles = build_chunk_bundles(lm, seg.seg_id, seg.doc_version, seg.token_ids, result, opts, recipe,
-                                  seg.header_tokens)
+                                  seg.header_tokens, document)
     chunks = write_chunks(objects, bundles)
     sizes = IngestReport()
     sizes.count_bytes(bundles)
-    text_sha = objects.put_object(seg.text.encode("utf-8"))
+    text_sha = objects.put_object(text)
     now = time.time()
     n = len(seg.token_ids)
     record = DocumentRecord(seg.seg_id, seg.doc_version, doc.content_sha256, doc.source, n,

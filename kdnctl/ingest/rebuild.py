@@ -168,13 +168,21 @@ def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = F
                 except (KeyError, TypeError):
                     continue  # not an ingest recipe this kdnctl wrote
         docs = []
-        for (doc_id, dv), _ in sorted(wanted.items()):
-            text = by_dv.get(dv)
+        texts = set(others)
+        for (doc_id, dv), recipe in sorted(wanted.items()):
             full = [v for (d, x, _), v in complete.items() if (d, x) == (doc_id, dv) and v.parent is None]
+            # bundles written since they name their text: trusted once the version derives from it
+            first = groups[(doc_id, dv, full[0].label)][0][1] if full else {}
+            named, content = first.get("text_object"), first.get("content_sha256")
+            if named in texts and is_sha(content) and doc_version_of(content, lm.fingerprint, json.loads(recipe),
+                                                                        header) == dv:
+                text = named
+            else:
+                text = content = by_dv.get(dv)
             if text is None or not full:
                 report.skipped.append(f"{doc_id}@{dv}: its text object (or full version) is not in the store")
                 continue
-            docs.append(DocumentRecord(doc_id, dv, text, REBUILT_SOURCE, full[0].n_tokens, full[0].fingerprint,
+            docs.append(DocumentRecord(doc_id, dv, content, REBUILT_SOURCE, full[0].n_tokens, full[0].fingerprint,
                                        text, max(v.created for (d, x, _), v in complete.items() if (d, x) == (doc_id, dv))))
         kept = {(d.doc_id, d.doc_version) for d in docs}
         for key in complete:

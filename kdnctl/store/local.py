@@ -125,6 +125,8 @@ class Store(CatalogReader, Maintenance, Identity):
     def writer(self) -> Iterator["Store"]:
         """Exclusive, non-blocking writer lock; re-entrant within this Store instance."""
         if self._lock_depth == 0:
+            if self._env.flags().get("readonly"):  # the catalog file itself cannot be written
+                raise read_only_error(self.root)
             fd = open_lock(self.root, self.lock_path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -255,6 +255,14 @@ class Maintenance:
                         bad(why)
                     elif (basis := _key_basis_problem(meta, bases)) is not None:
                         bad(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}: object {c.object[:12]} {basis}")
+            for d in docs.values():  # bundles that name their text must name this record's
+                full = versions.get((d.doc_id, d.doc_version, "full"))
+                first = full.chunk(0) if full is not None and full.mode == "prefix" else None
+                meta = metas.get(first.object) if first is not None else None
+                named = meta.get("text_object") if isinstance(meta, dict) else None
+                if named is not None and named != d.text_object:
+                    bad(f"document {d.doc_id}@{d.doc_version} names text object {d.text_object[:12]} but its bundles "
+                        f"name {str(named)[:12]} (the record points at another text)")
         orphans = len(present - set(refs))
         if orphans:
             rep.info.append(f"{orphans} unreferenced object(s) (`kdnctl gc` removes those older than the catalog's "
