@@ -63,7 +63,8 @@ def mutate_header(data: bytes, rng: random.Random) -> bytes:
         if kind == 0:  # tensor dtype of any type
             header[rng.choice(names)]["dtype"] = pick(ODD_VALUES + ["F64", "U8", "BOOL", "I32", "F8_E4M3"])
         elif kind == 1:
-            header[rng.choice(names)]["shape"] = pick(ODD_VALUES + [[-1], [1 << 62, 2], [0], [2, "3"], [True]])
+            header[rng.choice(names)]["shape"] = pick(ODD_VALUES + [[-1], [1 << 62, 2], [0], [2, "3"],
+                                                                   [True]])
         elif kind == 2:
             header[rng.choice(names)]["data_offsets"] = pick(ODD_VALUES + [[0, 1 << 60], [5, 2], [0, "8"]])
         elif kind == 3:

@@ -29,9 +29,10 @@ from .created import LAYOUT, remember_created
 from .identity import Identity
 from .maintenance import Maintenance, hash_file
 from .reads import CatalogReader, dumps_json, lookup_key, seal_record
-from .records import CATALOG_HINT, DocumentRecord, VersionRecord, check_id, check_sha, record_dict
+from .records import DocumentRecord, VersionRecord, check_id, check_sha, record_dict
 
 READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+
 
 def read_only_error(root: Path) -> StoreReadOnlyError:
     return StoreReadOnlyError(f"store {root} is read-only")
