@@ -76,7 +76,7 @@ def _copy(default_store, tmp_path):
 def test_rebuild_after_emptied_catalog_recovers_every_version(default_store, tmp_path):
     root = _copy(default_store, tmp_path)
     _, answers, trusted = default_store
-    (root / "catalog" / "data.mdb").write_bytes(b"")  # the issue's `: > STORE/catalog/data.mdb`
+    (root / "catalog" / "data.mdb").write_bytes(b"")  # `: > STORE/catalog/data.mdb`
     proc = run_cli("rebuild-catalog", store=root)
     assert proc.returncode == 0 and "not recovered" not in proc.stderr, proc.stderr
     assert "rebuilt 1 document(s), 4 version(s)" in proc.stderr
