@@ -15,7 +15,7 @@ from conftest import EXAMPLES, run_cli
 TOL = 1e-4
 DOC = EXAMPLES / "faq.md"
 SUFFIX = "\nQuestion: when does the depot open?\nAnswer:"
-COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=4096)
 
 
@@ -106,3 +106,47 @@ def test_stored_full_matches_transformers(name, built, tmp_path):
     got, _ = forward_suffix(mlm, ctx, suffix, last_only=True)
     want = own_forward_logits(mlm, ctx.token_ids + suffix)
     assert (got[-1] - want).abs().max().item() < TOL
+
+
+def ingested(name, built, tmp_path):
+    from kdnctl.model import use_loaded_models
+
+    path, mlm = built(name)
+    store = tmp_path / "s"
+    with use_loaded_models(mlm):
+        run_cli("ingest", DOC, "--model", path, store=store, check=True)
+    return path, mlm, store
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_compressed_versions_run_and_load(name, built, tmp_path):
+    """--budget 0.25 and 0.083 compress and load for every model; the 0.25 version's next-token
+    logits stay near the full version's."""
+    from kdnctl.engine.hf import forward_suffix, load_document
+    from kdnctl.model import use_loaded_models
+    from kdnctl.store import Store
+
+    path, mlm, store = ingested(name, built, tmp_path)
+    suffix = mlm.tokenizer(SUFFIX, add_special_tokens=False).input_ids
+    st = Store(store, create=False)
+    full, _ = forward_suffix(mlm, load_document(mlm, st, DOC.name), suffix, last_only=True)
+    st.close()
+    dist = {}
+    for budget in ("0.25", "0.083"):
+        with use_loaded_models(mlm):
+            proc = run_cli("compress", DOC.name, "--budget", budget, "--model", path, "--json", store=store)
+        assert proc.returncode == 0, proc.stderr
+        label = json_rows(proc.stdout)[0]["label"]
+        st = Store(store, create=False)
+        got, _ = forward_suffix(mlm, load_document(mlm, st, DOC.name, label=label), suffix, last_only=True)
+        st.close()
+        assert torch.isfinite(got).all()
+        dist[budget] = torch.softmax(got[-1], -1).sub(torch.softmax(full[-1], -1)).abs().sum().item()
+    assert dist["0.25"] < 0.1, dist
+
+
+def json_rows(stdout: str):
+    import json
+
+    data = json.loads(stdout)
+    return data if isinstance(data, list) else data.get("rows") or data.get("results") or [data]
