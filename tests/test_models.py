@@ -37,7 +37,7 @@ def _configs():
             vocab_size=v, num_key_value_heads=2, head_dim=32, sliding_window=64, attn_logit_softcapping=5.0,
             final_logit_softcapping=30.0, query_pre_attn_scalar=32, **COMMON)),
         "gemma3": ("Gemma3, mixed layers, RoPE per layer type", lambda v: T.Gemma3TextConfig(
-            vocab_size=v, num_key_value_heads=1, head_dim=32, sliding_window=80,
+            vocab_size=v, num_key_value_heads=1, head_dim=64, sliding_window=80,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 4.0}},

@@ -175,27 +175,38 @@ class ModelAdapter:
         return out.reshape(t, -1, d)
 
     def _source(self, layer: int, role: str) -> torch.nn.Module:
-        """The module whose output is ``role``'s projection (after a q/k norm where there is one)."""
+        """The projection module whose output holds ``role``."""
         a = self.attentions[layer]
         if self.layout == "interleaved":
             return a.query_key_value
         if self.layout == "fused":
             return a.qkv_proj
-        norm = getattr(a, f"{role}_norm", None) if role in ("q", "k") else None
-        return norm if isinstance(norm, torch.nn.Module) else getattr(a, f"{role}_proj")
+        return getattr(a, f"{role}_proj")
+
+    def _normed(self, layer: int, role: str, x: torch.Tensor) -> torch.Tensor:
+        """``role``'s heads ``[T, H, D]`` from its projection's output ``[T, F]``, through the
+        module's q/k norm where it has one (over each head, or over all heads' features)."""
+        norm = getattr(self.attentions[layer], f"{role}_norm", None) if role in ("q", "k") else None
+        heads = self._split(x, role)
+        if not isinstance(norm, torch.nn.Module):
+            return heads
+        weight = getattr(norm, "weight", None)
+        if weight is not None and weight.numel() != self.head_dim:  # one norm over all heads' features
+            return self._split(norm(heads.reshape(heads.shape[0], -1)), role)
+        return norm(heads)
 
     @contextlib.contextmanager
     def capture(self, roles=("q",), on=None) -> Iterator[dict]:
         """Within the block, every forward of the decoder records, per layer and role
         (``q``/``k``/``v``), the projection ``[T, H, D]`` of the first sequence, before RoPE and after
-        the model's q/k norm. ``on(layer, role, tensor)`` is called instead of storing when given."""
+        the model's q/k norm (applied here to the projection's output, as the module applies it). ``on(layer, role, tensor)`` is called instead of storing when given."""
         got: dict = {}
         handles = []
 
         def hook(i, role):
             def f(_mod, _inp, out):
                 x = out[0].detach()
-                x = self._split(x.reshape(x.shape[0], -1), role)
+                x = self._normed(i, role, x.reshape(x.shape[0], -1))
                 if on is not None:
                     on(i, role, x)
                 else:
