@@ -93,6 +93,7 @@ def test_stored_full_matches_transformers(name, built, tmp_path):
     from kdnctl.model import use_loaded_models
     from kdnctl.models import adapter_for
     from kdnctl.store import Store
+    from kdnctl.store.protocol import read_bundle_meta
 
     path, mlm = built(name)
     store = tmp_path / "s"
@@ -102,6 +103,11 @@ def test_stored_full_matches_transformers(name, built, tmp_path):
     ctx = load_document(mlm, st, DOC.name)
     windows = [a.window for a in adapter_for(mlm.model).layer_attention() if a.window]
     assert all(ctx.n_tokens > 2 * w for w in windows)
+    # sliding-window layers hold every token, and the bundle says so
+    assert all(k.shape[2] == ctx.n_tokens for k in ctx.keys)
+    meta = read_bundle_meta(st, st.list_versions(DOC.name)[0].chunks[0].object)["model"]
+    if windows:
+        assert [a.get("stored") for a in meta["attention"] if a["kind"] == "sliding"] == ["whole"] * len(windows)
     suffix = mlm.tokenizer(SUFFIX, add_special_tokens=False).input_ids
     got, _ = forward_suffix(mlm, ctx, suffix, last_only=True)
     want = own_forward_logits(mlm, ctx.token_ids + suffix)
@@ -150,3 +156,76 @@ def json_rows(stdout: str):
 
     data = json.loads(stdout)
     return data if isinstance(data, list) else data.get("rows") or data.get("results") or [data]
+
+
+REFUSED = {
+    "encoder-decoder": (lambda T: T.T5Config(d_model=64, num_layers=2, num_heads=2), "encoder-decoder"),
+    "state-space": (lambda T: T.MambaConfig(hidden_size=64, num_hidden_layers=2), "state-space"),
+    "hybrid": (lambda T: T.JambaConfig(hidden_size=64, num_hidden_layers=2), "state-space"),
+    "multimodal": (lambda T: T.LlavaConfig(), "multimodal"),
+}
+
+
+@pytest.mark.parametrize("kind", list(REFUSED))
+def test_unsupported_architectures_refused_in_one_line(kind, tmp_path):
+    import transformers as T
+
+    make, words = REFUSED[kind]
+    model_dir = tmp_path / kind
+    make(T).save_pretrained(model_dir)
+    store = tmp_path / "s"
+    proc = run_cli("ingest", DOC, "--model", model_dir, store=store)
+    assert proc.returncode == 10, proc.stderr
+    first = proc.stderr.strip().splitlines()[0]
+    assert words in first and "unexpected" not in first
+    assert not (store / "objects").exists() or not any((store / "objects").rglob("*.*"))
+
+
+def test_exports_refuse_what_the_engine_cannot_hold(built, tmp_path):
+    from kdnctl.model import use_loaded_models
+
+    path, mlm, store = ingested("mistral", built, tmp_path)
+    with use_loaded_models(mlm):
+        lmc = run_cli("export", "lmcache", DOC.name, "--to", tmp_path / "lmcache", store=store)
+        gguf = run_cli("export", "llama-cpp", DOC.name, "--to", tmp_path / "seq.bin", "--model", path, store=store)
+    assert lmc.returncode == 13, lmc.stderr
+    assert "sliding-window layer" in lmc.stderr.strip().splitlines()[0]
+    assert not (tmp_path / "lmcache").exists() or not any((tmp_path / "lmcache").iterdir())
+    assert gguf.returncode == 13, gguf.stderr  # a transformers folder: llama.cpp needs a GGUF file
+    assert "GGUF" in gguf.stderr.strip().splitlines()[0] and "unexpected" not in gguf.stderr
+    assert not (tmp_path / "seq.bin").exists()
+
+
+def test_keep_without_budget(built, tmp_path):
+    from kdnctl.model import use_loaded_models
+
+    path, mlm, store = ingested("llama", built, tmp_path)
+    with use_loaded_models(mlm):
+        proc = run_cli("compress", DOC.name, "--keep", "0.5", "--model", path, store=store)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_unreachable_budget_names_the_smallest(tmp_path, lm):
+    """A model too small for a budget (2 layers, head_dim 16: per-token overheads dominate)."""
+    import transformers as T
+
+    from kdnctl.model import load_model, use_loaded_models
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "m"
+    T.LlamaForCausalLM(T.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2)).save_pretrained(model_dir)
+    lm.tokenizer.save_pretrained(model_dir)
+    mlm = load_model(model_dir)
+    store = tmp_path / "s"
+    with use_loaded_models(mlm):
+        run_cli("ingest", DOC, "--model", model_dir, store=store, check=True)
+        proc = run_cli("compress", DOC.name, "--budget", "0.083", "--quant", "ec", "--model", model_dir, store=store)
+    assert proc.returncode != 0
+    line = proc.stderr.strip().splitlines()[0]
+    assert "the smallest it reaches here is" in line
+    smallest = float(line.split("the smallest it reaches here is ")[1].split()[0])
+    with use_loaded_models(mlm):
+        ok = run_cli("compress", DOC.name, "--budget", f"{smallest:g}", "--quant", "ec", "--model", model_dir,
+                     store=store)
+    assert ok.returncode == 0, ok.stderr

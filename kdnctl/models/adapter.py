@@ -46,7 +46,9 @@ class LayerAttention:
     scaling: float
 
     def as_meta(self) -> dict:
-        return {"kind": self.kind, "window": self.window, "softcap": self.softcap}
+        # a sliding-window layer is stored whole: every token, the window applied at attention
+        stored = {"stored": "whole"} if self.kind == SLIDING else {}
+        return {"kind": self.kind, "window": self.window, "softcap": self.softcap, **stored}
 
 
 def check_supported(config) -> None:
