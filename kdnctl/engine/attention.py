@@ -212,3 +212,9 @@ def kdn_attention(model, state: AttentionState):
     finally:
         model.config._attn_implementation = previous
         _STATE.reset(token)
+
+
+def own_or_kdn_attention(model, state: AttentionState, own: bool):
+    """The model's own attention implementation (``own``, the reference a store is compared
+    with) or kdnctl's with ``state``."""
+    return contextlib.nullcontext() if own else kdn_attention(model, state)
