@@ -35,7 +35,7 @@ def _configs():
             vocab_size=v, num_key_value_heads=2, sliding_window=96, **COMMON)),
         "gemma2": ("Gemma2, window 64, soft-cap 5 (binding)", lambda v: T.Gemma2Config(
             vocab_size=v, num_key_value_heads=2, head_dim=32, sliding_window=64, attn_logit_softcapping=5.0,
-            final_logit_softcapping=30.0, query_pre_attn_scalar=32, **COMMON)),
+            final_logit_softcapping=30.0, query_pre_attn_scalar=32, initializer_range=0.1, **COMMON)),
         "gemma3": ("Gemma3, mixed layers, RoPE per layer type", lambda v: T.Gemma3TextConfig(
             vocab_size=v, num_key_value_heads=1, head_dim=64, sliding_window=80,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
