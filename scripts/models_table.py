@@ -2,7 +2,8 @@
 
 Each model is a tiny random one built from transformers' config classes (3 layers, hidden 128,
 the default model's tokenizer); examples/corpus/faq.md is ingested, loaded and compared with
-transformers' own forward, then compressed with the defaults at 0.25 and 0.083 and loaded again.
+transformers' own forward, then compressed with the defaults at 0.25 and 0.083 and loaded again;
+the default model (SmolLM2, real weights) runs the same steps as the row to compare with.
 One run, nothing downloaded:
 
     python scripts/models_table.py            # rewrites the table in docs/models.md
@@ -51,6 +52,18 @@ def measure() -> list[str]:
                 cells.append(f"{tv:.4f}, {frac:.1%} of fp16")
             rows.append(f"{tm.support_row(name, mlm)} {gap:.1e} | {cells[0]} | {cells[1]} |")
             print(rows[-1], file=sys.stderr)
+        # the default model (real weights) on the same document: the distances to compare with
+        lm = default_lm()
+        store = Path(tmp) / "default"
+        run_cli("ingest", tm.DOC, store=store, check=True)
+        gap = tm.identity_gap(lm, store)
+        cells = []
+        for budget in ("0.25", "0.083"):
+            tv, frac = tm.compressed_distance(lm, lm.source, store, budget)
+            cells.append(f"{tv:.4f}, {frac:.1%} of fp16")
+        rows.append(f"| SmolLM2-135M-Instruct (the default model, real weights) | {type(lm.model).__name__} | separate "
+                    f"| full x {lm.n_layers} | - | default | {lm.summary['n_kv_heads']} x {lm.summary['head_dim']} | "
+                    f"{gap:.1e} | {cells[0]} | {cells[1]} |")
     return rows
 
 

@@ -303,3 +303,13 @@ def test_softcap_binds_in_the_matrix(built):
         for a in mlm.model.base_model.layers:
             a.self_attn.attn_logit_softcapping = cap
     assert (with_cap - without).abs().max().item() > 100 * TOL
+
+
+def test_architecture_names_only_in_the_adapter():
+    """No module of kdnctl outside kdnctl/models spells a decoder attribute or a projection name."""
+    import re
+
+    pattern = re.compile(r"\bmodel\.model\b|\.(q_proj|k_proj|v_proj|o_proj|qkv_proj|query_key_value|rotary_emb)\b")
+    found = [f"{p.relative_to(REPO)}:{i}" for p in (REPO / "kdnctl").rglob("*.py") if "models" not in p.parts
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert not found, found

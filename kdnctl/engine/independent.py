@@ -58,7 +58,7 @@ RECOMPUTE_BLOCK = 512
 
 
 def _rotary_module(lm: LoadedModel):
-    return getattr(adapter_for(getattr(lm, "model", lm)).decoder, "rotary_emb", None)
+    return adapter_for(getattr(lm, "model", lm)).rotary_module()
 
 
 def rope_inv_freq(lm: LoadedModel) -> torch.Tensor:

@@ -236,6 +236,10 @@ class ModelAdapter:
         frac = frac if frac is not None else getattr(self.config, "partial_rotary_factor", None)
         return int(self.head_dim * float(frac)) if frac else self.head_dim
 
+    def rotary_module(self) -> torch.nn.Module | None:
+        """The decoder's rotary embedding module (None for a model without RoPE)."""
+        return getattr(self.decoder, "rotary_emb", None)
+
     def layer_rope_type(self, layer: int) -> str | None:
         types = getattr(self.config, "layer_types", None)
         return types[layer] if types else None
@@ -243,7 +247,7 @@ class ModelAdapter:
     def rope_cos_sin(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own RoPE for ``layer`` at ``positions [T]``: (cos, sin) ``[T, rotary_dim]``
         in float32, scaling factors included."""
-        rotary = getattr(self.decoder, "rotary_emb", None)
+        rotary = self.rotary_module()
         if rotary is None:
             raise UnsupportedError(f"{type(self.model).__name__} has no rotary embedding module",
                                    hint="kdnctl re-rotates keys only for RoPE models")
