@@ -157,7 +157,7 @@ def model_summary(model) -> dict[str, Any]:
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "max_positions": getattr(cfg, "max_position_embeddings", None),
-        "rope": {k: v for k, v in dict(rope).items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "rope": _rope_record(rope),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
     from .models import adapter_for
@@ -166,6 +166,18 @@ def model_summary(model) -> dict[str, Any]:
     if attention is not None:  # sliding windows or soft-capping: recorded per layer (plain models: absent)
         summary["attention"] = attention
     return summary
+
+
+def _rope_record(rope) -> dict[str, Any]:
+    """RoPE parameters as flat scalars; per-layer-type parameters (Gemma3) as ``"<type>.<key>"``."""
+    scalar = (int, float, str, bool, type(None))
+    out: dict[str, Any] = {}
+    for k, v in dict(rope).items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items() if isinstance(vv, scalar)})
+        elif isinstance(v, scalar):
+            out[k] = v
+    return out
 
 
 def compute_fingerprint(model, tokenizer) -> str:

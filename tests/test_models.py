@@ -154,7 +154,7 @@ def test_compressed_versions_run_and_load(name, built, tmp_path):
     distribution stays near the full version's."""
     path, mlm, store = ingested(name, built, tmp_path)
     tv = {b: compressed_distance(mlm, path, store, b)[0] for b in ("0.25", "0.083")}
-    assert tv["0.25"] < 0.05, tv
+    assert tv["0.25"] < 0.05, tv  # the default model (SmolLM2) on the same document: 0.044 (docs/models.md)
 
 
 def json_rows(stdout: str):
