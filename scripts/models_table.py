@@ -1,7 +1,7 @@
 """Measure every model of the test matrix (tests/test_models.py) and write docs/models.md's table.
 
 Each model is a tiny random one built from transformers' config classes (3 layers, hidden 128,
-the default model's tokenizer); examples/corpus/faq.md is ingested, loaded and compared with
+the default model's tokenizer); tests/fixtures/models_doc.md (535 tokens) is ingested, loaded and compared with
 transformers' own forward, then compressed with the defaults at 0.25 and 0.083 and loaded again;
 the default model (SmolLM2, real weights) runs the same steps as the row to compare with.
 One run, nothing downloaded:

@@ -7,13 +7,15 @@ model's own attention over the same tokens. The document is longer than every sl
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from conftest import EXAMPLES, REPO, run_cli
 
 TOL = 1e-4
-DOC = EXAMPLES / "faq.md"
+DOC = Path(__file__).parent / "fixtures" / "models_doc.md"  # 535 tokens of examples/corpus/faq.md
 SUFFIX = "\nQuestion: when does the depot open?\nAnswer:"
 COMMON = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
               max_position_embeddings=4096)
@@ -154,7 +156,7 @@ def test_compressed_versions_run_and_load(name, built, tmp_path):
     distribution stays near the full version's."""
     path, mlm, store = ingested(name, built, tmp_path)
     tv = {b: compressed_distance(mlm, path, store, b)[0] for b in ("0.25", "0.083")}
-    assert tv["0.25"] < 0.05, tv  # the default model (SmolLM2) on the same document: 0.044 (docs/models.md)
+    assert tv["0.25"] < 0.05, tv  # the default model (SmolLM2) on the same document: 0.059 (docs/models.md)
 
 
 def json_rows(stdout: str):
