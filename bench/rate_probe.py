@@ -37,7 +37,8 @@ sys.path.insert(0, str(ROOT))
 from kdnctl.allocate.rate import relative_steps  # noqa: E402
 from kdnctl.model import load_model  # noqa: E402
 from kdnctl.quant.entropy import encode_role  # noqa: E402
-from kdnctl.quant.sensitivity import attention_modules, key_weights, value_weights  # noqa: E402
+from kdnctl.models import adapter_for  # noqa: E402
+from kdnctl.quant.sensitivity import key_weights, value_weights  # noqa: E402
 
 CHUNK = 256
 
@@ -46,17 +47,13 @@ def doc_kv(lm, text: str, n_layers: int, h: int, d: int, max_tokens: int):
     """Token ids, keys before RoPE and values ``[H, T, D]`` per layer (one forward pass)."""
     ids = lm.tokenizer(text)["input_ids"][:max_tokens]
     keys, values = [None] * n_layers, [None] * n_layers
-    hooks = []
-    for i, m in enumerate(attention_modules(lm.model, n_layers)):
-        def grab(store, i):
-            return lambda _m, _in, out: store.__setitem__(i, out[0].detach().float().view(-1, h, d).transpose(0, 1))
-        hooks += [m.k_proj.register_forward_hook(grab(keys, i)), m.v_proj.register_forward_hook(grab(values, i))]
-    try:
-        with torch.no_grad():
-            lm.model.base_model(torch.tensor([ids]), use_cache=False)
-    finally:
-        for hk in hooks:
-            hk.remove()
+    adapter = adapter_for(lm.model)
+
+    def grab(i, role, x):
+        (keys if role == "k" else values)[i] = x.float().transpose(0, 1)
+
+    with adapter.capture(("k", "v"), on=grab), torch.no_grad():
+        adapter.decoder(torch.tensor([ids]), use_cache=False)
     return ids, keys, values
 
 

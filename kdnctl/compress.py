@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .models import plain_rope_theta
 from . import sizing
 from .compress_ec import sized_ec
 from .compress_recipe import CompressRecipe  # noqa: F401 (re-exported: callers import it from here)
@@ -246,7 +247,7 @@ def _sized(src, label, step, recipe, bundles, dense, keys, values, importance, p
         tiers = pick(cap - len(bundles) * sizing.HEADER_BYTES - 16 * n_tokens, n_layers * n_heads * n_tokens, d,
                      recipe.group_size)
     rope = bundles[0].meta["model"].get("rope") or {}
-    theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
+    theta = plain_rope_theta(rope)  # None: keys are coded as stored, after RoPE
     q = LadderQuantizer(group_size=recipe.group_size, key_rope_theta=theta, coding=recipe.coding)
     w = sizing.weights(importance)
     if recipe.protect:  # the prompt header and the last tokens: the solver lifts them first

@@ -4,7 +4,7 @@ Every token is kept, unless ``--keep K`` evicts first: then one set of tokens, t
 layer and KV head (the top ``K`` of the scorer's importance averaged over layers and heads, the
 prompt header and the last ``protect`` tokens always among them; with the ``sentences`` scorer,
 whole sentences), is kept and quantized. Each channel's step follows from how much attention depends on it
-(``kdnctl.quant.sensitivity``: query energy for keys, ``o_proj`` column norms for values) and
+(``kdnctl.quant.sensitivity``: query energy for keys, the output projection's column norms for values) and
 one scale per document is fitted so the encoded bundles fill the byte cap
 (``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default where every token is kept)
 each layer's and role's steps are first scaled by how much its error costs the model
@@ -22,9 +22,11 @@ readers mask their query heads off those rows (``KVBundle.layer_bias``).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
+from .models import plain_rope_theta
 from .allocate import layer_fisher as lf
 from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
 from .bundle import KVBundle, derived_meta, encode_bundle, held_rows, tensor_name
@@ -167,7 +169,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     n_layers, (n_heads, n_all, d) = len(keys), keys[0].shape
     cap = recipe.budget * fp16
     rope = bundles[0].meta["model"].get("rope") or {}
-    theta = rope.get("rope_theta") if rope.get("rope_type", "default") == "default" else None
+    theta = plain_rope_theta(rope)  # None: keys are coded as stored, after RoPE
     basis_sha = key_basis_for(recipe, lm)
     q = EntropyQuantizer(key_rope_theta=theta, key_basis=basis_sha)
     basis = load_basis(basis_sha) if basis_sha else None
@@ -296,8 +298,10 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         alpha = (alpha is not None and fit_scale(payload, cap - overhead, alpha, alpha * 1.25)) or \
             fit_scale(payload, cap - overhead)
         if alpha is None:
-            raise UsageError(f"a budget of {recipe.budget:g} is too small for --quant ec even at its coarsest steps",
-                             hint="raise --budget or use --quant auto (which evicts)")
+            smallest = (payload(64.0) + overhead) / fp16  # fit_scale's coarsest scale
+            raise UsageError(f"a budget of {recipe.budget:g} is too small for --quant ec on this model even at its "
+                             f"coarsest steps: the smallest it reaches here is {math.ceil(smallest * 1000) / 1000:g}",
+                             hint="raise --budget, or --keep fewer tokens first")
         new_tensors, metas = [], []
         for b, (ls, le), (ks, ke), chunk in zip(bundles, local_bounds, kept_bounds,
                                                 encoded(alpha, rows is not None and recipe.refit_feedback)):

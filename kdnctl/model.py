@@ -147,7 +147,7 @@ def model_summary(model) -> dict[str, Any]:
         "rope_theta": getattr(cfg, "rope_theta", None),
         "rope_type": (getattr(cfg, "rope_scaling", None) or {}).get("rope_type", "default"),
     }
-    return {
+    summary = {
         "arch": type(model).__name__,
         "model_type": cfg.model_type,
         "n_layers": cfg.num_hidden_layers,
@@ -157,9 +157,27 @@ def model_summary(model) -> dict[str, Any]:
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
         "max_positions": getattr(cfg, "max_position_embeddings", None),
-        "rope": {k: v for k, v in dict(rope).items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "rope": _rope_record(rope),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
+    from .models import adapter_for
+
+    attention = adapter_for(model).attention_meta()
+    if attention is not None:  # sliding windows or soft-capping: recorded per layer (plain models: absent)
+        summary["attention"] = attention
+    return summary
+
+
+def _rope_record(rope) -> dict[str, Any]:
+    """RoPE parameters as flat scalars; per-layer-type parameters (Gemma3) as ``"<type>.<key>"``."""
+    scalar = (int, float, str, bool, type(None))
+    out: dict[str, Any] = {}
+    for k, v in dict(rope).items():
+        if isinstance(v, dict):
+            out.update({f"{k}.{kk}": vv for kk, vv in v.items() if isinstance(vv, scalar)})
+        elif isinstance(v, scalar):
+            out[k] = v
+    return out
 
 
 def compute_fingerprint(model, tokenizer) -> str:
@@ -229,6 +247,20 @@ def torch_device_type(device: str) -> str:
     return str(device).split(":", 1)[0]
 
 
+def check_architecture(hf_dir: Path) -> None:
+    """Refuse (UnsupportedError, one line) a model folder whose architecture kdnctl cannot hold,
+    from its config alone, before any weight is read."""
+    from transformers import AutoConfig
+
+    from .models import check_supported
+
+    try:
+        config = AutoConfig.from_pretrained(hf_dir)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the model config in {hf_dir}: {str(exc).splitlines()[0]}") from exc
+    check_supported(config)
+
+
 def load_model(spec: str | os.PathLike | None = None, *, dtype: str | None = None, device: str | None = None) -> LoadedModel:
     """Load a model for kdnctl. ``spec``: None/"smollm2-135m" (default GGUF), a .gguf path or a
     HF model directory. ``dtype``: float32 (default on CPU), float16 or bfloat16."""
@@ -250,6 +282,7 @@ def load_model(spec: str | os.PathLike | None = None, *, dtype: str | None = Non
         hf_dir = converted_dir_for(path)
         if not (hf_dir / "config.json").is_file():
             _convert_gguf(path, hf_dir)
+    check_architecture(hf_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(hf_dir)
         model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype))

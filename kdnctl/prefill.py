@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from .engine.attention import AttentionState, kdn_attention
+from .models import adapter_for
 
 QUERY_TILE = 256
 # Queries per forward block. One sdpa call over a whole block is the fastest attention (a later
@@ -109,16 +110,22 @@ class PrefillResult:
         return self.keys[0].shape[1]
 
 
-def grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: int) -> torch.Tensor:
+def grouped_probs(q: torch.Tensor, k: torch.Tensor, scaling: float, q_start: int,
+                  window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Softmax attention of query tile ``q`` [Hq, b, D] (absolute positions q_start..) over keys
-    ``k`` [Hkv, kv, D], returned grouped per KV head as [Hkv, group, b, kv] in fp32."""
+    ``k`` [Hkv, kv, D], returned grouped per KV head as [Hkv, group, b, kv] in fp32; ``window`` and
+    ``softcap`` as the model's attention applies them (see kdnctl.engine.attention)."""
     hq, b, d = q.shape
     hkv, kv, _ = k.shape
     g = hq // hkv
     logits = torch.matmul(q.float().reshape(hkv, g * b, d), k.float().transpose(1, 2)) * scaling
     logits = logits.view(hkv, g, b, kv)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     qpos = torch.arange(q_start, q_start + b, device=q.device)
     future = torch.arange(kv, device=q.device)[None, :] > qpos[:, None]
+    if window:
+        future |= torch.arange(kv, device=q.device)[None, :] <= qpos[:, None] - window
     logits.masked_fill_(future, float("-inf"))
     return torch.softmax(logits, dim=-1)
 
@@ -173,7 +180,7 @@ class StatsObserver:
         if past + b == self.n_tokens:
             self.window[layer] /= groups * min(self.window_size, self.n_tokens)
 
-    def __call__(self, layer: int, query, key, scaling) -> None:
+    def __call__(self, layer: int, query, key, scaling, window: int | None = None, softcap: float | None = None) -> None:
         # Called when the attention function computes the output itself (e.g. with a bias).
         q, k = query[0], key[0]
         b, kv = q.shape[1], k.shape[1]
@@ -182,7 +189,7 @@ class StatsObserver:
         first = 0 if self.accum is not None else min(max(self.n_tokens - self.window_size - past, 0), b)
         for s in range(first, b, self.query_tile):
             e = min(b, s + self.query_tile)
-            self._tile(layer, grouped_probs(q[:, s:e], k, scaling, past + s), past, s, e, kv)
+            self._tile(layer, grouped_probs(q[:, s:e], k, scaling, past + s, window, softcap), past, s, e, kv)
         self._finish(layer, past, b, query.shape[1] // key.shape[1])
 
     def attend(self, layer: int, query, key, value, scaling) -> torch.Tensor:
@@ -211,10 +218,6 @@ def _block_bounds(n: int, block: int, min_last: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _decoder(model):
-    return model.model
-
-
 @torch.inference_mode()
 def prefill(
     model,
@@ -236,14 +239,14 @@ def prefill(
     ``bias``: optional ``{layer: [H_q, T]}`` additive attention bias over the keys (steering).
     ``surprisal_dtype``: precision of the vocabulary projection behind surprisal's logsumexp
     (None: bf16 where the hardware computes it natively, see :class:`SurprisalScorer`)."""
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
-    cfg = model.config
-    n_layers, n_kv = cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", cfg.num_attention_heads)
+    adapter = adapter_for(model)
+    n_layers, n_kv = adapter.n_layers, adapter.n_kv_heads
     n = len(token_ids)
     ids = torch.tensor([token_ids], dtype=torch.long, device=device)
-    cache = DynamicCache(config=cfg)
+    # every layer keeps every token, sliding-window layers included (stored whole; the attention
+    # function applies each layer's window, at prefill and after loading)
+    cache = adapter.full_cache()
     names = stat_names(stats)
     attn_names = names & {"window", "accum"}
     observer = StatsObserver(n_layers, n_kv, n, window, device, attn_names, query_tile) if attn_names else None
@@ -257,7 +260,7 @@ def prefill(
         for s, e in _block_bounds(n, block_tokens, window):
             if bias:
                 state.bias = {layer: b[:, :e].to(device) for layer, b in bias.items()}
-            out = _decoder(model)(
+            out = adapter.decoder(
                 input_ids=ids[:, s:e],
                 past_key_values=cache,
                 use_cache=True,

@@ -76,9 +76,8 @@ def reconstruct_scores(lm: LoadedModel, keys: list[torch.Tensor], values: list[t
     """KVzip-style reconstruction attention, chunked: for each chunk of the document, run
     ``repeat prompt + chunk`` over the document's cache and keep, per key, the max attention
     from those queries. The cache is cropped back after each chunk, so cost ~ one prefill."""
-    from transformers import DynamicCache
-
     from .engine.attention import AttentionState, kdn_attention
+    from .models import adapter_for
     from .prefill import grouped_probs
 
     model = lm.model
@@ -87,21 +86,22 @@ def reconstruct_scores(lm: LoadedModel, keys: list[torch.Tensor], values: list[t
     n_layers, h_kv = len(keys), keys[0].shape[0]
     best = torch.zeros(n_layers, h_kv, t, device=device)
 
-    def observer(layer, query, key, scaling):
+    def observer(layer, query, key, scaling, window=None, softcap=None):
         q, k = query[0], key[0]
         b, kv = q.shape[1], k.shape[1]
-        probs = grouped_probs(q, k, scaling, kv - b)  # [Hkv, g, b, kv]
+        probs = grouped_probs(q, k, scaling, kv - b, window, softcap)  # [Hkv, g, b, kv]
         best[layer] = torch.maximum(best[layer], probs[..., :t].amax(dim=(1, 2)))
 
-    cache = DynamicCache(ddp_cache_data=[(k[None].to(device, lm.dtype), v[None].to(device, lm.dtype))
-                                         for k, v in zip(keys, values)], config=model.config)
+    adapter = adapter_for(model)
+    cache = adapter.full_cache([(k[None].to(device, lm.dtype), v[None].to(device, lm.dtype))
+                                for k, v in zip(keys, values)])
     prompt = lm.tokenizer(REPEAT_PROMPT, add_special_tokens=False).input_ids
     with kdn_attention(model, AttentionState(observer=observer)):
         for s in range(0, t, chunk_tokens):
             piece = prompt + list(token_ids[s : s + chunk_tokens])
             ids = torch.tensor([piece], device=device)
             pos = torch.arange(t, t + len(piece), device=device)[None]
-            model.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+            adapter.decoder(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
             cache.crop(-len(piece))  # back to the document alone (transformers 5: negative = drop)
             if on_progress:
                 on_progress(min(chunk_tokens, t - s))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from .models import adapter_for
 from .sizing import rank01
 
 ENDS = (".", "?", "!")
@@ -70,6 +71,8 @@ def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, i
     order = sorted(range(len(rows)), key=lambda r: rows[r][2] - rows[r][0])
     batch: list[int] = []
 
+    decoder = adapter_for(lm.model).decoder
+
     def run(idx: list[int]) -> None:
         n = max(rows[r][2] - rows[r][0] for r in idx)
         x = torch.zeros(len(idx), n, dtype=torch.long)
@@ -82,9 +85,9 @@ def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, i
             scored[i, max(a - c - 1, 0):b - c - 1] = True
         dev = lm.device
         with torch.inference_mode():
-            hidden = lm.model.model(input_ids=x.to(dev), attention_mask=mask.to(dev)).last_hidden_state
+            hidden = decoder(input_ids=x.to(dev), attention_mask=mask.to(dev)).last_hidden_state
             sel = scored.to(dev)
-            logits = lm.model.lm_head(hidden[sel]).float()
+            logits = lm.model.get_output_embeddings()(hidden[sel]).float()
             target = x.to(dev)[:, 1:][sel[:, :-1]] if n > 1 else x.new_zeros(0).to(dev)
             nll = (torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None])[:, 0]).cpu()
         start = 0

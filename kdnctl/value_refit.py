@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .quant.sensitivity import attention_modules
+from .models import adapter_for
 from .quant.transforms import rotate_half
 
 QUESTION_OFFSET = 16  # the queries' position: this many tokens after the document (a prompt's question)
@@ -35,31 +35,28 @@ def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
     """(queries ``[Hq, N, D]`` per layer, RoPE'd at ``position``; the attention scale per layer)
     for ``max_tokens`` evenly spaced tokens of the document, from one forward pass."""
     model = lm.model
-    hq = model.config.num_attention_heads
-    mods = attention_modules(model, n_layers)
+    adapter = adapter_for(model)
     pick = torch.linspace(0, len(token_ids) - 1, min(len(token_ids), max_tokens)).round().long().unique()
     raw: list[torch.Tensor | None] = [None] * n_layers
 
-    def hook(i):
-        def f(_mod, _inp, q):
-            q = q[0].detach()[pick.to(q.device)].float()  # [N, Hq * D]
-            raw[i] = q.view(q.shape[0], hq, -1).transpose(0, 1).cpu()
-        return f
+    def on(i, _role, q):  # [T, Hq, D], before RoPE
+        raw[i] = q[pick.to(q.device)].float().transpose(0, 1).cpu()
 
-    handles = [m.q_proj.register_forward_hook(hook(i)) for i, m in enumerate(mods)]
-    try:
-        device = next(model.parameters()).device
-        with torch.no_grad():
-            model.base_model(torch.tensor([token_ids], device=device), use_cache=False)
-            rotary = model.base_model.rotary_emb  # the model's own RoPE (any rope type) at the question's position
-            probe = torch.zeros(1, 1, raw[0].shape[-1], device=device, dtype=next(model.parameters()).dtype)
-            cos, sin = rotary(probe, torch.tensor([[position]], device=device))
-    finally:
-        for h in handles:
-            h.remove()
-    cos, sin = cos[0].float().cpu(), sin[0].float().cpu()  # [1, D]
-    scales = [float(getattr(m, "scaling", raw[0].shape[-1] ** -0.5)) for m in mods]
-    return [q * cos + rotate_half(q) * sin for q in raw], scales
+    device = next(model.parameters()).device
+    with adapter.capture(("q",), on=on), torch.no_grad():
+        adapter.decoder(torch.tensor([token_ids], device=device), use_cache=False)
+    out = []
+    for i, q in enumerate(raw):
+        # the model's own RoPE for this layer (any rope type, per layer type) at the question's position
+        cos, sin = adapter.rope_cos_sin(i, torch.tensor([position]))
+        cos, sin = cos.cpu(), sin.cpu()  # [1, rotary_dim]
+        r = cos.shape[-1]
+        if r == q.shape[-1]:
+            out.append(q * cos + rotate_half(q) * sin)
+        else:  # partial rotary: the first r channels rotate, the rest pass through
+            out.append(torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], -1))
+    scales = [a.scaling for a in adapter.layer_attention()]
+    return out, scales
 
 
 def read_together(queries: torch.Tensor, kept_keys: torch.Tensor, scale: float, rho: float) -> tuple[torch.Tensor, float]:

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1] / "kdnctl"
 # Lower number = lower layer; a module may import its own layer or lower ones.
 LAYERS = [
     ("errors",),
-    ("registry", "versions", "bundle", "bundle_header", "bundle_layout", "bundle_kept", "store", "model", "chunking", "corpus", "prompting", "durable", "fastread",
+    ("registry", "versions", "bundle", "bundle_header", "bundle_layout", "bundle_kept", "store", "model", "models", "chunking", "corpus", "prompting", "durable", "fastread",
      "tensor_views", "arena"),
     ("prefill", "scoring", "sentence_scores", "literal_scores", "tail_reads", "value_refit", "value_feedback", "presses", "allocate", "quant", "kernels", "sizing"),
     ("ingest", "compress", "compress_ec", "compress_recipe", "steer", "engine", "server", "nginx", "client", "fetch", "retrieval", "export"),

@@ -89,15 +89,17 @@ def test_rerotate_equals_direct_rope(lm, p, d):
                                   {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
 def test_rerotate_exact_for_linear_and_llama3(rope):
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     from kdnctl.engine.independent import rerotate_keys, rope_inv_freq
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, max_position_embeddings=2048,
+                      num_hidden_layers=1, intermediate_size=64, vocab_size=64,
                       rope_parameters={"rope_theta": 10000.0, **rope})
-    rot = LlamaRotaryEmbedding(cfg)
-    inv = rope_inv_freq(SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(rotary_emb=rot))))
+    model = LlamaForCausalLM(cfg)
+    rot = model.base_model.rotary_emb
+    inv = rope_inv_freq(SimpleNamespace(model=model))
     torch.manual_seed(0)
     k = torch.randn(1, 2, 10, 32)
     p, d = torch.arange(5, 15)[None], 777
@@ -114,9 +116,13 @@ def test_unsupported_rope_type_refused():
     from kdnctl.engine.independent import rope_inv_freq
     from kdnctl.errors import UnsupportedError
 
-    rot = SimpleNamespace(inv_freq=torch.ones(4), rope_type="yarn", attention_scaling=1.2)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, head_dim=32, num_hidden_layers=1, intermediate_size=64,
+                      vocab_size=64, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0,
+                                                      "original_max_position_embeddings": 1024})
     with pytest.raises(UnsupportedError, match="yarn"):
-        rope_inv_freq(SimpleNamespace(model=SimpleNamespace(model=SimpleNamespace(rotary_emb=rot))))
+        rope_inv_freq(SimpleNamespace(model=LlamaForCausalLM(cfg)))
 
 
 # -- compose -----------------------------------------------------------------------------------

@@ -104,7 +104,8 @@ def compress(
     else:
         # h2o / adaptive budgets read `accum`, which ingest records only with --stats all; with the
         # model at hand compress computes it when a version lacks it.
-        accum_press = recipe.scorer == "accum" or (recipe.budget < 1 and (recipe.method == "h2o" or recipe.allocator == "adaptive"))
+        evicts = (recipe.budget if recipe.budget is not None else recipe.keep) < 1
+        accum_press = recipe.scorer == "accum" or (evicts and (recipe.method == "h2o" or recipe.allocator == "adaptive"))
         lm = load_lm(model, dtype=dtype, device=device) if recipe.needs_model or accum_press else None
         fingerprint = lm.fingerprint if lm is not None else None
         results = []

@@ -64,16 +64,16 @@ def llama_cpp(
     as_json: bool = JsonOpt,
 ) -> None:
     """Write a llama.cpp sequence state file for DOC's stored KV."""
-    from ..export.llamacpp import export_llamacpp
+    from ..export.llamacpp import export_llamacpp, gguf_for_model
     from ..model import resolve_model_path
     from ..prompting import QUESTION_TEMPLATE, PromptFormat
 
-    gguf_path = resolve_model_path(gguf or model)
+    gguf_path = resolve_model_path(gguf) if gguf else gguf_for_model(resolve_model_path(model))
     if check:
         from ..export.base import require_engine
 
         require_engine("llama_cpp", "llamacpp", "--check")
-    lm = load_lm(str(gguf_path))
+    lm = load_lm(model if model is not None else str(gguf_path))  # the model the document was ingested with
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     suffix = QUESTION_TEMPLATE + fmt.tail
     res = export_llamacpp(open_store(store), doc, to, label=version, gguf=gguf_path, kv_type=kv_type,

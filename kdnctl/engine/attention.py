@@ -14,6 +14,11 @@ the causal mask itself: the ``q_len`` new queries are the last positions of the 
 When ``AttentionState.query_positions`` and ``key_positions`` are set, the mask is built from
 those explicit positions instead (query i sees key j iff ``key_positions[j] <= query_positions[i]``),
 which lets a pass recompute tokens that sit in the MIDDLE of a cached context (kdnctl.engine.independent).
+
+Layers whose module passes a ``sliding_window`` or a ``softcap`` get them exactly as the model's
+own attention applies them: a query at position p sees keys at positions > p - window (positions
+relative to the end of the key sequence, or the explicit ones), and logits are capped to
+``softcap * tanh(logits / softcap)`` before the mask and the softmax.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from ..kernels.attention import decode_attention
 from ..kernels.dispatch import use_triton
 
 ATTN_NAME = "kdnctl"
+_QUERY_ROWS = 1024
 _STATE: contextvars.ContextVar["AttentionState | None"] = contextvars.ContextVar("kdn_attention_state", default=None)
 
 
@@ -43,6 +49,11 @@ class AttentionState:
     # default) keeps the "new queries are the last keys" causal mask.
     query_positions: torch.Tensor | None = None
     key_positions: torch.Tensor | None = None
+    # Optional per-layer positions of the cached keys (int64 [n_cached]) for sliding-window layers
+    # of a context that holds fewer keys than positions; keys after them continue from
+    # ``next_position``.
+    layer_positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    next_position: int = 0
 
 
 def _register() -> None:
@@ -93,10 +104,63 @@ def build_position_mask(
     return mask
 
 
+def model_attention(query, key, value, scaling: float, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                    window: int | None = None, softcap: float | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention ``[B, q, Hq, D]`` as a model computes it with a sliding window and/or logit
+    soft-capping: key j visible to query i iff ``kpos[j] <= qpos[i]`` and (with a window)
+    ``kpos[j] > qpos[i] - window``; ``bias`` [Hq, n] adds to the first n keys' logits."""
+    qpos = query_positions.to(query.device)
+    kpos = key_positions.to(query.device)
+    hidden = kpos[None, :] > qpos[:, None]
+    if window:
+        hidden |= kpos[None, :] <= qpos[:, None] - window
+    hq, hkv = query.shape[1], key.shape[1]
+    if hkv != hq:
+        key = key.repeat_interleave(hq // hkv, dim=1)
+        value = value.repeat_interleave(hq // hkv, dim=1)
+    out = []
+    for s in range(0, query.shape[2], _QUERY_ROWS):  # query rows per step: memory rows x keys
+        e = min(query.shape[2], s + _QUERY_ROWS)
+        logits = torch.matmul(query[:, :, s:e], key.transpose(2, 3)) * scaling
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        if bias is not None:
+            n = bias.shape[-1]
+            logits[..., :n] += bias.to(dtype=logits.dtype, device=logits.device)[None, :, None, :]
+        logits = logits.masked_fill(hidden[s:e], float("-inf"))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+        out.append(torch.matmul(probs, value))
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous()
+
+
+def _positions(state: "AttentionState | None", layer: int, q_len: int, kv_len: int):
+    if state is not None and state.query_positions is not None:
+        return state.query_positions, state.key_positions
+    stored = state.layer_positions.get(layer) if state is not None else None
+    if stored is not None:
+        extra = torch.arange(state.next_position, state.next_position + kv_len - stored.shape[0])
+        kpos = torch.cat([stored.to(torch.long).cpu(), extra])
+    else:
+        kpos = torch.arange(kv_len)
+    return kpos[kv_len - q_len:], kpos
+
+
 def kdn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     state = _STATE.get()
     layer = getattr(module, "layer_idx", 0)
     bias = state.bias.get(layer) if state is not None else None
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+    if window or softcap:
+        q_len, kv_len = query.shape[2], key.shape[2]
+        scaling = scaling if scaling is not None else query.shape[-1] ** -0.5
+        if state is not None and state.observer is not None and state.query_positions is None:
+            state.observer(layer, query, key, scaling, window=window, softcap=softcap)
+        qpos, kpos = _positions(state, layer, q_len, kv_len)
+        if kpos.shape[0] != kv_len or qpos.shape[0] != q_len:
+            raise ValueError(f"layer {layer}: positions cover {qpos.shape[0]} queries / {kpos.shape[0]} keys, "
+                             f"attention has {q_len} / {kv_len}")
+        return model_attention(query, key, value, scaling, qpos, kpos, window, softcap, bias), None
     if state is not None and state.observer is not None:
         attend = getattr(state.observer, "attend", None)
         if attend is not None and bias is None and state.query_positions is None \
@@ -148,3 +212,9 @@ def kdn_attention(model, state: AttentionState):
     finally:
         model.config._attn_implementation = previous
         _STATE.reset(token)
+
+
+def own_or_kdn_attention(model, state: AttentionState, own: bool):
+    """The model's own attention implementation (``own``, the reference a store is compared
+    with) or kdnctl's with ``state``."""
+    return contextlib.nullcontext() if own else kdn_attention(model, state)

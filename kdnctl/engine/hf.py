@@ -31,9 +31,11 @@ import torch
 
 from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
+from ..models import adapter_for
 from ..store import LocalObjects, ReadStore, bundle_mismatch
-from .attention import AttentionState, kdn_attention
+from .attention import AttentionState
 from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into
+from .generate import GenerationResult, forward_suffix, full_prefill_generate, generate, stop_ids  # noqa: F401
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
@@ -52,6 +54,12 @@ class LoadedContext:
     # Per layer (kbuf, vbuf) [1, H_kv, T_l + room, D] of which keys[l]/values[l] are the first
     # T_l tokens (set by the loader); the first cache built over them writes new tokens in place.
     buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
+    # sliding-window layers: original positions of the cached keys (int64 [T_l])
+    positions: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def attention_state(self) -> AttentionState:
+        return AttentionState(bias=dict(self.bias), layer_positions=dict(self.positions),
+                              next_position=self.next_position)
 
     @property
     def n_tokens(self) -> int:
@@ -216,6 +224,9 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
         token_ids.extend(b.token_ids.tolist())
     next_position = int(bundles[-1].meta["token_end"])
     ctx = LoadedContext(keys, values, next_position, token_ids, bias, label, doc_id)
+    for layer, att in enumerate(adapter_for(lm.model).layer_attention()):
+        if att.window:
+            ctx.positions[layer] = torch.cat([b.layer_positions(layer)[0] for b in bundles])
     ctx.buffers = bufs
     return ctx
 
@@ -418,79 +429,3 @@ def load_prefix(lm: LoadedModel, store: ReadStore, token_ids: list[int], label: 
     ctx = load_chunks(lm, store, refs, label=label)
     ctx.load_s = time.perf_counter() - t
     return ctx, matched
-
-
-@dataclass
-class GenerationResult:
-    answer: str
-    token_ids: list[int]
-    ttft_s: float
-    first_logits: torch.Tensor
-    total_s: float
-
-
-def stop_ids(tokenizer) -> set[int]:
-    stops = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
-            stops.add(tid)
-    return stops
-
-
-@torch.inference_mode()
-def forward_suffix(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], *, last_only: bool = False):
-    """Run ``suffix_ids`` after the cached context; returns (logits [q, V], cache).
-
-    ``last_only``: compute the vocabulary projection for the last token only (``[1, V]``):
-    all a next-token prediction needs, and the full projection costs more than the layers
-    for a short suffix."""
-    from transformers import DynamicCache
-
-    model = lm.model
-    start = ctx.next_position if ctx is not None else 0
-    cache = ctx.make_cache(model.config) if ctx is not None else DynamicCache(config=model.config)
-    ids = torch.tensor([suffix_ids], device=lm.device)
-    pos = torch.arange(start, start + len(suffix_ids), device=lm.device)[None]
-    with kdn_attention(model, AttentionState(bias=dict(ctx.bias) if ctx else {})):
-        out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
-                    logits_to_keep=1 if last_only else 0)
-    return out.logits[0].float(), out.past_key_values
-
-
-@torch.inference_mode()
-def generate(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], *, max_new_tokens: int = 48, t0: float | None = None) -> GenerationResult:
-    """Greedy decoding of ``suffix_ids`` after ``ctx`` (None = no cached context).
-
-    ``ttft_s`` counts from ``t0`` (default: now) to the first token's logits, so a caller that
-    started its clock before loading the bundles gets load + suffix prefill."""
-    t0 = time.perf_counter() if t0 is None else t0
-    model = lm.model
-    logits, cache = forward_suffix(lm, ctx, suffix_ids, last_only=True)
-    first_logits = logits[-1]
-    nxt = int(first_logits.argmax())  # the first token, and on a GPU the wait for its logits
-    ttft = time.perf_counter() - t0
-    stops = stop_ids(lm.tokenizer)
-    pos = (ctx.next_position if ctx else 0) + len(suffix_ids)
-    out_ids: list[int] = []
-    state = AttentionState(bias=dict(ctx.bias) if ctx else {})
-    with kdn_attention(model, state):
-        while nxt not in stops and len(out_ids) < max_new_tokens:
-            out_ids.append(nxt)
-            out = model(
-                input_ids=torch.tensor([[nxt]], device=lm.device),
-                past_key_values=cache,
-                position_ids=torch.tensor([[pos]], device=lm.device),
-                use_cache=True,
-            )
-            cache = out.past_key_values
-            pos += 1
-            nxt = int(out.logits[0, -1].argmax())
-    answer = lm.tokenizer.decode(out_ids, skip_special_tokens=True).strip()
-    return GenerationResult(answer, out_ids, ttft, first_logits, time.perf_counter() - t0)
-
-
-def full_prefill_generate(lm: LoadedModel, context_ids: list[int], suffix_ids: list[int], *, max_new_tokens: int = 48) -> GenerationResult:
-    """Baseline: no stored KV, prefill context + suffix from scratch."""
-    t0 = time.perf_counter()
-    return generate(lm, None, list(context_ids) + list(suffix_ids), max_new_tokens=max_new_tokens, t0=t0)

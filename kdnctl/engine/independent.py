@@ -48,6 +48,7 @@ import torch
 
 from ..bundle import KVBundle
 from ..errors import ModelMismatchError, UnsupportedError, UsageError
+from ..models import adapter_for
 from .attention import AttentionState, kdn_attention
 from .hf import LoadedContext
 
@@ -57,9 +58,7 @@ RECOMPUTE_BLOCK = 512
 
 
 def _rotary_module(lm: LoadedModel):
-    model = getattr(lm, "model", lm)
-    decoder = getattr(model, "model", model)
-    return getattr(decoder, "rotary_emb", None)
+    return adapter_for(getattr(lm, "model", lm)).rotary_module()
 
 
 def rope_inv_freq(lm: LoadedModel) -> torch.Tensor:
@@ -77,6 +76,10 @@ def rope_inv_freq(lm: LoadedModel) -> torch.Tensor:
         )
     if float(getattr(rot, "attention_scaling", 1.0)) != 1.0:
         raise UnsupportedError(f"RoPE with attention scaling {rot.attention_scaling} cannot be re-rotated exactly")
+    adapter = adapter_for(getattr(lm, "model", lm))
+    if adapter.rotary_dim() != adapter.head_dim:
+        raise UnsupportedError(f"RoPE rotates {adapter.rotary_dim()} of {adapter.head_dim} channels per head; "
+                               "chunks cannot be re-positioned", hint="use prefix-mode ingest for this model")
     return inv.detach().float().cpu()
 
 
@@ -130,12 +133,11 @@ def fresh_first_layers(lm: LoadedModel, token_ids: list[int], upto: int) -> list
 
     Runs the decoder until layer ``upto`` has written its K/V to the cache (transformers updates
     the cache before calling the attention function, whose observer then stops the pass)."""
-    from transformers import DynamicCache
-
     model = lm.model
-    cache = DynamicCache(config=model.config)
+    adapter = adapter_for(model)
+    cache = adapter.full_cache()
 
-    def stop(layer, query, key, scaling):
+    def stop(layer, query, key, scaling, **_):
         if layer == upto:
             raise _StopForward
 
@@ -143,7 +145,7 @@ def fresh_first_layers(lm: LoadedModel, token_ids: list[int], upto: int) -> list
     pos = torch.arange(len(token_ids), device=lm.device)[None]
     with kdn_attention(model, AttentionState(observer=stop)):
         try:
-            model.model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            adapter.decoder(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
         except _StopForward:
             pass
     return [(cache.layers[i].keys, cache.layers[i].values) for i in range(upto + 1)]
@@ -161,16 +163,14 @@ def token_deviation(fresh: tuple[torch.Tensor, torch.Tensor], stored: tuple[torc
 def recompute_tokens(lm: LoadedModel, ctx: LoadedContext, selected: torch.Tensor, *, block_tokens: int = RECOMPUTE_BLOCK) -> None:
     """Recompute the K/V of context positions ``selected`` (sorted, int64) through all layers,
     each attending causally (by position) to the whole cache; splices them into ``ctx``."""
-    from transformers import DynamicCache
-
     model, device = lm.model, lm.device
+    adapter = adapter_for(model)
     n = ctx.next_position
     keep_mask = torch.ones(n, dtype=torch.bool)
     keep_mask[selected] = False
     keep = keep_mask.nonzero()[:, 0]
     kd = keep.to(device)
-    cache = DynamicCache(ddp_cache_data=[(k[:, :, kd], v[:, :, kd]) for k, v in zip(ctx.keys, ctx.values)],
-                         config=model.config)
+    cache = adapter.full_cache([(k[:, :, kd], v[:, :, kd]) for k, v in zip(ctx.keys, ctx.values)])
     ids = torch.tensor(ctx.token_ids, dtype=torch.long)
     key_pos = keep
     for s in range(0, len(selected), block_tokens):
@@ -178,7 +178,7 @@ def recompute_tokens(lm: LoadedModel, ctx: LoadedContext, selected: torch.Tensor
         key_pos = torch.cat([key_pos, sel])
         state = AttentionState(query_positions=sel.to(device), key_positions=key_pos.to(device))
         with kdn_attention(model, state):
-            model.model(input_ids=ids[sel][None].to(device), position_ids=sel[None].to(device),
+            adapter.decoder(input_ids=ids[sel][None].to(device), position_ids=sel[None].to(device),
                         past_key_values=cache, use_cache=True)
     order = torch.argsort(key_pos).to(device)
     ctx.keys = [cache.layers[i].keys[:, :, order] for i in range(len(ctx.keys))]

@@ -113,6 +113,18 @@ def require_prefix_mode(doc: DocumentKV) -> None:
         )
 
 
+def require_plain_attention(doc: DocumentKV, engine: str, why: str) -> None:
+    """Refuse a model whose layers use a sliding window: ``engine`` keeps those layers' KV apart
+    (``why``), in a layout this export does not write."""
+    attention = doc.model.get("attention") or []
+    sliding = [i for i, a in enumerate(attention) if a.get("kind") == "sliding"]
+    if sliding:
+        arch = doc.model.get("arch", "this model")
+        raise ExportError(f"{arch} has {len(sliding)} sliding-window layer(s) (window {attention[sliding[0]]['window']}); "
+                          f"{engine} {why}, which this export does not write",
+                          hint="load the version with kdnctl (transformers), which holds every layer whole")
+
+
 def require_engine(module: str, extra: str, what: str) -> None:
     """Raise EngineMissingError with the install command when ``module`` is not importable."""
     if importlib.util.find_spec(module) is None:

@@ -47,7 +47,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ExportError, UsageError
-from .base import DocumentKV, read_document_kv, require_prefix_mode, tensor_bytes, write_atomic
+from .base import (DocumentKV, read_document_kv, require_plain_attention, require_prefix_mode, tensor_bytes,
+                   write_atomic)
 
 SEQ_MAGIC = 0x67677371  # 'ggsq'
 SEQ_VERSION = 3
@@ -66,6 +67,22 @@ class GGUFInfo:
     n_kv_heads: int
     head_dim: int
     sha256: str
+
+
+def gguf_for_model(path: str | Path) -> Path:
+    """The GGUF llama.cpp loads for a model: a ``.gguf`` file itself, or the GGUF a converted
+    model folder was made from; a transformers folder without one is refused (llama.cpp loads
+    GGUF files only)."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    source = path / "kdnctl-source.json"
+    if source.is_file():
+        gguf = Path(json.loads(source.read_text()).get("gguf", ""))
+        if gguf.is_file():
+            return gguf
+    raise ExportError(f"{path} is a transformers model folder; llama.cpp loads a GGUF file",
+                      hint="pass --gguf FILE: the same weights converted with llama.cpp's convert_hf_to_gguf.py")
 
 
 def read_gguf_info(path: str | Path) -> GGUFInfo:
@@ -215,6 +232,7 @@ def check_model(doc: DocumentKV, info: GGUFInfo) -> None:
     if info.arch not in PERMUTED_ARCHS | NEOX_ARCHS:
         raise ExportError(f"GGUF architecture {info.arch!r} has no known key layout for llama.cpp",
                           hint=f"supported: {', '.join(sorted(PERMUTED_ARCHS | NEOX_ARCHS))}")
+    require_plain_attention(doc, "llama.cpp", "keeps sliding-window layers in a second KV cache with its own state")
 
 
 def kept_positions(doc: DocumentKV) -> torch.Tensor:

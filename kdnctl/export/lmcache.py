@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 
 from ..errors import ExportError, UsageError
-from .base import DocumentKV, read_document_kv, require_prefix_mode, tensor_bytes, write_atomic
+from .base import (DocumentKV, read_document_kv, require_plain_attention, require_prefix_mode, tensor_bytes,
+                   write_atomic)
 
 LMCACHE_CHUNK_SIZE = 256
 HASH_ALGORITHMS = ("sha256_cbor", "builtin")
@@ -194,6 +195,7 @@ def check_chunk_size(chunk_size: int) -> int:
 
 def check_exportable(doc: DocumentKV) -> None:
     require_prefix_mode(doc)
+    require_plain_attention(doc, "vLLM", "allocates sliding-window layers' KV by their window (a layout of its own)")
     if doc.pruned:
         raise ExportError(
             f"{doc.doc_id} [{doc.label}] is pruned; LMCache and vLLM need every token of a chunk",

@@ -142,28 +142,22 @@ def calibrate(samples) -> torch.Tensor:
 
 def key_samples(lm, token_lists, chunk_tokens: int = 256):
     """Step-normalised keys ``u [L, H, T, D]`` of each document (``token_lists``: token ids),
-    what :func:`calibrate` takes: keys before RoPE (``k_proj``'s output, what ``ec`` stores),
+    what :func:`calibrate` takes: keys before RoPE (the key projection's output, what ``ec`` stores),
     each chunk's mean removed, divided by ec's relative steps from the document's own queries."""
     from kdnctl.allocate.rate import relative_steps
-    from kdnctl.quant.sensitivity import attention_modules, key_weights
+    from kdnctl.models import adapter_for
+    from kdnctl.quant.sensitivity import key_weights
 
-    cfg = lm.model.config
-    n_layers, h = cfg.num_hidden_layers, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    mods = attention_modules(lm.model, n_layers)
+    adapter = adapter_for(lm.model)
+    n_layers, h, d = adapter.n_layers, adapter.n_kv_heads, adapter.head_dim
     for ids in token_lists:
         keys: list = [None] * n_layers
 
-        def grab(i):
-            return lambda _m, _in, out: keys.__setitem__(i, out[0].detach().float().cpu().view(-1, h, d).transpose(0, 1))
+        def grab(i, _role, k):
+            keys[i] = k.float().cpu().transpose(0, 1)
 
-        hooks = [m.k_proj.register_forward_hook(grab(i)) for i, m in enumerate(mods)]
-        try:
-            with torch.no_grad():
-                lm.model.base_model(torch.tensor([list(ids)], device=lm.model.device), use_cache=False)
-        finally:
-            for hk in hooks:
-                hk.remove()
+        with adapter.capture(("k",), on=grab), torch.no_grad():
+            adapter.decoder(torch.tensor([list(ids)], device=lm.model.device), use_cache=False)
         w = key_weights(lm, list(ids), n_layers, h, d)
         u = []
         for i, x in enumerate(keys):

@@ -6,7 +6,7 @@
   its partner ``c + D/2`` by the query-key distance, which the stored key does not know, so the
   two share the mean of their weights.
 - values: a value error ``e`` moves the head's output by ``W_o e``; channel ``c`` weighs the
-  squared norm of its column of ``o_proj`` summed over the group's query heads (weights only).
+  squared norm of its column of the output projection summed over the group's query heads (weights only).
 
 Both are ``[L, H_kv, D]`` float tensors; :func:`naive_key_weights` is the per-element reference.
 """
@@ -15,53 +15,44 @@ from __future__ import annotations
 
 import torch
 
-from kdnctl.errors import UnsupportedError
+from kdnctl.models import adapter_for
 
 
-def attention_modules(model, n_layers: int) -> list:
-    """The model's attention modules with ``q_proj``/``o_proj`` (Llama-style), in layer order."""
-    mods = [m for _, m in model.named_modules() if hasattr(m, "q_proj") and hasattr(m, "o_proj")]
-    if len(mods) != n_layers:
-        raise UnsupportedError(f"found {len(mods)} attention modules with q_proj/o_proj, expected {n_layers}",
-                               hint="the ec quantizer needs a Llama-style model; use --quant auto")
-    return mods
-
-
-def pair_mean(w: torch.Tensor) -> torch.Tensor:
-    """Mean of each channel's weight with its RoPE partner (rotate-half convention)."""
-    return (w + w.roll(w.shape[-1] // 2, -1)) / 2
+def pair_mean(w: torch.Tensor, rotary_dim: int | None = None) -> torch.Tensor:
+    """Mean of each channel's weight with its RoPE partner (rotate-half convention) over the
+    first ``rotary_dim`` channels (all by default); channels RoPE leaves alone keep theirs."""
+    r = w.shape[-1] if rotary_dim is None else rotary_dim
+    if r == w.shape[-1]:
+        return (w + w.roll(w.shape[-1] // 2, -1)) / 2
+    out = w.clone()
+    out[..., :r] = (w[..., :r] + w[..., :r].roll(r // 2, -1)) / 2
+    return out
 
 
 def key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_dim: int,
                 rope: bool = True) -> torch.Tensor:
     """``E[q_c^2]`` per layer, KV head and channel over the document's own queries."""
     model = lm.model
-    mods = attention_modules(model, n_layers)
+    adapter = adapter_for(model)
     out = torch.zeros(n_layers, n_kv_heads, head_dim)
 
-    def hook(i):
-        def f(_mod, _inp, q):
-            q = q[0].detach().float()  # [T, Hq * D]
-            group = q.shape[-1] // head_dim // n_kv_heads
-            out[i] = q.view(q.shape[0], n_kv_heads, group, head_dim).pow(2).mean((0, 2)).cpu()
-        return f
+    def on(i, _role, q):
+        q = q.float()  # [T, Hq, D]
+        group = q.shape[1] // n_kv_heads
+        out[i] = q.view(q.shape[0], n_kv_heads, group, head_dim).pow(2).mean((0, 2)).cpu()
 
-    handles = [m.q_proj.register_forward_hook(hook(i)) for i, m in enumerate(mods)]
-    try:
-        device = next(model.parameters()).device
-        with torch.no_grad():  # the decoder stack alone: no logits over the vocabulary
-            model.base_model(torch.tensor([token_ids], device=device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return pair_mean(out) if rope else out
+    device = next(model.parameters()).device
+    with adapter.capture(("q",), on=on), torch.no_grad():  # the decoder stack alone: no vocabulary logits
+        adapter.decoder(torch.tensor([token_ids], device=device), use_cache=False)
+    return pair_mean(out, adapter.rotary_dim()) if rope else out
 
 
 def value_weights(lm, n_layers: int, n_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Squared column norms of ``o_proj`` per layer, KV head and channel (summed over the group)."""
+    """Squared column norms of the output projection per layer, KV head and channel (summed over the group)."""
+    adapter = adapter_for(lm.model)
     out = torch.zeros(n_layers, n_kv_heads, head_dim)
-    for i, m in enumerate(attention_modules(lm.model, n_layers)):
-        w = m.o_proj.weight.detach().float().cpu()  # [hidden, Hq * D]
+    for i in range(n_layers):
+        w = adapter.output_weight(i).detach().float().cpu()  # [hidden, Hq * D]
         col = w.pow(2).sum(0).view(-1, head_dim)  # [Hq, D]
         out[i] = col.view(n_kv_heads, -1, head_dim).sum(1)
     return out
