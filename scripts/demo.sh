@@ -11,4 +11,4 @@ kdnctl run recipes/size-0.25.toml examples/corpus
 kdnctl ls
 Q="How long does it take to charge the Zephyr X200 battery to 80 %?"
 kdnctl ask zephyr-x200-manual.md "$Q" --compare
-kdnctl ask zephyr-x200-manual.md "$Q" --version ec-b0.25-p64-lliterals0.3x2k
+kdnctl ask zephyr-x200-manual.md "$Q" --version b0.25
