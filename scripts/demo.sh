@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The main job: ingest the example corpus with the default model and compress it with the shipped
-# default recipe (kdnctl run: stored K/V at 25% of the fp16 bytes, every token kept, attention-weighted
-# entropy-coded steps), then answer a question from the stored KV, compared with a full prefill.
+# The main job: install kdnctl and the default model, ingest the example corpus and compress it
+# with the default recipe (stored K/V at 25% of the fp16 bytes, every token kept), then answer a
+# question from the stored KV, compared with a full prefill.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
