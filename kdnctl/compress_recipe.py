@@ -85,8 +85,8 @@ class CompressRecipe:
                              f"options: {', '.join(OPTIONS)}", param="option")
         options, press_options = dict(d.pop("options", None) or {}), dict(d.pop("press_options", None) or {})
         allocator_options = dict(d.pop("allocator_options", None) or {})
-        press = str(d.get("press", "kvcrush"))
-        press_fields = method_fields(press_class(_LEGACY_WRAPPED.get(press.partition(":")[0], press.partition(":")[2] or press)))
+        wrapper, _, inner = str(d.get("press", "kvcrush")).partition(":")
+        press_fields = method_fields(press_class(inner or _LEGACY_WRAPPED[wrapper] if wrapper in _LEGACY_WRAPPED else wrapper))
         alloc = str(d.get("allocator", DEFAULT_ALLOCATOR))
         alloc_fields = method_fields(ALLOCATORS[alloc]) if alloc in ALLOCATORS else set()
         for k in list(options):
@@ -204,8 +204,8 @@ class CompressRecipe:
             raise UsageError("option protect_level sets how fine ec stores the header and the protected tail",
                              hint="use it with --budget B --quant ec", param="protect_level")
         self._check_lift_steps()
-        for name in [k for k, v in self.options.items() if v is None or (v == OPTIONS[k].default and k != "layers")]:
-            del self.options[name]  # a default is not recorded
+        for name in [k for k, v in self.options.items() if v is not None and v == OPTIONS[k].default and k != "layers"]:
+            del self.options[name]  # a default is not recorded (None stays: an option the user turned off)
 
     def _check_lift_steps(self) -> None:
         share, level = self.lift_share, self.lift_level

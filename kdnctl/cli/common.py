@@ -27,7 +27,8 @@ FLAGS: dict[str, str] = {
     "alpha": "--alpha", "budget": "--budget", "chunk_tokens": "--chunk-tokens", "chunks": "--chunks",
     "heads": "--heads", "label": "--label", "model": "--model", "recompute": "--recompute",
     "retrieve": "--retrieve", "scorer": "--scorer", "source": "--from", "steer": "--steer",
-    "allocator": "--allocator", "method": "--method", "quant": "--quant", "corpus": "--corpus",
+    "allocator": "--option allocator", "method": "--press", "press": "--press", "quant": "--quant", "corpus": "--corpus",
+    "protect": "--option protect", "option": "--option",
 }
 
 

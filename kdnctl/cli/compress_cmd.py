@@ -51,6 +51,11 @@ def compress(
             if name in extra:
                 settings[name] = extra.pop(name)
         recipe = CompressRecipe.from_dict({**settings, "options": extra})
+    if workers is not None and ray is None:
+        from ..errors import UsageError
+
+        raise UsageError("the workers option sets how many Ray workers compress", hint="add --ray ADDRESS|local",
+                         param="option")
     check_name("label", label or recipe.default_label(), "--label")
     check_name("label", source, "--from")
     st = open_store(store)
@@ -62,10 +67,6 @@ def compress(
             results = compress_on_ray(st, doc_ids, recipe, source=source, label=label, address=ray, workers=workers,
                                       model=model, batch_size=batch,
                                       on_result=lambda r: bar.update(1))
-    elif workers is not None:
-        from ..errors import UsageError
-
-        raise UsageError("the workers option needs --ray ADDRESS|local", param="option")
     else:
         # h2o / adaptive selections read `accum`, which ingest records only with --stats all; with the
         # model at hand compress computes it when a version lacks it.
