@@ -171,7 +171,7 @@ def test_recipe_validation_and_label():
     auto = CompressRecipe(budget=0.25)
     assert auto.key_basis == "auto" and "key_basis" not in auto.as_dict() and auto.default_label() == "b0.25"
     assert CompressRecipe(budget=0.083).default_label() == "b0.083"
-    with pytest.raises(UsageError, match="key basis"):
+    with pytest.raises(UsageError, match="key_basis must be"):
         CompressRecipe(budget=0.25, quant="ec", key_basis="pca")
     for explicit in ("model", "none"):
         with pytest.raises(UsageError, match="ec"):

@@ -86,5 +86,5 @@ def test_recipe_uses_the_fisher_split_only_where_every_token_is_kept():
     assert CompressRecipe(budget=0.083, layers="fisher").default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-fisher-rf0.01hdf-sentences-gap"
     assert CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even").default_label() == "ec-b0.25-p64-even"
     assert CompressRecipe(budget=0.25, quant="ec", keep=0.5, scorer="sentences").layers == "even"
-    with pytest.raises(UsageError, match="layer split"):
+    with pytest.raises(UsageError, match="option layers must be"):
         CompressRecipe(budget=0.25, layers="uneven")
