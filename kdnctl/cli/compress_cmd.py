@@ -79,6 +79,7 @@ def compress(
             for doc_id in doc_ids:
                 results.append(compress_document(st, doc_id, recipe, lm=lm, source=source, label=label,
                                                  fingerprint=fingerprint))
+                bar.set_postfix_str(f"{doc_id} {results[-1].status} in {results[-1].seconds:.1f} s")
                 bar.update(1)
     rows = [{"doc": r.doc_id, "label": r.label, "status": r.status, "source_bytes": r.source_bytes,
              "bytes": r.bytes, "ratio": round(r.ratio, 2), "seconds": round(r.seconds, 3),
