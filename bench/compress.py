@@ -1,6 +1,6 @@
 """Compression quality and overhead on the example corpus, all measured in one run.
 
-    python bench/compress.py [--store DIR] [--qa examples/qa.jsonl] [--out bench/results]
+    python bench/compress.py [--store DIR] [--qa examples/qa.jsonl] [--out research/results]
 
 1. ingest examples/corpus (timed: the prefill cost the overhead is compared with);
 2. compress with every method at budget 0.25 (with and without int8/int4), every scorer for
@@ -66,7 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", default=str(ROOT / ".bench-store"))
     ap.add_argument("--qa", default=str(ROOT / "examples" / "qa.jsonl"))
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--out", default=str(ROOT / "research" / "results"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--probes", type=int, default=4)
     ap.add_argument("--timing-only", action="store_true", help="time ingest and compression only (no eval)")

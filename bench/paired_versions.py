@@ -11,7 +11,7 @@
         tasks only one run answers (exact McNemar p), identical answers, the largest NLL change
         (``--old-label L``: the old run named that version L, e.g. a ``--label`` given by hand)
 
-The quotes in docs/compression.md of ``bench/results/quality-cpu-layers*/`` come from here.
+The quotes in docs/compression.md of ``research/results/quality-cpu-layers*/`` come from here.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
     python bench/quality.py [--store DIR] [--tasks realtext] [--limit N] [--threads 1]
                             [--device cpu|cuda] [--dtype float32|float16|bfloat16]
                             [--recipe "--budget 1 --quant int8"]... [--no-default-recipes]
-                            [--versions L,...] [--out bench/results/quality.json] [--plot PNG]
+                            [--versions L,...] [--out research/results/quality.json] [--plot PNG]
 
 1. ingest the task contexts into a bench store (once: unchanged contexts are skipped);
 2. run every recipe as a ``kdnctl compress`` argument list (``--recipe`` may repeat; the default
@@ -168,7 +168,7 @@ def main() -> None:
                     "ingest, compress scorers and evaluation")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
                     help="model dtype for every step (default float32)")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "quality.json"))
+    ap.add_argument("--out", default=str(ROOT / "research" / "results" / "quality.json"))
     ap.add_argument("--plot", default=None, help="quality-vs-bytes PNG")
     ap.add_argument("--compress-only", action="store_true", help="ingest and compress, no evaluation")
     ap.add_argument("--interleave", action="store_true",

@@ -172,11 +172,14 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
     fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
     if recipe.sized:
+        # the cap is fitted with the longer of the version's name and its recipe spelled out: what a
+        # recipe stores does not depend on the (shorter) name it is given, and any name fits the cap
+        fit_label = max(label, recipe.recipe_label(), key=len)
         if recipe.quant == "ec":  # attention-weighted steps, eviction first with --keep (compress_ec.py)
-            new_tensors, metas, kept, mix = sized_ec(src, label, step, recipe, bundles, keys, values, token_ids,
+            new_tensors, metas, kept, mix = sized_ec(src, fit_label, step, recipe, bundles, keys, values, token_ids,
                                                      local_bounds, fp16, lm, lift_w, importance)
         else:
-            new_tensors, metas, kept, mix = _sized(src, label, step, recipe, bundles, dense, keys, values,
+            new_tensors, metas, kept, mix = _sized(src, fit_label, step, recipe, bundles, dense, keys, values,
                                                    importance if lift_w is None else lift_w, press, allocator, ctx,
                                                    local_bounds, fp16)
         record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))

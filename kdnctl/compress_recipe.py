@@ -1,5 +1,5 @@
-"""A ``kdnctl compress`` recipe: what to keep and how to store it, resolved once (``--quant auto``
-picks the method for the budget here), its catalog record (``as_dict``) and its default label."""
+"""A ``kdnctl compress`` recipe: what to keep and how to store it, resolved once (``quant`` auto
+picks the method for the budget here), its catalog record (``as_dict``) and its default name."""
 
 from __future__ import annotations
 
@@ -10,120 +10,125 @@ from typing import Any
 
 from . import sizing
 from .allocate import ALLOCATORS, DEFAULT_ALLOCATOR, Allocator, get_allocator
+from .compress_options import (BACKFILL_SHIFT, KEY_BASES, LIFT_LEVEL, LIFT_SHARE, MAX_BACKFILL_SHIFT,  # noqa: F401
+                               MAX_LIFT_LEVEL, OPTIONS, PROTECT_LEVEL, check_option)
 from .errors import UsageError
 from .presses import get_press, press_class
 from .presses.base import Press, validate_budget
 from .quant.base import DEFAULT_GROUP_SIZE
 from .quant.entropy import MAX_LEVEL
 from .registry import method_fields
-from .scoring import DEFAULT_SCORER, NEEDS_MODEL, SCORERS
+from .scoring import DEFAULT_SCORER, NEEDS_MODEL
 
 # Old spellings of the per-layer allocators, once presses wrapping a press ("pyramid:kvcrush", ...).
 _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
-# --backfill: the evicted tokens' steps are 2**shift x the kept tokens' (the first version's 3 is the
-# default so its recipes and labels still match; bench/ec_bits.py measures what each shift stores)
-BACKFILL_SHIFT = 3
-KEY_BASES = ("auto", "model", "none")
-MAX_BACKFILL_SHIFT = 4  # the protected tokens sit 2 levels up and ec's finest level is 6
-PROTECT_LEVEL = 2  # ec: header and forced tail 2**level finer; the default and the most (see MAX_BACKFILL_SHIFT)
-LIFT_SHARE, LIFT_LEVEL = 0.25, 1  # ec --lift SCORER: the top quarter of the kept tokens by it, 2x finer steps
-# the lifted tokens may sit above the header's level: an exact value's digits need keys much finer
-# than the rest (bench/precision_probe.py); with --backfill the shift on top must stay within MAX_LEVEL
-MAX_LIFT_LEVEL = MAX_LEVEL - PROTECT_LEVEL
+# Old spellings of the press fields (recipes, records and callers before the press was named so).
+_LEGACY_FIELDS = {"method": "press", "method_options": "press_options"}
 
 
-@dataclass
+@dataclass(init=False)
 class CompressRecipe:
     """``budget``: size cap as a fraction of the fp16 K/V bytes (None: no cap, pure eviction);
-    ``keep``: fraction of tokens kept per layer and KV head by ``method``; ``quant``: with a
-    budget, the tiers (``auto``/None = ``sizing.auto_quant``, ``uniform`` = best single tier that
-    fits, ``floor`` = that tier + one-tier upgrades, ``ladder`` = per-token tiers, ``int4`` = int4,
-    ``fp16`` = eviction alone); without one, the quantizer of every kept token."""
+    ``keep``: fraction of tokens kept per layer and KV head; ``quant``: with a budget ``auto``
+    (None: ``sizing.auto_quant`` picks for the budget), ``uniform`` (the best single tier that
+    fits), ``floor`` (that tier + one-tier upgrades), ``ladder`` (per-token tiers), ``ec``
+    (per-channel steps, entropy-coded), ``int4``..., ``fp16`` (eviction alone); without one, the
+    quantizer of every kept token; ``scorer`` ranks the tokens; ``press`` selects the kept tokens
+    (``press_options`` its settings); ``allocator`` splits the kept share across layers;
+    ``protect``: the prompt header and the last N tokens are never evicted and get precision
+    first; ``options``: the experimental settings (``kdnctl.compress_options.OPTIONS``)."""
 
     budget: float | None = 0.25
-    method: str = "kvcrush"
-    scorer: str | None = None  # None: DEFAULT_SCORER, or what ``--quant auto`` chose for the budget
+    keep: float = 1.0
     quant: str | None = None
-    group_size: int = DEFAULT_GROUP_SIZE
-    seed: int = 0
-    method_options: dict[str, Any] = field(default_factory=dict)
+    scorer: str | None = None  # None: DEFAULT_SCORER, or what quant auto chose for the budget
+    press: str = "kvcrush"
+    press_options: dict[str, Any] = field(default_factory=dict)
     allocator: str = DEFAULT_ALLOCATOR
     allocator_options: dict[str, Any] = field(default_factory=dict)
-    keep: float = 1.0
-    coding: str = sizing.CODING  # size budget: lossless coding of codes (+ scales/zeros)
-    protect: int = 0  # size budget: the last N tokens (and the prompt header) are never evicted and lifted first
-    lift: str | None = None  # size budget: a second scorer whose top tokens are also lifted first (ec: finer steps)
-    key_weight: float = sizing.KEY_WEIGHT  # size budget: a key row's damage relative to a value row's (solver)
-    layers: str | None = None  # ec: "fisher" (steps per layer and role scaled by a Fisher estimate of their damage) | "even"
-    backfill: str | None = None  # ec with --keep: "A-B", layers where the evicted tokens are kept too, at coarse steps
-    backfill_shift: int = BACKFILL_SHIFT  # their steps: 2**backfill_shift x the kept tokens'
-    backfill_key_shift: int | None = None  # the keys' own shift (0 to MAX): None = backfill_shift
-    # ec: keys in the model's registered principal axes (kdnctl.quant.basis): "auto" where the
-    # model has a basis (unrecorded, like the frames' coder: versions made before keep their
-    # recipe and label), "model" (required), "none" (channels, as before format 1.7)
-    key_basis: str = "auto"
-    # ec with --keep: the kept tokens' values refitted so that the document's own queries, placed
-    # after it, read the full cache's attention output (kdnctl.value_refit); the ridge weight,
-    # None or 0 = off (measured at 0.083: continuation NLL better, needles and facts worse)
-    refit: float | None = None
-    # with --refit and --lift: the lifted tokens' values stay as they are (the fit moves the rest)
-    refit_hold: bool = False
-    # with --refit: fit the values to the kept keys as the loader decodes them (quantized at a first
-    # fit of the budget's scale), not to the keys before quantization
-    refit_decoded: bool = False
-    # with --refit: the refitted values rounded to ec's grid token by token, each rounding error
-    # carried into the chunk's later tokens through the fit's normal matrix (kdnctl.value_feedback)
-    refit_feedback: bool = False
-    # ec: the prompt header and the last ``protect`` tokens get steps 2**level finer; None = the
-    # default (PROTECT_LEVEL, 4x), 0 keeps them but spends no extra bits on them
-    protect_level: int | None = None
-    # ec with --keep: the share of the kept tokens (beyond header and tail) chosen by what the
-    # document's last queries read (kdnctl.tail_reads), the rest by the scorer; None or 0 = off
-    tail_reads: float | None = None
-    # ec with --lift: the share of the kept tokens it lifts (None = LIFT_SHARE) and how many levels
-    # (2**level finer steps, 1 to MAX_LIFT_LEVEL; None = LIFT_LEVEL), and which role: None both,
-    # "keys" the keys alone (the values keep the unlifted levels; format 1.10's token_levels.keys)
-    lift_share: float | None = None
-    lift_level: int | None = None
-    lift_role: str | None = None
+    protect: int = 0
+    group_size: int = DEFAULT_GROUP_SIZE
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __init__(self, budget: float | None = 0.25, keep: float = 1.0, quant: str | None = None, scorer: str | None = None,
+                 press: str = "kvcrush", press_options: dict | None = None, allocator: str = DEFAULT_ALLOCATOR,
+                 allocator_options: dict | None = None, protect: int = 0, group_size: int = DEFAULT_GROUP_SIZE,
+                 seed: int = 0, options: dict | None = None, **named: Any) -> None:
+        """Every option can also be given by name (``refit=0.01``): it goes into ``options``;
+        ``method``/``method_options`` are the press fields' old names."""
+        self.budget, self.keep, self.quant, self.scorer = budget, keep, quant, scorer
+        self.press, self.press_options = press, dict(press_options or {})
+        self.allocator, self.allocator_options = allocator, dict(allocator_options or {})
+        self.protect, self.group_size, self.seed = protect, group_size, seed
+        self.options = dict(options or {})
+        for name, value in named.items():
+            if name in _LEGACY_FIELDS:
+                setattr(self, _LEGACY_FIELDS[name], dict(value or {}) if name == "method_options" else value)
+            elif name in OPTIONS:
+                if value is not None:
+                    self.options[name] = value
+            else:
+                raise TypeError(f"CompressRecipe got an unexpected argument {name!r}")
+        self.__post_init__()
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CompressRecipe":
+        """A recipe from a TOML ``[compress]`` table or a version's record (``as_dict``): the
+        fields by name, the options by name or in ``options``; a press's or an allocator's own
+        settings in ``options`` (the old ``[compress.options]``) go to them."""
+        d = {_LEGACY_FIELDS.get(k, k): v for k, v in d.items() if k not in ("step", "source")}
+        own = {f.name for f in dataclasses.fields(cls)}
+        bad = sorted(k for k in d if k not in own and k not in OPTIONS)
+        if bad:
+            raise UsageError(f"unknown compress settings {bad}", hint=f"fields: {', '.join(sorted(own))}; "
+                             f"options: {', '.join(OPTIONS)}", param="option")
+        options, press_options = dict(d.pop("options", None) or {}), dict(d.pop("press_options", None) or {})
+        allocator_options = dict(d.pop("allocator_options", None) or {})
+        wrapper, _, inner = str(d.get("press", "kvcrush")).partition(":")
+        press_fields = method_fields(press_class(inner or _LEGACY_WRAPPED[wrapper] if wrapper in _LEGACY_WRAPPED else wrapper))
+        alloc = str(d.get("allocator", DEFAULT_ALLOCATOR))
+        alloc_fields = method_fields(ALLOCATORS[alloc]) if alloc in ALLOCATORS else set()
+        for k in list(options):
+            if k in OPTIONS:
+                continue
+            if k in press_fields or k in ("press", "press_options"):
+                press_options[k] = options.pop(k)
+            elif k in alloc_fields:
+                allocator_options[k] = options.pop(k)
+            else:
+                raise UsageError(f"unknown compress option {k!r}", hint=f"options: {', '.join(OPTIONS)}; the press's: "
+                                 f"{', '.join(sorted(press_fields)) or 'none'}", param="option")
+        if "keep" in d and "budget" not in d:
+            d["budget"] = None  # pure token eviction
+        options.update({k: d.pop(k) for k in list(d) if k in OPTIONS})
+        return cls(**d, press_options=press_options, allocator_options=allocator_options, options=options)
+
+    @property
+    def method(self) -> str:
+        """The press's old name."""
+        return self.press
+
+    @property
+    def method_options(self) -> dict[str, Any]:
+        return self.press_options
 
     def __post_init__(self) -> None:
+        # an option given as None is unset; one given as 0 (refit, tail_reads) is off, and stays so
+        self.options = {k: v for k, v in self.options.items() if v is not None}
+        for name, value in list(self.options.items()):
+            self.options[name] = check_option(name, value)
         self.keep = validate_budget(self.keep)
         if not isinstance(self.protect, int) or isinstance(self.protect, bool) or self.protect < 0:
             raise UsageError(f"protect must be a whole number of tokens >= 0, got {self.protect!r}", param="protect")
-        if isinstance(self.key_weight, bool) or not isinstance(self.key_weight, (int, float)) or not self.key_weight > 0:
-            raise UsageError(f"key_weight must be a number > 0, got {self.key_weight!r}", param="key_weight")
-        self.key_weight = float(self.key_weight)
         no_lift = self.lift == "none"  # opts out of the auto recipe's lift
         if no_lift:
             self.lift = None
-        if self.lift is not None and self.lift not in SCORERS:
-            raise UsageError(f"unknown scorer {self.lift!r} to lift by", hint=f"choose one of {', '.join(SCORERS)}", param="lift")
-        if self.coding not in ("zlib", "zlib+params"):
-            raise UsageError(f"unknown coding {self.coding!r}", hint="zlib or zlib+params", param="coding")
         if self.budget is not None:
             self.budget = validate_budget(self.budget)
             if self.quant in (None, "auto"):
-                auto = sizing.auto_quant(self.budget, self.group_size)
-                self.quant, self.keep, self.protect = auto.quant, min(self.keep, auto.keep), max(self.protect, auto.protect)
-                if self.scorer is None and auto.scorer is not None:
-                    self.scorer = auto.scorer
-                # a --lift-share etc. of the user's stays; with --backfill the wide rows share the cap and the
-                # auto lift cost facts there (docs/compression.md, session 35): the user chooses a lift
-                if auto.lift and self.lift is None and not no_lift and self.backfill is None:
-                    for name, value in auto.lift.items():
-                        if getattr(self, name) is None:
-                            setattr(self, name, value)
-                # the auto refit holds the lifted tokens' values, so it comes with a lift (the auto one or
-                # the user's); --refit 0 turns it off, a --refit RHO of the user's stands as given
-                if auto.refit and self.refit is None and self.lift and self.backfill is None and self.keep < 1:
-                    self.refit, self.refit_hold = auto.refit, True
-                    self.refit_decoded = self.refit_feedback = True  # session 40: fitted to the keys as decoded, rounded with feedback
-                # the sentences scorer is the same in every head: KVCrush's head-behaviour
-                # representatives would be arbitrary, so the auto recipe keeps by importance alone
-                if auto.ratio is not None and self.scorer == auto.scorer and str(self.method).partition(":")[0] == "kvcrush":
-                    self.method_options = {"ratio": auto.ratio, **self.method_options}
-            if self.quant != "ec": sizing.ladder_for(self.quant)  # noqa: E701 (an unknown --quant is refused here)
+                self._apply_auto(no_lift)
+            if self.quant != "ec": sizing.ladder_for(self.quant)  # noqa: E701 (an unknown quant is refused here)
         elif self.quant is None:
             self.quant = "none"
         elif self.quant == "ec":
@@ -131,102 +136,95 @@ class CompressRecipe:
         if self.scorer is None:
             self.scorer = DEFAULT_SCORER
         self.layers = self.layers or self.auto_layers  # after auto: it depends on keep
-        if self.layers not in ("fisher", "even"):
-            raise UsageError(f"unknown layer split {self.layers!r}", hint="fisher or even", param="layers")
-        if self.backfill is not None:
-            heads = self.backfill_heads  # parses: a bad spec is refused here
-            if any(h is not None for h in heads.values()):  # one spelling per set of heads (recipe and label)
-                self.backfill = "+".join(f"{i}" if h is None else "+".join(f"{i}.{x}" for x in h) for i, h in heads.items())
-            if not (self.sized and self.quant == "ec" and self.keep < 1 and self.layers == "even"):
-                raise UsageError("--backfill keeps the tokens ec's --keep evicts, coarsely, in some layers",
-                                 hint="use it with --budget B --quant ec --keep K (even layer split)", param="backfill")
-        shift = self.backfill_shift
-        if isinstance(shift, bool) or not isinstance(shift, int) or not 0 <= shift <= MAX_BACKFILL_SHIFT:
-            raise UsageError(f"backfill_shift must be a whole number from 0 to {MAX_BACKFILL_SHIFT}, got {shift!r}",
-                             hint="2**shift is how much coarser the backfilled tokens' steps are", param="backfill_shift")
-        if shift != BACKFILL_SHIFT and self.backfill is None:
-            raise UsageError("--backfill-shift sets how coarse --backfill's tokens are", hint="add --backfill A-B",
-                             param="backfill_shift")
-        ks = self.backfill_key_shift
-        if ks is not None:
-            if isinstance(ks, bool) or not isinstance(ks, int) or not 0 <= ks <= MAX_BACKFILL_SHIFT:
-                raise UsageError(f"backfill_key_shift must be a whole number from 0 to {MAX_BACKFILL_SHIFT}, got {ks!r}",
-                                 hint="2**shift is how much coarser the backfilled tokens' keys are",
-                                 param="backfill_key_shift")
-            if self.backfill is None:
-                raise UsageError("--backfill-key-shift sets how coarse --backfill's keys are", hint="add --backfill A-B",
-                                 param="backfill_key_shift")
-        if self.key_basis not in KEY_BASES:
-            raise UsageError(f"unknown key basis {self.key_basis!r}", hint=" or ".join(KEY_BASES), param="key_basis")
-        if self.key_basis != "auto" and not (self.sized and self.quant == "ec"):
-            raise UsageError("--key-basis rotates the keys of the entropy-coded ec layout",
-                             hint="use it with --budget B --quant ec", param="key_basis")
-        if self.refit is not None:
-            if isinstance(self.refit, bool) or not isinstance(self.refit, (int, float)) or not self.refit >= 0:
-                raise UsageError(f"refit must be a ridge weight >= 0 (0: off), got {self.refit!r}", param="refit")
-            self.refit = float(self.refit) or None
-        if self.refit and not (self.sized and self.quant == "ec" and self.keep < 1 and self.backfill is None):
-            raise UsageError("--refit refits the values of the tokens ec's --keep keeps",
-                             hint="use it with --budget B --quant ec --keep K (no --backfill), or --refit 0", param="refit")
-        if not isinstance(self.refit_hold, bool):
-            raise UsageError(f"refit_hold must be true or false, got {self.refit_hold!r}", param="refit_hold")
-        if self.refit_hold and not (self.refit and self.lift):
-            raise UsageError("--refit-hold keeps the tokens --lift lifts out of --refit's fit",
-                             hint="add --refit RHO (e.g. 0.01) and keep a --lift (the auto recipe has one)", param="refit_hold")
-        for name in ("refit_decoded", "refit_feedback"):
-            if not isinstance(getattr(self, name), bool):
-                raise UsageError(f"{name} must be true or false, got {getattr(self, name)!r}", param=name)
-            if getattr(self, name) and not self.refit:
-                flag = "--" + name.replace("_", "-")
-                raise UsageError(f"{flag} goes with --refit's value fit", hint=f"add --refit RHO (e.g. 0.01), or drop {flag}",
-                                 param=name)
-        tr = self.tail_reads
-        if tr is not None:
-            if isinstance(tr, bool) or not isinstance(tr, (int, float)) or not 0 <= tr < 1:
-                raise UsageError(f"tail_reads must be a share from 0 to below 1 (0: off), got {tr!r}",
-                                 hint="e.g. 0.25", param="tail_reads")
-            self.tail_reads = float(tr) or None
-        if self.tail_reads and not (self.sized and self.quant == "ec" and self.keep < 1):
-            raise UsageError("--tail-reads chooses part of the tokens ec's --keep keeps",
-                             hint="use it with --budget B --quant ec --keep K, or --tail-reads 0", param="tail_reads")
-        pl = self.protect_level
-        if pl is not None:
-            if isinstance(pl, bool) or not isinstance(pl, int) or not 0 <= pl <= PROTECT_LEVEL:
-                raise UsageError(f"protect_level must be a whole number from 0 to {PROTECT_LEVEL}, got {pl!r}",
-                                 hint="2**level is how much finer the header's and the forced tail's steps are",
-                                 param="protect_level")
-            if not (self.sized and self.quant == "ec"):
-                raise UsageError("--protect-level sets how fine ec stores the header and the forced tail",
-                                 hint="use it with --budget B --quant ec", param="protect_level")
-        self._check_lift_steps()
-        wrapper, _, inner = str(self.method).partition(":")
+        self._check_options()
+        wrapper, _, inner = str(self.press).partition(":")
         if wrapper in _LEGACY_WRAPPED:
-            opts = dict(self.method_options)
+            opts = dict(self.press_options)
             inner = inner or opts.pop("press", None) or _LEGACY_WRAPPED[wrapper]
             press_opts = opts.pop("press_options", {})
             own = method_fields(ALLOCATORS[wrapper])
-            self.allocator, self.method = wrapper, str(inner)
+            self.allocator, self.press = wrapper, str(inner)
             self.allocator_options = {**{k: v for k, v in opts.items() if k in own}, **self.allocator_options}
-            self.method_options = {**{k: v for k, v in opts.items() if k not in own}, **press_opts}
+            self.press_options = {**{k: v for k, v in opts.items() if k not in own}, **press_opts}
+
+    def _apply_auto(self, no_lift: bool) -> None:
+        """quant auto: the method, kept share, protected tail, scorer, lift and refit for the budget
+        (sizing.auto_quant); an option the user set stands as given."""
+        auto = sizing.auto_quant(self.budget, self.group_size)
+        self.quant, self.keep, self.protect = auto.quant, min(self.keep, auto.keep), max(self.protect, auto.protect)
+        if self.scorer is None and auto.scorer is not None:
+            self.scorer = auto.scorer
+        # with backfill the wide rows share the cap and the auto lift cost facts there: the user chooses a lift
+        if auto.lift and self.lift is None and not no_lift and self.backfill is None:
+            for name, value in auto.lift.items():
+                if self.options.get(name) is None:
+                    self.options[name] = value
+        # the auto refit holds the lifted tokens' values, so it comes with a lift (the auto one or
+        # the user's); refit 0 turns it off, a refit of the user's stands as given
+        if auto.refit and "refit" not in self.options and self.lift and self.backfill is None and self.keep < 1:
+            self.options.update(refit=auto.refit, refit_hold=True, refit_decoded=True, refit_feedback=True)
+        # the sentences scorer is the same in every head: KVCrush's head-behaviour
+        # representatives would be arbitrary, so the auto recipe keeps by importance alone
+        if auto.ratio is not None and self.scorer == auto.scorer and str(self.press).partition(":")[0] == "kvcrush":
+            self.press_options = {"ratio": auto.ratio, **self.press_options}
+
+    def _check_options(self) -> None:
+        """The options that only make sense together, checked together."""
+        ec = self.sized and self.quant == "ec"
+        evicting_ec = ec and self.keep < 1
+        if self.backfill is not None:
+            heads = self.backfill_heads  # parses: a bad spec is refused here
+            if any(h is not None for h in heads.values()):  # one spelling per set of heads (record and label)
+                self.backfill = "+".join(f"{i}" if h is None else "+".join(f"{i}.{x}" for x in h) for i, h in heads.items())
+            if not (evicting_ec and self.layers == "even"):
+                raise UsageError("option backfill keeps the tokens ec's keep evicts, coarsely, in some layers",
+                                 hint="use it with --budget B --quant ec --keep K (layers even)", param="backfill")
+        for name in ("backfill_shift", "backfill_key_shift"):
+            if name in self.options and self.options[name] is not None and self.options[name] != OPTIONS[name].default \
+                    and self.backfill is None:
+                raise UsageError(f"option {name} sets how coarse backfill's tokens are", hint="add backfill=A-B",
+                                 param=name)
+        if self.key_basis != "auto" and not ec:
+            raise UsageError("option key_basis rotates the keys of the entropy-coded ec layout",
+                             hint="use it with --budget B --quant ec", param="key_basis")
+        if self.refit and not (evicting_ec and self.backfill is None):
+            raise UsageError("option refit refits the values of the tokens ec's keep keeps",
+                             hint="use it with --budget B --quant ec --keep K (no backfill), or refit=0", param="refit")
+        if self.refit_hold and not (self.refit and self.lift):
+            raise UsageError("option refit_hold keeps the tokens lift lifts out of refit's fit",
+                             hint="add refit=RHO (e.g. 0.01) and keep a lift (the auto recipe has one)", param="refit_hold")
+        for name in ("refit_decoded", "refit_feedback"):
+            if getattr(self, name) and not self.refit:
+                raise UsageError(f"option {name} goes with refit's value fit",
+                                 hint=f"add refit=RHO (e.g. 0.01), or drop {name}", param=name)
+        if self.tail_reads and not evicting_ec:
+            raise UsageError("option tail_reads chooses part of the tokens ec's keep keeps",
+                             hint="use it with --budget B --quant ec --keep K, or tail_reads=0", param="tail_reads")
+        if self.protect_level is not None and not ec:
+            raise UsageError("option protect_level sets how fine ec stores the header and the protected tail",
+                             hint="use it with --budget B --quant ec", param="protect_level")
+        self._check_lift_steps()
+        for name in [k for k, v in self.options.items() if v is not None and v == OPTIONS[k].default and k != "layers"]:
+            del self.options[name]  # a default is not recorded (None stays: an option the user turned off)
 
     def _check_lift_steps(self) -> None:
         share, level = self.lift_share, self.lift_level
         if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1):
             raise UsageError(f"lift_share must be a share above 0 and at most 1, got {share!r}",
-                             hint="e.g. 0.05: the top 5% of the kept tokens by --lift", param="lift_share")
+                             hint="e.g. 0.05: the top 5% of the kept tokens by lift", param="lift_share")
         if level is not None and (isinstance(level, bool) or not isinstance(level, int) or not 1 <= level <= MAX_LIFT_LEVEL):
             raise UsageError(f"lift_level must be a whole number from 1 to {MAX_LIFT_LEVEL}, got {level!r}",
                              hint="2**level is how much finer the lifted tokens' steps are", param="lift_level")
         if level is not None and self.backfill is not None and level + max(self.backfill_shifts) > MAX_LEVEL:
             raise UsageError(f"lift_level {level} plus the backfill shift {max(self.backfill_shifts)} passes ec's "
-                             f"finest level ({MAX_LEVEL})", hint="lower --lift-level or --backfill-shift",
+                             f"finest level ({MAX_LEVEL})", hint="lower lift_level or backfill_shift",
                              param="lift_level")
         if self.lift_role not in (None, "keys"):
             raise UsageError(f"lift_role must be keys (or unset: both roles), got {self.lift_role!r}",
-                             hint="--lift-role keys lifts the keys alone", param="lift_role")
+                             hint="lift_role=keys lifts the keys alone", param="lift_role")
         if (share is not None or level is not None or self.lift_role) and not (self.lift and self.sized and self.quant == "ec"):
-            raise UsageError("--lift-share, --lift-level and --lift-role set how ec lifts the top tokens of --lift",
-                             hint="use them with --budget B --quant ec --lift SCORER", param="lift_share")
+            raise UsageError("options lift_share, lift_level and lift_role set how ec lifts the top tokens of lift",
+                             hint="use them with --budget B --quant ec and lift=SCORER", param="lift_share")
         self.lift_share = None if share is None else float(share)
 
     @property
@@ -339,6 +337,14 @@ class CompressRecipe:
         return "fisher" if self.keep >= 1 else "even"
 
     def default_label(self) -> str:
+        """The new version's name: ``b0.25`` for a budget's own recipe (what ``--budget 0.25``
+        alone makes); any other recipe is named by what it sets (``ec-b0.25-p64``)."""
+        if self.sized and self.as_dict() == CompressRecipe(budget=self.budget).as_dict():
+            return f"b{self.budget:g}"
+        return self.recipe_label()
+
+    def recipe_label(self) -> str:
+        """The recipe spelled out: the name every version had before names were short."""
         if self.sized:
             label = f"{self.quant}-b{self.budget:g}"
             if self.method != "kvcrush":
@@ -412,3 +418,20 @@ class CompressRecipe:
     def needs_model(self) -> bool:
         return ((self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer) or \
             (self.sized and (self.lift in NEEDS_MODEL or self.quant == "ec"))
+
+
+def _option_property(name: str) -> property:
+    default = OPTIONS[name].default
+
+    def get(self: CompressRecipe) -> Any:
+        value = self.options.get(name)
+        return default if value is None else value
+
+    def put(self: CompressRecipe, value: Any) -> None:
+        self.options[name] = value
+
+    return property(get, put, doc=OPTIONS[name].help)
+
+
+for _name in OPTIONS:  # recipe.refit, recipe.lift, ...: the options read as attributes
+    setattr(CompressRecipe, _name, _option_property(_name))

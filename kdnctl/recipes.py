@@ -1,23 +1,26 @@
 """Recipes: a TOML file naming a pipeline's steps and their settings.
 
     name = "size-0.25"
-    label = "int4-b0.25-p64-sentences"   # optional: label of the final version
+    label = "b0.25"                      # optional: name of the final version
     [ingest]
     chunk_tokens = 256
     window = 32
-    [compress]
+    [compress]                           # kdnctl.compress_recipe.CompressRecipe's fields
     budget = 0.25                        # size cap: <= 0.25 x the fp16 K/V bytes
-    quant = "floor"                      # "auto" (default), "uniform": best single tier, "floor": + upgrades, "ladder", "fp16"
-    keep = 0.95                          # with a budget: at most this token fraction (the floor's upgrades use the rest)
-    protect = 64                         # with a budget: the last 64 tokens (and the header) never evicted, lifted first
-    method = "kvcrush"                   # picks the evicted tokens
-    scorer = "hybrid"
-    group_size = 32
-    allocator = "uniform"                # optional: uniform | pyramid | adaptive (kdnctl.allocate)
-    [compress.options]                   # method options, e.g. KVCrush's ratio/anchor/page_size
+    quant = "auto"                       # auto (default): the method for the budget; uniform, floor, ladder, ec, int4, ...
+    keep = 0.95                          # at most this token fraction kept
+    protect = 64                         # the last 64 tokens (and the prompt header) never evicted, lifted first
+    press = "kvcrush"                    # selects the kept tokens (`kdnctl methods`)
+    scorer = "hybrid"                    # ranks the tokens
+    allocator = "uniform"                # uniform | pyramid | adaptive: the kept share per layer
+    [compress.press_options]             # the press's settings, e.g. KVCrush's ratio/anchor/page_size
     ratio = 0.25
-    [compress.allocator_options]         # optional, e.g. pyramid's beta
+    [compress.allocator_options]         # e.g. pyramid's beta
+    [compress.options]                   # experimental settings (kdnctl.compress_options.OPTIONS)
+    lift = "literals"
 
+Recipes written before keep parsing: ``method`` is the press, a press's settings in
+``[compress.options]`` go to it, and the options may stand in ``[compress]`` itself.
 Every version made by a recipe stores the same step dicts in its ``recipe`` metadata
 (``{"steps": [ingest, compress, ...]}``), so a version can be rebuilt from its metadata.
 """
@@ -56,19 +59,7 @@ class Recipe:
 
         if self.compress is None:
             raise UsageError(f"recipe {self.name} has no [compress] step")
-        c = dict(self.compress)
-        options = c.pop("options", {})
-        allowed = {"method", "budget", "keep", "scorer", "quant", "group_size", "seed", "allocator", "allocator_options",
-                   "protect", "coding", "lift", "key_weight", "layers", "backfill", "backfill_shift", "backfill_key_shift",
-                   "key_basis", "refit", "refit_hold", "refit_decoded", "refit_feedback",
-                   "protect_level", "tail_reads",
-                   "lift_share", "lift_level", "lift_role"}
-        bad = set(c) - allowed
-        if bad:
-            raise UsageError(f"recipe {self.name}: unknown [compress] keys {sorted(bad)}", hint=f"allowed: {sorted(allowed)}")
-        if "keep" in c and "budget" not in c:
-            c["budget"] = None  # pure token eviction
-        return CompressRecipe(**c, method_options=options)
+        return CompressRecipe.from_dict(self.compress)
 
 
 def load_recipe(path: str | Path) -> Recipe:

@@ -1,4 +1,4 @@
-"""Calibrate a model's key basis for ``kdnctl compress --key-basis model`` (kdnctl/quant/basis.py).
+"""Calibrate a model's key basis for ``kdnctl compress --option key_basis=model`` (kdnctl/quant/basis.py).
 
     python scripts/calibrate_key_basis.py [--model M] [--docs 16] [--max-tokens 1500] [--out kdnctl/bases]
 

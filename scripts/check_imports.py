@@ -19,7 +19,7 @@ LAYERS = [
     ("registry", "versions", "bundle", "bundle_header", "bundle_layout", "bundle_kept", "store", "model", "models", "chunking", "corpus", "prompting", "durable", "fastread",
      "tensor_views", "arena"),
     ("prefill", "scoring", "sentence_scores", "literal_scores", "tail_reads", "value_refit", "value_feedback", "presses", "allocate", "quant", "kernels", "sizing"),
-    ("ingest", "compress", "compress_ec", "compress_recipe", "steer", "engine", "server", "nginx", "client", "fetch", "retrieval", "export"),
+    ("ingest", "compress", "compress_ec", "compress_recipe", "compress_options", "steer", "engine", "server", "nginx", "client", "fetch", "retrieval", "export"),
     ("evaluation", "recipes", "distributed"),
     ("cli",),
 ]

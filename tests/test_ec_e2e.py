@@ -26,7 +26,7 @@ pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
 # the default at 0.083: eviction first, half of the tokens, the keys of the top 30% of them by literals 4x
 # finer, the other kept tokens' values refitted to the full attention (session 39)
-EVICT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
+EVICT = "b0.083"  # the default at 0.083: half of the tokens, values refitted
 UNFIT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"  # the same without the refit (--refit 0)
 PLAIN = "ec-b0.083-k0.5-p32-sentences-gap"  # the same kept set without the lift (--lift none)
 BACKFILL = "ec-b0.083-k0.5-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
@@ -36,7 +36,7 @@ BACKFILL_S1 = "ec-b0.083-k0.5-p32-bf15-22s1ks0-sentences-gap"
 WIDE = "ec-b0.083-k0.5-p32-bf3h9aca00s0-sentences-gap"  # 3 KV heads, a hash of their set
 WIDE_HEADS = {18: (2,), 20: (1, 2)}
 LIFTED = "ec-b0.083-k0.5-p32-lliterals0.1x2-rf0.01hdf-sentences-gap"  # the default, the top tenth by literals 4x finer
-DEFAULT = "ec-b0.25-p64-lliterals0.3x2k"  # the default at 0.25: every token, the keys of the top 30% by literals 4x finer
+DEFAULT = "b0.25"  # the default at 0.25: every token, the keys of the top 30% by literals 4x finer
 BACKFILLS = {BACKFILL: (range(12, 24), 3, 3), BACKFILL_S1: (range(15, 23), 0, 1),
              WIDE: ((18, 20), 0, 0)}  # label: (layers, key/value shift)
 
@@ -443,14 +443,12 @@ def test_backfill_shift_sets_how_coarse(store, role):
 
 
 def test_backfill_needs_ec_with_eviction(store):
-    for args in (["--budget", "0.25", "--backfill", "12-23"], ["--budget", "0.083", "--backfill", "23-12"],
-                 ["--budget", "0.083", "--backfill-shift", "1"],
-                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "-1"],
-                 ["--budget", "0.083", "--backfill", "18+x"], ["--budget", "0.083", "--backfill", "20-18+3"],
-                 ["--budget", "0.083", "--backfill", "18.3"], ["--budget", "0.083", "--backfill", "17-18.1"],
-                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-shift", "5"],
-                 ["--budget", "0.083", "--backfill-key-shift", "0"],
-                 ["--budget", "0.083", "--backfill", "12-23", "--backfill-key-shift", "5"]):
+    cases = [("0.25", ["backfill=12-23"])] + [("0.083", opts) for opts in (
+        ["backfill=23-12"], ["backfill_shift=1"], ["backfill=12-23", "backfill_shift=-1"], ["backfill=18+x"],
+        ["backfill=20-18+3"], ["backfill=18.3"], ["backfill=17-18.1"], ["backfill=12-23", "backfill_shift=5"],
+        ["backfill_key_shift=0"], ["backfill=12-23", "backfill_key_shift=5"])]
+    for budget, opts in cases:
+        args = ["--budget", budget, *(x for o in opts for x in ("--option", o))]
         res = run_cli("compress", *args, "faq.md", store=store.root)
         assert res.returncode != 0 and "backfill" in res.stderr and "Traceback" not in res.stderr
     assert {v.label for v in store.list_versions("faq.md") if "-bf" in v.label} == set(BACKFILLS)  # nothing written

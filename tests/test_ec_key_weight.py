@@ -124,6 +124,6 @@ def test_lift_role_refusals():
 
     r = CompressRecipe(budget=0.083, lift="literals", lift_share=0.08, lift_level=4, lift_role="keys")
     assert r.as_dict()["lift_role"] == "keys" and r.default_label().endswith("-lliterals0.08x4k-rf0.01hdf-sentences-gap")
-    for bad, match in [(dict(lift="literals", lift_role="values"), "lift_role"), (dict(lift_role="keys", lift="none"), "--lift")]:
+    for bad, match in [(dict(lift="literals", lift_role="values"), "lift_role"), (dict(lift_role="keys", lift="none"), "set how ec lifts")]:
         with pytest.raises(UsageError, match=match):
             CompressRecipe(budget=0.083, **bad)

@@ -19,6 +19,9 @@ import torch
 
 from conftest import EXAMPLES, run_cli
 
+from kdnctl.export.base import add_engine_path  # noqa: E402 (scripts/install.sh --engines: LMCache in its own directory)
+
+add_engine_path("lmcache")
 pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kdnctl[lmcache]'; CI installs it)")
 
 from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402

@@ -179,7 +179,7 @@ def test_recipe_labels_and_when_scores_are_needed():
 
     # the default at 0.25: every token kept, attention-weighted entropy-coded steps (the model weighs the channels)
     d = CompressRecipe()
-    assert (d.quant, d.keep, d.protect, d.scorer, d.default_label()) == ("ec", 1.0, 64, "hybrid", "ec-b0.25-p64-lliterals0.3x2k")
+    assert (d.quant, d.keep, d.protect, d.scorer, d.default_label()) == ("ec", 1.0, 64, "hybrid", "b0.25")
     assert d.needs_model and not d.uses_scorer and d.as_dict()["protect"] == 64 and "coding" not in d.as_dict()
     assert CompressRecipe(budget=0.3).quant == "ec" and CompressRecipe(budget=0.3).keep == 1.0
     # below 0.25: ec with eviction first, half of the tokens at 0.083 (measured), every token at 0.25,
@@ -190,7 +190,7 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert [CompressRecipe(budget=b).keep for b in (0.0415, 0.083, 0.1665, 0.249)] == [0.25, 0.5, 0.75, 1.0]
     for b in (0.31, 0.45, 0.5):  # int4 holds every token from ~0.31, int8 from ~0.54: ec fills the bytes between
         mid = CompressRecipe(budget=b)
-        assert (mid.quant, mid.keep, mid.protect, mid.default_label()) == ("ec", 1.0, 64, f"ec-b{b:g}-p64-lliterals0.3x2k")
+        assert (mid.quant, mid.keep, mid.protect, mid.default_label()) == ("ec", 1.0, 64, f"b{b:g}")
     full8 = CompressRecipe(budget=0.6)  # int8 holds every token (lossless): one tier, nothing evicted, no scores
     assert (full8.quant, full8.keep, full8.needs_model) == ("uniform", 1.0, False)
     assert CompressRecipe(budget=0.25, quant="floor", keep=0.95, protect=64).default_label() == "floor-b0.25-k0.95-p64"
@@ -209,7 +209,8 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(lift="none").default_label() == "ec-b0.25-p64" and "lift" not in CompressRecipe(lift="none").as_dict()
     assert CompressRecipe(lift_share=0.1).default_label() == "ec-b0.25-p64-lliterals0.1x2k"  # a user's own share stays
     assert CompressRecipe(lift="sentences").default_label() == "ec-b0.25-p64-lsentences"  # a user's own scorer: no auto role
-    assert low.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
+    assert low.default_label() == "b0.083"
+    assert low.recipe_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
     assert (low.lift, low.lift_share, low.lift_level, low.lift_role) == (d.lift, d.lift_share, d.lift_level, d.lift_role)
     assert CompressRecipe(budget=0.083, lift="none").default_label() == "ec-b0.083-k0.5-p32-sentences-gap"
     wide = CompressRecipe(budget=0.083, backfill="18.2")  # with --backfill no auto lift (it cost facts there)

@@ -105,13 +105,13 @@ def test_recipe_lift_share_and_level():
                                       "refit_hold": True, "refit_decoded": True, "refit_feedback": True})
     assert toml.compress_recipe().default_label() == r.default_label()
     assert CompressRecipe(budget=0.083, lift="literals", lift_share=0.06, lift_level=4).lift_steps == (0.06, 4)
-    for bad, match in [(dict(lift_share=0.1, lift="none"), "--lift"), (dict(lift="literals", lift_level=5), "lift_level"),
+    for bad, match in [(dict(lift_share=0.1, lift="none"), "set how ec lifts"), (dict(lift="literals", lift_level=5), "lift_level"),
                        (dict(lift="literals", lift_level=4, backfill="18.2", backfill_shift=3), "finest level"),
                        (dict(lift="literals", lift_share=0), "lift_share"), (dict(lift="literals", lift_share=1.5), "lift_share"),
                        (dict(lift="literals", lift_level=True), "lift_level")]:
         with pytest.raises(UsageError, match=match):
             CompressRecipe(budget=0.083, **bad)
-    with pytest.raises(UsageError, match="--lift"):  # ec's levels only
+    with pytest.raises(UsageError, match="set how ec lifts"):  # ec's levels only
         CompressRecipe(budget=0.25, quant="ladder", lift="literals", lift_share=0.1)
 
 

@@ -30,9 +30,9 @@ def test_recipe_protect_level_is_checked_recorded_and_labelled():
         CompressRecipe(budget=0.083, protect_level=3)
     with pytest.raises(UsageError, match="from 0 to 2"):
         CompressRecipe(budget=0.083, protect_level=True)
-    with pytest.raises(UsageError, match="--protect-level"):  # not ec: nothing to make finer
+    with pytest.raises(UsageError, match="option protect_level"):  # not ec: nothing to make finer
         CompressRecipe(budget=0.5, quant="int4", protect_level=1)
-    with pytest.raises(UsageError, match="--protect-level"):
+    with pytest.raises(UsageError, match="option protect_level"):
         CompressRecipe(keep=0.5, budget=None, protect_level=1)
     r = Recipe(name="t", compress={"budget": 0.083, "protect_level": 0})
     assert r.compress_recipe().protect_level == 0

@@ -78,7 +78,7 @@ def test_recipe_tail_reads_is_asked_for_recorded_and_labelled():
     assert on.as_dict()["tail_reads"] == 0.25
     assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-tr0.25-sentences-gap"
     assert CompressRecipe(budget=0.083, tail_reads=0).default_label() == auto.default_label()
-    with pytest.raises(UsageError, match="--tail-reads"):  # every token kept: nothing to choose
+    with pytest.raises(UsageError, match="option tail_reads"):  # every token kept: nothing to choose
         CompressRecipe(budget=0.25, quant="ec", tail_reads=0.25)
     with pytest.raises(UsageError, match="share"):
         CompressRecipe(budget=0.083, tail_reads=1.0)

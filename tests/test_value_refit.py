@@ -105,7 +105,7 @@ def test_recipe_refit_is_asked_for_recorded_and_labelled():
     s39 = CompressRecipe(budget=0.083, refit=0.01, refit_hold=True)
     assert not (s39.refit_decoded or s39.refit_feedback)
     assert s39.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
-    assert auto.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
+    assert auto.default_label() == "b0.083"
     on = CompressRecipe(budget=0.083, refit=0.01)  # a user's --refit stands as given: no hold
     assert on.refit == 0.01 and on.as_dict()["refit"] == 0.01 and "refit_hold" not in on.as_dict()
     assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01-sentences-gap"
@@ -118,18 +118,18 @@ def test_recipe_refit_is_asked_for_recorded_and_labelled():
     assert CompressRecipe(budget=0.25).refit is None
     assert CompressRecipe(budget=0.083, quant="ec", keep=0.5, protect=32, scorer="sentences-gap").refit is None
     assert CompressRecipe(budget=0.083, refit_hold=True).default_label() == auto.default_label()
-    with pytest.raises(UsageError, match="--refit"):  # every token kept: nothing to refit
+    with pytest.raises(UsageError, match="option refit"):  # every token kept: nothing to refit
         CompressRecipe(budget=0.25, quant="ec", refit=0.1)
-    with pytest.raises(UsageError, match="--refit"):
+    with pytest.raises(UsageError, match="option refit"):
         CompressRecipe(budget=0.083, backfill="12-23", refit=0.1)
     with pytest.raises(UsageError, match="ridge weight"):
         CompressRecipe(budget=0.083, refit=-1)
     held = CompressRecipe(budget=0.083, refit=0.01, refit_hold=True)
     assert held.as_dict()["refit_hold"] is True and "refit_hold" not in on.as_dict()
     assert held.default_label() == on.default_label().replace("-rf0.01-", "-rf0.01h-")
-    with pytest.raises(UsageError, match="--refit-hold"):  # nothing to hold the values out of
+    with pytest.raises(UsageError, match="option refit_hold"):  # nothing to hold the values out of
         CompressRecipe(budget=0.083, refit=0, refit_hold=True)
-    with pytest.raises(UsageError, match="--refit-hold"):  # no lift: no tokens to hold
+    with pytest.raises(UsageError, match="option refit_hold"):  # no lift: no tokens to hold
         CompressRecipe(budget=0.083, refit=0.01, refit_hold=True, lift="none")
 
 
@@ -203,12 +203,12 @@ def refit_versions(tiny_lm, tmp_path_factory):
     return st, out
 
 
-@pytest.mark.parametrize("flag", ["--refit-decoded", "--refit-feedback"])
+@pytest.mark.parametrize("flag", ["refit_decoded", "refit_feedback"])
 def test_refit_options_need_a_refit(flag):
     from kdnctl.compress import CompressRecipe
 
     with pytest.raises(UsageError, match=flag):
-        CompressRecipe(budget=0.3, quant="ec", keep=0.5, refit=0, **{flag[2:].replace("-", "_"): True})
+        CompressRecipe(budget=0.3, quant="ec", keep=0.5, refit=0, **{flag: True})
 
 
 def test_compress_with_refit_to_the_decoded_keys_end_to_end(tiny_lm, refit_versions):

@@ -28,7 +28,8 @@ FLAGS: dict[str, str] = {
     "alpha": "--alpha", "budget": "--budget", "chunk_tokens": "--chunk-tokens", "chunks": "--chunks",
     "heads": "--heads", "label": "--label", "model": "--model", "recompute": "--recompute",
     "retrieve": "--retrieve", "scorer": "--scorer", "source": "--from", "steer": "--steer",
-    "allocator": "--allocator", "method": "--method", "quant": "--quant", "corpus": "--corpus",
+    "allocator": "--option allocator", "method": "--press", "press": "--press", "quant": "--quant", "corpus": "--corpus",
+    "protect": "--option protect", "option": "--option",
     "keep": "--keep", "window": "--window", "doc_id": "DOC",
 }
 
@@ -91,9 +92,51 @@ def status(text: str):
 
 
 def progress_bar(total: int, desc: str, unit: str = "tok"):
+    """A tqdm bar on a terminal; elsewhere (a log, CI, a pipe) plain lines on stderr: one per
+    document (``unit="doc"``), one per quarter of ``total`` for other steps, none for tokens
+    (the commands that count tokens say when each document is done: ``doc_done``)."""
+    if not interactive():
+        return LineProgress(total, desc, unit)
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, disable=not interactive(), file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, unit_scale=True, file=sys.stderr)
+
+
+def doc_done(desc: str):
+    """``on_doc`` for the library's ingest where no terminal shows a bar: a line per document."""
+    if interactive():
+        return None
+    return lambda doc_id, status: message(f"{desc}: {doc_id} {status}")
+
+
+class LineProgress:
+    """``progress_bar`` where no terminal shows a bar: a line when a step (a document, a quarter) ends."""
+
+    def __init__(self, total: int, desc: str, unit: str) -> None:
+        self.total, self.desc, self.unit, self.n, self.postfix = total, desc, unit, 0, ""
+        self.step = 1 if unit == "doc" else float("inf") if unit == "tok" else max(total / 4, 1)
+        self.next = self.step
+
+    def __enter__(self) -> "LineProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def set_postfix_str(self, text: str) -> None:
+        self.postfix = text
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n >= self.next and self.total:
+            while self.next <= self.n:
+                self.next += self.step
+            extra = f", {self.postfix}" if self.postfix else ""
+            sys.stderr.write(f"{self.desc}: {min(self.n, self.total)}/{self.total} {self.unit}{extra}\n")
+            sys.stderr.flush()
+
+    def close(self) -> None:
+        return None
 
 
 def _discard_new_stores() -> None:

@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from .common import (JsonOpt, ModelOpt, BatchOpt, RayOpt, StoreOpt, WorkersOpt, emit_json, load_lm, message, open_store,
-                     progress_bar)
+                     doc_done, progress_bar)
 
 
 def ingest(
@@ -91,7 +91,7 @@ def _ingest_here(st, lm: LoadedModel, docs, opts, mode):
 
             report = ingest_independent(st, lm, docs, opts, on_progress=bar.update)
         else:
-            report = ingest_documents(st, lm, docs, opts, on_progress=bar.update)
+            report = ingest_documents(st, lm, docs, opts, on_progress=bar.update, on_doc=doc_done("ingest"))
     return report
 
 

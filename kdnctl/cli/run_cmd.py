@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from .common import JsonOpt, ModelOpt, StoreOpt, emit_json, load_lm, message, open_store, progress_bar
+from .common import JsonOpt, ModelOpt, StoreOpt, doc_done, emit_json, load_lm, message, open_store, progress_bar
 
 
 def run(
@@ -36,15 +36,17 @@ def run(
     lm = load_lm(model)
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
-        report = ingest_documents(st, lm, docs, opts, on_progress=bar.update)
+        report = ingest_documents(st, lm, docs, opts, on_progress=bar.update, on_doc=doc_done("ingest"))
     out = {"recipe": recipe.name, "ingest": report.as_dict(), "compress": []}
     doc_ids = report.ingested + report.unchanged
     if compress is not None:
-        with st.writer():
+        with st.writer(), progress_bar(len(doc_ids), "compress", unit="doc") as bar:
             for doc_id in doc_ids:
                 r = compress_document(st, doc_id, compress, lm=lm, label=recipe.label, fingerprint=lm.fingerprint)
                 out["compress"].append({"doc": doc_id, "label": r.label, "status": r.status,
                                         "ratio": round(r.ratio, 2), "seconds": round(r.seconds, 3)})
+                bar.set_postfix_str(f"{doc_id} {r.status} in {r.seconds:.1f} s")
+                bar.update(1)
     if recipe.edit:
         message("note: [edit] steps run through `kdnctl edit`; see docs/steering.md")
     if as_json:

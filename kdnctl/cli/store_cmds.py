@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Optional
@@ -110,6 +111,9 @@ def show(doc: str = typer.Argument(..., help="Document id."), version: Optional[
     for v in data["versions"]:
         frac = f" ({v['bytes_per_token']:.0f} B/token, {v['fraction_of_fp16']:.1%} of fp16)" if "fraction_of_fp16" in v else ""
         print(f"version {v['label']}: {v['chunks']} chunks, {v['bytes']} bytes{frac}, parent {v['parent']}")
+    if version:  # the steps that made it: a version's name is short, its recipe is here
+        for step in data["version"]["recipe"].get("steps", [data["version"]["recipe"]]):
+            print("recipe: " + " ".join(f"{k}={json.dumps(v, sort_keys=True)}" for k, v in step.items() if v not in (None, {})))
     if version and data["version"].get("tier_mix"):
         print(f"tier mix (rows): {_mix_text(data['version']['tier_mix'])}")
     if version:

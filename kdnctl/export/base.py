@@ -125,12 +125,35 @@ def require_plain_attention(doc: DocumentKV, engine: str, why: str) -> None:
                           hint="load the version with kdnctl (transformers), which holds every layer whole")
 
 
+# Engines whose pinned dependencies cannot share kdnctl's environment live in a directory of their
+# own (scripts/install.sh --engines puts LMCache there): module -> (environment variable, default).
+ENGINE_DIRS = {"lmcache": ("KDNCTL_LMCACHE_PATH", "~/.cache/kdnctl/engines/lmcache-0.5.6")}
+
+
+def add_engine_path(module: str) -> bool:
+    """Make ``module`` importable from its own directory (``ENGINE_DIRS``) when it is not
+    importable otherwise; the directory goes to the end of ``sys.path``, so every package of
+    kdnctl's environment keeps its version. True when ``module`` is importable after."""
+    import sys
+
+    if importlib.util.find_spec(module) is not None:
+        return True
+    if module not in ENGINE_DIRS:
+        return False
+    var, default = ENGINE_DIRS[module]
+    where = Path(os.environ.get(var) or default).expanduser()
+    if (where / module).is_dir() and str(where) not in sys.path:
+        sys.path.append(str(where))
+        importlib.invalidate_caches()
+    return importlib.util.find_spec(module) is not None
+
+
 def require_engine(module: str, extra: str, what: str) -> None:
     """Raise EngineMissingError with the install command when ``module`` is not importable."""
-    if importlib.util.find_spec(module) is None:
+    if not add_engine_path(module):
         raise EngineMissingError(
             f"{what} needs the Python package '{module}', which is not installed",
-            hint=f"pip install 'kdnctl[{extra}]' (see docs/engines.md)",
+            hint="bash scripts/install.sh --engines, or pip install 'kdnctl[" + extra + "]' (see docs/engines.md)",
         )
 
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 VARIANTS = "full,kept,q,fp:keys,fp:values,fp:L:0-9,fp:L:10-19,fp:L:20-29,fp:records,fp:digits"

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kdnctl.kernels.quant import reference as ref  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402

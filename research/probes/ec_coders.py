@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kdnctl.bundle import KVBundle, decode_bundle, encode_bundle, role_levels, tensor_name  # noqa: E402
 from kdnctl.quant.entropy import (CODINGS, ROLES, EntropyQuantizer, decode_params,  # noqa: E402

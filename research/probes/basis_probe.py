@@ -29,10 +29,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.rate_probe import doc_kv, probe_args, probe_setup  # noqa: E402
+from research.probes.rate_probe import doc_kv, probe_args, probe_setup  # noqa: E402
 from kdnctl.allocate.rate import relative_steps  # noqa: E402
 from kdnctl.quant.entropy import encode_codes  # noqa: E402
 from kdnctl.quant.sensitivity import key_weights  # noqa: E402

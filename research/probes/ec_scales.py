@@ -14,7 +14,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kdnctl.bundle import read_meta  # noqa: E402
 from kdnctl.store import Store  # noqa: E402

@@ -19,12 +19,12 @@ import sys
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from bench.tiers import load_full  # noqa: E402
+from research.probes.tiers import load_full  # noqa: E402
 from kdnctl.bundle import decode_bundle  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
 from kdnctl.store import Store  # noqa: E402

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kdnctl.allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor  # noqa: E402

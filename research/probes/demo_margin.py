@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kdnctl.engine.hf import forward_suffix, load_document  # noqa: E402
 from kdnctl.model import load_model  # noqa: E402

@@ -13,7 +13,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kdnctl.bundle import decode_bundle, parse_head  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
