@@ -166,3 +166,36 @@ def test_fuzzed_frames_fail_alike(coding_bits):
             counts["decoded"] += 1
             assert all(torch.equal(a, b) for a, b in zip(ref, fast)), (case, name, op)
     assert counts["error"] > 50, counts
+
+
+@pytest.mark.model
+def test_a_load_decodes_like_the_reference(lm, tmp_path_factory, monkeypatch):
+    """``load_document`` of the shipped defaults (0.25: every token, keys in the model's basis;
+    0.083: eviction first, per-layer positions) through the batch decoder and through the
+    reference give the same cache, and the same next token."""
+    from budgetkit import trimmed_store
+
+    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.engine.hf import forward_suffix, load_document
+
+    st = trimmed_store(tmp_path_factory, lm, {"faq.md": 300})
+    with st.writer():
+        for b in (0.25, 0.083):
+            compress_document(st, "faq.md", CompressRecipe(budget=b), lm=lm, label=f"b{b}")
+    question = lm.tokenizer("How long does charging take?", add_special_tokens=False).input_ids
+    calls, real = [], ec_batch.decode_into
+    monkeypatch.setattr(ec_batch, "decode_into", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    for label in ("b0.25", "b0.083"):
+        n_calls = len(calls)
+        fast = load_document(lm, st, "faq.md", label)
+        assert len(calls) == n_calls + 1  # the batch decoder ran
+        monkeypatch.setenv("KDNCTL_EC_REFERENCE", "1")
+        ref = load_document(lm, st, "faq.md", label)
+        monkeypatch.delenv("KDNCTL_EC_REFERENCE")
+        for a, b in zip(fast.keys + fast.values, ref.keys + ref.values):
+            assert a.shape == b.shape
+            assert (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max()))
+        assert all(torch.equal(a, b) for a, b in zip(fast.values, ref.values))
+        lf = forward_suffix(lm, fast, question, last_only=True)[0]
+        lr = forward_suffix(lm, ref, question, last_only=True)[0]
+        assert int(lf[-1].argmax()) == int(lr[-1].argmax())

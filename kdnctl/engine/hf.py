@@ -202,7 +202,11 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 profile.dequantize += prof.dequantize
                 profile.place += prof.place
 
-    _run(place, range(len(bundles)), workers)
+    # ec on a CPU: every chunk decoded in one compiled pass per role (kdnctl/quant/ec_batch.py)
+    batched = device.type == "cpu" and stacked is not None and not placed and \
+        _ec_batch(bundles, n_layers, stacked, offsets, lens, profile)
+    if not batched:
+        _run(place, range(len(bundles)), workers)
     keys = [bufs[i][0][:, :, : totals[i]] for i in range(n_layers)]
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
     bias = {}
@@ -221,6 +225,25 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
 
 
 _PROFILE_LOCK = threading.Lock()
+
+
+def _ec_batch(bundles: list[KVBundle], n_layers: int, stacked, offsets, lens, profile: LoadProfile | None) -> bool:
+    """Decode ec chunks (every layer of a chunk as many tokens) into the stacked CPU cache with
+    the compiled batch decoder; False where it does not apply (the caller then places chunk by chunk)."""
+    quant = bundles[0].meta.get("quant") or {}
+    if quant.get("scheme") != "ec" or any(len(set(o)) != 1 for o in offsets) or any(len(set(n)) != 1 for n in lens):
+        return False
+    if not all(b.is_quantized(i) for b in bundles for i in range(n_layers)):
+        return False
+    from ..quant import ec_batch
+
+    if not ec_batch.eligible(bundles, n_layers, quant, stacked):
+        return False
+    t0 = time.perf_counter()
+    ec_batch.decode_into(stacked, bundles, [o[0] for o in offsets], quant)
+    if profile is not None:
+        profile.dequantize += time.perf_counter() - t0
+    return True
 
 
 def _run(fn, items, workers: int) -> list:
