@@ -73,35 +73,47 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     n_layers = out[0].shape[0]
     if tuple(out[0].shape[1:2]) != (h,) or out[0].shape[3] != d:
         raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
-    arrays = tuple(o.numpy() for o in out)
     basis_t = _basis_t(quant_meta.get("key_basis"), n_layers, h, d)
     jobs = [(c, role) for c in range(len(bundles)) for role in ROLES]
 
     def run(part):
-        scratch, state = None, cpu.new_state()
+        scratch, state, zbuf = None, cpu.new_state(), None
         for c, role in part:
             b = bundles[c]
             t = b.layer_len(0)
             need = 2 * h * d * t
             if scratch is None or scratch.shape[0] < need:
                 scratch = np.empty(max(need, 1), np.uint8)
-            _decode_chunk_role(b, role, t, starts[c], arrays[ROLES.index(role)], quant_meta, h, d,
-                               basis_t if role == "keys" else None, scratch, state, n_layers)
+            basis = basis_t if role == "keys" else None
+            if basis is not None and (zbuf is None or zbuf.shape[2] < t):
+                zbuf = torch.empty(n_layers, h, t, d)
+            _decode_chunk_role(b, role, t, starts[c], out[ROLES.index(role)], quant_meta, h, d, basis, scratch,
+                               state, n_layers, zbuf)
 
     if workers <= 1 or len(bundles) <= 1:
         run(jobs)
         return
     parts = [jobs[i::workers] for i in range(workers)]
-    with ThreadPoolExecutor(workers) as pool:
-        for f in [pool.submit(run, p) for p in parts]:
-            f.result()
+    # the chunks are the parallel work: the key basis's matmuls run on one torch thread each
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(run, p) for p in parts]:
+                f.result()
+    finally:
+        torch.set_num_threads(threads)
 
 
-def _decode_chunk_role(b, role: str, t: int, tok: int, out: np.ndarray, quant_meta: dict, h: int, d: int,
-                       basis_t: np.ndarray | None, scratch: np.ndarray, state: np.ndarray, n_layers: int) -> None:
+def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_meta: dict, h: int, d: int,
+                       basis_t: torch.Tensor | None, scratch: np.ndarray, state: np.ndarray, n_layers: int,
+                       zbuf: torch.Tensor | None = None) -> None:
+    """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``. In a key basis the kernel writes
+    the scaled codes to ``zbuf``; one batched matmul with the basis (its columns scaled by the
+    steps) and the mean rotates them into the cache, and RoPE follows in place."""
     from kdnctl.kernels.ec import cpu
 
-    inflate_frames, decode_blobs = cpu.kernels()
+    inflate_frames, decode_blobs, rope_blobs = cpu.kernels()
     tensors = b.tensors
     prefixes = [tensor_name(i, role) for i in range(n_layers)]
     codes, params = [], []
@@ -135,14 +147,24 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: np.ndarray, quant_me
     theta = quant_meta.get("key_rope_theta")
     if role == "keys" and theta:
         cos, sin, cs_idx = _rope_tables(tensors, prefixes, t, h, d, float(theta))
-    b_layer = np.arange(n_layers, dtype=np.int64) if basis_t is not None else np.full(n_layers, -1, np.int64)
     err = np.zeros(n_layers, np.int32)
-    decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, np.arange(n_layers, dtype=np.int64), tok,
-                 basis_t if basis_t is not None else np.zeros((1, 1, 1, 1), np.float32), b_layer,
-                 cos, sin, cs_idx, cpu.digit_tables(), scratch, state, err)
+    layers = np.arange(n_layers, dtype=np.int64)
+    if basis_t is None:
+        decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out.numpy(), layers, tok, True,
+                     cos, sin, cs_idx, cpu.digit_tables(), scratch, state, err)
+    else:
+        z = zbuf[:, :, :t]
+        decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, z.numpy(), layers, 0, False,
+                     cos, sin, np.full(n_layers, -1, np.int64), cpu.digit_tables(), scratch, state, err)
     if err.any():
         i = int(np.flatnonzero(err)[0])
         raise BundleFormatError(f"{prefixes[i]}.{cpu.MESSAGES[int(err[i])]}")
+    if basis_t is not None and t:
+        m = basis_t[:n_layers] * torch.from_numpy(step).view(n_layers, h, 1, d)
+        x = torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, t, d),
+                          m.view(n_layers * h, d, d))
+        out[:, :, tok:tok + t].copy_(x.view(n_layers, h, t, d))
+        rope_blobs(out.numpy(), layers, tok, t, cos, sin, cs_idx)
 
 
 def _span(blobs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
@@ -205,16 +227,17 @@ def _rope_tables(tensors, prefixes: list[str], t: int, h: int, d: int, theta: fl
 
 
 @functools.lru_cache(maxsize=4)
-def _basis_t_cached(sha: str) -> np.ndarray:
+def _basis_t_cached(sha: str) -> torch.Tensor:
     from .basis import load_basis
 
-    return load_basis(sha).transpose(-1, -2).contiguous().numpy()
+    return load_basis(sha).transpose(-1, -2).contiguous()
 
 
-def _basis_t(sha: str | None, n_layers: int, h: int, d: int) -> np.ndarray | None:
+def _basis_t(sha: str | None, n_layers: int, h: int, d: int) -> torch.Tensor | None:
+    """``[L, H, D, D]`` transposed key basis (``x = (z @ B^T) * step + mean``), or None."""
     if sha is None:
         return None
     bt = _basis_t_cached(sha)
-    if bt.shape[1:] != (h, d, d) or bt.shape[0] < n_layers:
+    if tuple(bt.shape[1:]) != (h, d, d) or bt.shape[0] < n_layers:
         raise BundleFormatError(f"key basis {sha[:12]} is {list(bt.shape)}, the bundle needs [{n_layers}, {h}, {d}, {d}]")
     return bt

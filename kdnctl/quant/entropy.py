@@ -227,9 +227,11 @@ def encode_params(step: torch.Tensor, mean: torch.Tensor, bins: torch.Tensor, co
 
 
 def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Callable[[bytes], bytes] | None = None,
-                 stored: torch.Tensor | None = None):
+                 stored: torch.Tensor | None = None, reference: bool = False):
     """``(codes blob, bins [H, D])`` of integer ``codes [H, T, D]`` (as float, within int16), of
-    the ``stored`` rows only (bool ``[H, T]``) where given.
+    the ``stored`` rows only (bool ``[H, T]``) where given. Every row stored: the frames are cut
+    by :func:`frame_blob` (numpy, the same bytes); ``reference`` (or ``stored``) takes the plain
+    loop below, the spec it is tested against.
 
     The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
     one frame: one Huffman table over channels whose steps differ by orders of magnitude
@@ -238,6 +240,8 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
     lim = float(codes.abs().max()) if codes.numel() else 0.0
     width, dtype = (1, torch.int8) if lim <= 127 else (2, torch.int16)
     bins = spread_bins(codes, stored)
+    if stored is None and not reference:
+        return _u8(frame_blob(codes, bins, width, lambda data: compress(data) if compress else compress_frame(data, coding))), bins
     flat = codes.permute(0, 2, 1).reshape(h * d, t)  # channel-major rows
     keep = None if stored is None else stored.repeat_interleave(d, 0)  # [H * D, T]
     order = torch.argsort(bins.flatten(), stable=True)
@@ -256,6 +260,54 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
     blob = bytes([width, len(frames)]) + sizes.numpy().tobytes() + \
         torch.tensor(peaks, dtype=torch.int16).numpy().tobytes() + b"".join(frames)
     return _u8(blob), bins
+
+
+def frame_payloads(codes: torch.Tensor, bins: torch.Tensor, width: int) -> tuple[list[bytes], list[int]]:
+    """(uncompressed frame bytes, peaks) of ``codes [H, T, D]`` (every row stored) grouped by
+    ``bins [H, D]``: what :func:`encode_codes` compresses, in numpy over contiguous rows (one
+    gather into bin order, then a slice per frame)."""
+    h, t, d = codes.shape
+    order = torch.argsort(bins.flatten(), stable=True)
+    counts = torch.bincount(bins.flatten().long(), minlength=256)
+    counts = counts[counts > 0].tolist()
+    rows = codes.permute(0, 2, 1).reshape(h * d, t)[order]  # channel-major rows in bin order
+    rows = rows.to(torch.int16 if width == 2 else torch.int8).numpy()
+    row_peak = np.abs(rows.astype(np.int32)).max(1) if t else np.zeros(h * d, np.int32)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    peaks = np.maximum.reduceat(row_peak, starts).tolist() if len(counts) else []
+    out = []
+    for s, n, peak in zip(starts.tolist(), counts, peaks):
+        per = codes_per_byte(peak)
+        vals = rows[s:s + n].reshape(-1)
+        if per == 0:
+            out.append(b"")
+        elif per == 1:
+            out.append(vals.astype(np.int8 if width == 1 else "<i2", copy=False).tobytes())
+        else:
+            out.append(pack_digits(vals, peak, per))
+    return out, peaks
+
+
+def pack_digits(vals: np.ndarray, peak: int, per: int) -> bytes:
+    """:func:`pack_codes` in numpy: base-``2 peak + 1`` digits, ``per`` to a byte, least
+    significant first (Horner's rule; every partial sum stays below the byte's value)."""
+    radix, n = 2 * peak + 1, vals.size
+    digits = np.zeros(-(-n // per) * per, np.uint8)
+    digits[:n] = vals + peak
+    digits = digits.reshape(-1, per)
+    acc = digits[:, per - 1].copy()
+    for k in range(per - 2, -1, -1):
+        acc *= radix
+        acc += digits[:, k]
+    return acc.tobytes()
+
+
+def frame_blob(codes: torch.Tensor, bins: torch.Tensor, width: int, compress: Callable[[bytes], bytes]) -> bytes:
+    """The codes blob (header and frames) of :func:`encode_codes` where every row is stored."""
+    datas, peaks = frame_payloads(codes, bins, width)
+    frames = [compress(x) if x else b"" for x in datas]
+    return bytes([width, len(frames)]) + np.array([len(f) for f in frames], "<i4").tobytes() + \
+        np.array(peaks, "<i2").tobytes() + b"".join(frames)
 
 
 def decode_params(params: torch.Tensor, h: int, d: int, what: str, coding: str = DEFAULT_CODING):

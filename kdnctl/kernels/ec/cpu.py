@@ -35,7 +35,7 @@ MESSAGES = {
 
 @functools.lru_cache(maxsize=1)
 def _kernels():
-    """(inflate_frames, decode_blobs), compiled (or loaded from numba's cache) once; None where
+    """(inflate_frames, decode_blobs, rope_blobs), compiled (or loaded from numba's cache) once; None where
     numba or the ISA-L library is missing."""
     try:
         import llvmlite.binding as llb
@@ -81,21 +81,39 @@ def _build(numba, init, stateless):
         return per
 
     @njit
-    def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, basis_t, b_layer,
+    def rope_rows(out, lay, tok, t, cos, sin, ci):
+        """RoPE in place on ``out[lay, :, tok:tok + t]`` (rotate-half), as ``transforms.rope``
+        computes it: ``x * cos + rotate_half(x) * sin``, each product rounded, then the sum."""
+        d = out.shape[3]
+        half = d // 2
+        y = np.zeros(d, np.float32)
+        for h in range(out.shape[1]):
+            hc = h if cos.shape[1] > 1 else 0
+            for j in range(t):
+                row = out[lay, h, tok + j]
+                cr, sr = cos[ci, hc, j], sin[ci, hc, j]
+                for i in range(half):
+                    a, c2 = row[i], row[i + half]
+                    y[i] = a * cr[i] + (-c2) * sr[i]
+                    y[i + half] = c2 * cr[i + half] + a * sr[i + half]
+                for i in range(d):
+                    row[i] = y[i]
+
+    @njit
+    def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, plain,
                      cos, sin, cs_idx, tables, scratch, state, err):
         """Blob b (one layer of one role of a chunk): its codes at ``raw[c_off[b]:+c_len[b]]``,
         ``step``/``mean``/``bins`` ``[n, H*D]`` from its params, ``lsc [n, t]`` = 2**-level,
-        written to ``out[layer[b], :, tok:tok + t, :]``; ``b_layer[b] >= 0``: codes in the axes
-        of ``basis_t[b_layer[b]]`` (``[H, D, D]``, transposed); ``cs_idx[b] >= 0``: RoPE by
-        ``cos``/``sin[cs_idx[b]]`` (``[Hc, t, D]``, Hc 1 or H). ``err[b]``: 0 or an error code."""
+        written to ``out[layer[b], :, tok:tok + t, :]``: ``code * 2**-level * step + mean``
+        where ``plain``, else ``code * 2**-level`` (the caller rotates those out of a key
+        basis); ``cs_idx[b] >= 0``: RoPE by ``cos``/``sin[cs_idx[b]]`` (``[Hc, t, D]``, Hc 1 or H)
+        after dequantizing. ``err[b]``: 0 or an error code."""
         init(state.ctypes.data)
-        h_kv, d = out.shape[1], out.shape[3]
-        hd = h_kv * d
-        half = d // 2
+        d = out.shape[3]
+        hd = out.shape[1] * d
         counts = np.zeros(256, np.int64)
         start = np.zeros(256, np.int64)
         order = np.zeros(hd, np.int64)
-        y = np.zeros(d, np.float32)
         sp, scr = raw.ctypes.data, scratch.ctypes.data
         for b in range(c_off.shape[0]):
             p, n_raw, lay = c_off[b], c_len[b], layer[b]
@@ -133,6 +151,7 @@ def _build(numba, init, stateless):
                 v = bins[b, c]
                 order[start[v]] = c
                 start[v] += 1
+            lv = lsc[b]
             o, pos = 0, p + head
             for f in range(n_frames):
                 q = p + 2 + 4 * f
@@ -164,65 +183,50 @@ def _build(numba, init, stateless):
                             break
                 for r in range(n):
                     ch = order[o + r]
-                    h, dd = ch // d, ch % d
+                    col = out[lay, ch // d, tok:tok + t, ch % d]
                     st, mu = step[b, ch], mean[b, ch]
-                    plain = b_layer[b] < 0
+                    if not plain:
+                        st, mu = np.float32(1.0), np.float32(0.0)
                     if per == 0 or m == 0:
                         for j in range(t):
-                            z = np.float32(0.0) * lsc[b, j]
-                            out[lay, h, tok + j, dd] = z * st + mu if plain else z
-                    elif per == 1:
-                        k = r * t * width
+                            z = np.float32(0.0) * lv[j]
+                            col[j] = z * st + mu if plain else z
+                    elif per == 1 and width == 1:
+                        k = r * t
                         for j in range(t):
-                            if width == 1:
-                                v = np.int64(scratch[k + j])
-                                if v >= 128:
-                                    v -= 256
-                            else:
-                                v = np.int64(scratch[k + 2 * j]) | (np.int64(scratch[k + 2 * j + 1]) << 8)
-                                if v >= 32768:
-                                    v -= 65536
-                            z = np.float32(v) * lsc[b, j]
-                            out[lay, h, tok + j, dd] = z * st + mu if plain else z
+                            v = np.int32(scratch[k + j])
+                            z = np.float32(v - 256 if v >= 128 else v) * lv[j]
+                            col[j] = z * st + mu if plain else z
+                    elif per == 1:
+                        k = 2 * r * t
+                        for j in range(t):
+                            v = np.int32(scratch[k + 2 * j]) | (np.int32(scratch[k + 2 * j + 1]) << 8)
+                            z = np.float32(v - 65536 if v >= 32768 else v) * lv[j]
+                            col[j] = z * st + mu if plain else z
                     else:
+                        tab = tables[peak]
                         k0 = r * t
                         bi = k0 // per
                         di = k0 - bi * per
                         for j in range(t):
-                            z = np.float32(tables[peak, scratch[bi], di]) * lsc[b, j]
-                            out[lay, h, tok + j, dd] = z * st + mu if plain else z
+                            z = np.float32(tab[scratch[bi], di]) * lv[j]
+                            col[j] = z * st + mu if plain else z
                             di += 1
                             if di == per:
                                 di = 0
                                 bi += 1
                 o += n
                 pos += size
-            if err[b] != 0:
-                continue
-            bl, ci = b_layer[b], cs_idx[b]
-            if bl < 0 and ci < 0:
-                continue
-            for h in range(h_kv):
-                hc = h if cos.shape[1] > 1 else 0
-                for j in range(t):
-                    row = out[lay, h, tok + j]
-                    if bl >= 0:
-                        y[:] = 0
-                        for k in range(d):
-                            zk = row[k]
-                            for jj in range(d):
-                                y[jj] += zk * basis_t[bl, h, k, jj]
-                        for jj in range(d):
-                            row[jj] = y[jj] * step[b, h * d + jj] + mean[b, h * d + jj]
-                    if ci >= 0:
-                        for i in range(half):
-                            a, c2 = row[i], row[i + half]
-                            y[i] = a * cos[ci, hc, j, i] + (-c2) * sin[ci, hc, j, i]
-                            y[i + half] = c2 * cos[ci, hc, j, i + half] + a * sin[ci, hc, j, i + half]
-                        for i in range(d):
-                            row[i] = y[i]
+            if err[b] == 0 and cs_idx[b] >= 0:
+                rope_rows(out, lay, tok, t, cos, sin, cs_idx[b])
 
-    return inflate_frames, decode_blobs
+    @njit
+    def rope_blobs(out, layer, tok, t, cos, sin, cs_idx):
+        for b in range(layer.shape[0]):
+            if cs_idx[b] >= 0:
+                rope_rows(out, layer[b], tok, t, cos, sin, cs_idx[b])
+
+    return inflate_frames, decode_blobs, rope_blobs
 
 
 @functools.lru_cache(maxsize=1)
