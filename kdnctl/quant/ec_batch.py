@@ -16,7 +16,6 @@ with the reference.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -161,9 +160,9 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
         raise BundleFormatError(f"{prefixes[i]}.{cpu.MESSAGES[int(err[i])]}")
     if basis_t is not None and t:
         m = basis_t[:n_layers] * torch.from_numpy(step).view(n_layers, h, 1, d)
-        x = torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, t, d),
-                          m.view(n_layers * h, d, d))
-        out[:, :, tok:tok + t].copy_(x.view(n_layers, h, t, d))
+        slot = out[:, :, tok:tok + t].view(n_layers * h, t, d)  # (a view: the matmul writes the cache)
+        torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, t, d),
+                      m.view(n_layers * h, d, d), out=slot)
         rope_blobs(out.numpy(), layers, tok, t, cos, sin, cs_idx)
 
 
@@ -174,10 +173,17 @@ def _span(blobs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
     lens = np.array([x.numel() for x in blobs], np.int64)
     lo, hi = int(ptrs.min()), int((ptrs + lens).max())
     if hi - lo <= 2 * int(lens.sum()) + (1 << 20):
-        raw = np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
-        return raw, ptrs - lo
+        return np.asarray(_Memory(lo, hi - lo)), ptrs - lo
     raw = np.concatenate([x.numpy() for x in blobs])
     return raw, np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+
+
+class _Memory:
+    """``n`` bytes at ``address`` as a numpy array (no copy): the object the blobs are views of,
+    which the bundle's tensors keep alive while the kernels read it."""
+
+    def __init__(self, address: int, n: int):
+        self.__array_interface__ = {"data": (address, True), "shape": (n,), "typestr": "|u1", "version": 3}
 
 
 def _level_scales(tensors, prefixes: list[str], t: int) -> np.ndarray:
@@ -203,7 +209,7 @@ def _level_scales(tensors, prefixes: list[str], t: int) -> np.ndarray:
 
 def _rope_tables(tensors, prefixes: list[str], t: int, h: int, d: int, theta: float):
     """(cos, sin ``[K, Hc, t, D]``, table index per layer) of the keys' positions."""
-    tables, idx, index = [], [], {}
+    tables, idx, seen = [], [], []  # (positions, table index): layers with equal positions share a table
     for p in prefixes:
         layer = p.rsplit(".", 1)[0]
         pos = tensors.get(f"{layer}.positions")
@@ -212,12 +218,14 @@ def _rope_tables(tensors, prefixes: list[str], t: int, h: int, d: int, theta: fl
             raise BundleFormatError("missing tensor positions")
         if tuple(pos.shape) not in ((t,), (h, t)) or pos.dtype.is_floating_point:
             raise BundleFormatError(f"{layer}: positions {list(pos.shape)} do not fit {t} tokens of {h} heads")
-        cs = tf._cos_sin(pos, d, theta)
-        key = id(cs[0])
-        if key not in index:
-            index[key] = len(tables)
-            tables.append(cs)
-        idx.append(index[key])
+        for q, j in seen:
+            if q is pos or (q.shape == pos.shape and q.dtype == pos.dtype and torch.equal(q, pos)):
+                idx.append(j)
+                break
+        else:
+            seen.append((pos, len(tables)))
+            idx.append(len(tables))
+            tables.append(tf._cos_sin(pos, d, theta))
     per_head = any(c.dim() == 3 for c, _ in tables)
     cos = np.stack([(c.expand(h, -1, -1) if per_head and c.dim() == 2 else c[None] if c.dim() == 2 else c).numpy()
                     for c, _ in tables])
