@@ -33,7 +33,7 @@ from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState, kdn_attention
-from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into
+from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
@@ -203,9 +203,8 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 profile.place += prof.place
 
     # ec on a CPU: every chunk decoded in one compiled pass per role (kdnctl/quant/ec_batch.py)
-    batched = device.type == "cpu" and stacked is not None and not placed and \
-        _ec_batch(bundles, n_layers, stacked, offsets, lens, profile)
-    if not batched:
+    if not (device.type == "cpu" and stacked is not None and not placed
+            and ec_batch_into(bundles, n_layers, stacked, offsets, lens, profile)):
         _run(place, range(len(bundles)), workers)
     keys = [bufs[i][0][:, :, : totals[i]] for i in range(n_layers)]
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
@@ -225,25 +224,6 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
 
 
 _PROFILE_LOCK = threading.Lock()
-
-
-def _ec_batch(bundles: list[KVBundle], n_layers: int, stacked, offsets, lens, profile: LoadProfile | None) -> bool:
-    """Decode ec chunks (every layer of a chunk as many tokens) into the stacked CPU cache with
-    the compiled batch decoder; False where it does not apply (the caller then places chunk by chunk)."""
-    quant = bundles[0].meta.get("quant") or {}
-    if quant.get("scheme") != "ec" or any(len(set(o)) != 1 for o in offsets) or any(len(set(n)) != 1 for n in lens):
-        return False
-    if not all(b.is_quantized(i) for b in bundles for i in range(n_layers)):
-        return False
-    from ..quant import ec_batch
-
-    if not ec_batch.eligible(bundles, n_layers, quant, stacked):
-        return False
-    t0 = time.perf_counter()
-    ec_batch.decode_into(stacked, bundles, [o[0] for o in offsets], quant)
-    if profile is not None:
-        profile.dequantize += time.perf_counter() - t0
-    return True
 
 
 def _run(fn, items, workers: int) -> list:
