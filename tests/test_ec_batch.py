@@ -112,6 +112,17 @@ def test_every_packing_is_exercised():
     assert {codes_per_byte(p) for p in peaks} >= {0, 1, 2, 3, 5}, sorted(peaks)
 
 
+def test_a_cache_made_under_inference_mode(with_basis):
+    """A load under ``torch.inference_mode`` allocates inference tensors; the worker threads
+    (which do not inherit the mode) write them all the same."""
+    h, d, n_layers = 3, 24, 3
+    chunks = [_chunk(41 + j, h, 30, d, n_layers, basis=with_basis, start=30 * j) for j in range(2)]
+    ref = _reference(chunks, n_layers, h, d)
+    with torch.inference_mode():
+        fast = _fast(chunks, n_layers, h, d, workers=2)
+    assert torch.equal(ref[1], fast[1]) and torch.allclose(ref[0], fast[0], atol=1e-5 * float(ref[0].abs().max()))
+
+
 def test_key_basis_within_float_tolerance(with_basis):
     h, d, n_layers = 3, 24, 3
     chunks = [_chunk(21 + j, h, 50 - 7 * j, d, n_layers, basis=with_basis, start=50 * j) for j in range(3)]

@@ -76,6 +76,10 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     jobs = [(c, role) for c in range(len(bundles)) for role in ROLES]
 
     def run(part):
+        with torch.inference_mode():  # (thread-local: a worker does not inherit the caller's)
+            run_part(part)
+
+    def run_part(part):
         scratch, state, zbuf = None, cpu.new_state(), None
         for c, role in part:
             b = bundles[c]
