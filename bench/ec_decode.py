@@ -12,6 +12,10 @@ times, as medians of ``--repeats`` in one run:
 * host decode: every layer and role of every chunk to integers, step, mean and levels
   (``EntropyQuantizer.host_decode``: inflate + unpack + reorder), what a GPU load does on the
   host before shipping the integers; with ``--threads`` worker threads over the chunks;
+* batch decode: what a CPU load runs (``kdnctl.quant.ec_batch.decode_into``: one compiled pass
+  per chunk and role, inflate to RoPE, on 1 and 2 threads), in GB/s of the fp32 cache it fills;
+  the reference decoder (``host decode`` + dequantize, layer by layer) beside it;
+* compress: seconds per 1,000 tokens of the default's compress, beside ingest's;
 * load: ``load_document`` of the version onto ``--device`` (host decode + dequantize + RoPE +
   placement; on a GPU the integers are dequantized there; the default's keys are rotated back
   from the model's key basis, a matmul per layer), of the same budget with keys in channels
@@ -108,9 +112,13 @@ def main() -> None:
         store = Store(Path(tmp) / "store")
         text = corpus_text(lm.tokenizer, args.tokens)
         doc = Document("bench.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
+        t = time.perf_counter()
         ingest_documents(store, lm, [doc], IngestOptions())
+        ingest_s = time.perf_counter() - t
         with store.writer():
+            t = time.perf_counter()
             res = compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="default")
+            compress_s = time.perf_counter() - t
             # the same budget with keys in channels (no key basis: one matmul per layer less at load)
             compress_document(store, doc.doc_id, CompressRecipe(key_basis="none"), lm=lm, label="channels")
         version = store.get_version(doc.doc_id, "default")
@@ -128,6 +136,26 @@ def main() -> None:
         entropy.INFLATER = default_inflater
         rows = [(th, med(lambda: host_decode_all(bundles, n_layers, th), args.repeats))
                 for th in (int(x) for x in args.threads.split(","))]
+        from kdnctl.quant import ec_batch
+
+        q = bundles[0].meta["quant"]
+        out = tuple(torch.empty(n_layers, q["n_heads"], n_tokens, q["head_dim"]) for _ in range(2))
+        starts = [sum(b.layer_len(0) for b in bundles[:i]) for i in range(len(bundles))]
+        fp32_gb = 2 * out[0].numel() * 4 / 1e9
+        batch = {}
+        if ec_batch.eligible(bundles, n_layers, q, out):
+            for th in (1, 2):
+                ec_batch.decode_into(out, bundles, starts, q, workers=th)  # (first call: numba's cache)
+                batch[th] = med(lambda: ec_batch.decode_into(out, bundles, starts, q, workers=th), args.repeats)
+
+        def reference_decode():
+            for b in bundles:
+                for role, o in zip(entropy.ROLES, out):
+                    entropy.EntropyQuantizer.dequantize_into(o[:, :, :b.layer_len(0)], b.tensors,
+                                                             [tensor_name(i, role) for i in range(n_layers)], b.meta["quant"])
+
+        ref = med(reference_decode, args.repeats)
+
         def load(label):
             load_document(lm, store, doc.doc_id, label, workers=1)
             if lm.device.type == "cuda":
@@ -157,6 +185,13 @@ def main() -> None:
     print(f"| {where} load of the same budget, keys in channels (--key-basis none) | {load_channels:.4f} | "
           f"{1e3 * load_channels / n_chunks:.2f} | the default's load is {load_ec / load_channels:.2f}x this |")
     print(f"| {where} load of full (fp32, for scale) | {load_full:.4f} | {1e3 * load_full / n_chunks:.2f} | - |")
+    print(f"\nDecode into an fp32 cache ({fp32_gb * 1e3:.0f} MB), GB/s of output:\n")
+    print("| decoder | seconds | GB/s | / reference |\n|---|---:|---:|---:|")
+    print(f"| reference (layer by layer: host decode, dequantize, basis, RoPE) | {ref:.4f} | {fp32_gb / ref:.2f} | 1.00x |")
+    for th, s in batch.items():
+        print(f"| batch (kdnctl.quant.ec_batch), {th} thread(s) | {s:.4f} | {fp32_gb / s:.2f} | {ref / s:.1f}x faster |")
+    print(f"\nCompress vs ingest, seconds per 1,000 tokens: ingest {1e3 * ingest_s / n_tokens:.2f}, "
+          f"default compress {1e3 * compress_s / n_tokens:.2f} ({compress_s / ingest_s:.2f}x ingest)")
 
 
 if __name__ == "__main__":

@@ -27,8 +27,10 @@ A second table compares load alone (no question): kdnctl's load of the ``full`` 
 ``torch.load`` / ``load_file`` of the same tensors, in wall time and in the process's CPU time
 (both loads run on one thread: on a machine shared with other jobs, CPU time is what the load
 itself costs, wall time adds however long it waited for a core). The third: ingest tokens/s against a bare
-forward pass over the same tokens (``bare_prefill_seconds``), with the statistics' cost.
-``--profile`` adds the per-step breakdown of the stored path (one worker, so steps add up).
+forward pass over the same tokens (``bare_prefill_seconds``), with the statistics' cost, and
+the seconds per 1,000 tokens of ingest and of compressing with the default (``--budget 0.25``).
+The load table gives the default's whole load in GB/s of the fp32 cache it fills; ``--profile``
+also its decode step alone (inflate, unpack, dequantize, key basis, RoPE). ``--profile`` adds the per-step breakdown of the stored path (one worker, so steps add up).
 """
 
 from __future__ import annotations
@@ -233,7 +235,9 @@ def main() -> None:
             ingest_s = time.perf_counter() - t
             with store.writer():
                 compress_document(store, doc.doc_id, CompressRecipe(budget=None, keep=1.0, quant="int8"), label="b1-int8")
+                t = time.perf_counter()
                 compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="default")
+                compress_s = time.perf_counter() - t
             ctx = load_document(lm, store, doc.doc_id)
             pt, st = save_user_files(tmp, ctx)
             n_layers = len(ctx.keys)
@@ -274,10 +278,12 @@ def main() -> None:
                          full))
             loads.append((len(ids), ctx.nbytes / 1e6, kd_load, i8_load, load_alone["ec"], load_alone["tl"],
                           load_alone["sl"], load_cpu["kd"], load_cpu["tl"]))
-            ingests.append((len(ids), len(ids) / ingest_s, len(ids) / bare, report))
+            fp32_mb = sum(k.numel() + v.numel() for k, v in zip(ctx.keys, ctx.values)) * 4 / 1e6
+            ingests.append((len(ids), len(ids) / ingest_s, len(ids) / bare, report, compress_s))
             if args.profile:
                 for label in ("full", "b1-int8", "default"):
-                    profiles.append((len(ids), label, profile_row(lm, store, doc.doc_id, label, question, reps)))
+                    profiles.append((len(ids), label, {**profile_row(lm, store, doc.doc_id, label, question, reps),
+                                                       "fp32 MB": fp32_mb}))
             print(f"# done {size}: ttft {rows[-1]} load {loads[-1]} ingest {ingests[-1][:3]} "
                   f"prefill+stats {report.prefill_seconds:.3f} write {report.write_seconds:.3f} "
                   f"profile {profiles[-3:] if args.profile else ''}", file=sys.stderr, flush=True)
@@ -296,25 +302,34 @@ def main() -> None:
               f"{pf / f:.1f}x, {pf / ec:.1f}x | {f / o:.2f}, {i8 / o:.2f}, {ec / o:.2f} |")
     print("\nLoad alone (no question), seconds:\n")
     print("| context tokens | MB (full) | kdnctl load full | kdnctl load b1-int8 | kdnctl load default | torch.load | "
-          "safetensors load_file | kdnctl full / torch.load | CPU s: kdnctl full, torch.load | kdnctl full / torch.load (CPU) |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "safetensors load_file | kdnctl full / torch.load | CPU s: kdnctl full, torch.load | kdnctl full / torch.load (CPU) | "
+          "default: GB/s of fp32 cache (whole load) | default load / full load |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for n, mb, kd, i8, ec, tl, sl, kd_cpu, tl_cpu in loads:
         print(f"| {n} | {mb:.0f} | {kd:.3f} | {i8:.3f} | {ec:.3f} | {tl:.3f} | {sl:.3f} | {kd / tl:.2f} | "
-              f"{kd_cpu:.3f}, {tl_cpu:.3f} | {kd_cpu / max(tl_cpu, 1e-9):.2f} |")
+              f"{kd_cpu:.3f}, {tl_cpu:.3f} | {kd_cpu / max(tl_cpu, 1e-9):.2f} | {mb / 1e3 / ec:.2f} | {ec / kd:.2f}x |")
     print("\nIngest vs bare prefill:\n")
     print("| context tokens | ingest tok/s | bare prefill tok/s | ingest/bare | prefill + statistics s | "
-          "statistics s (vs bare) | write s |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
-    for n, ing, bare, rep in ingests:
+          "statistics s (vs bare) | write s | ingest s per 1k tokens | compress default (0.25) s per 1k tokens | "
+          "compress / bare prefill |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for n, ing, bare, rep, comp in ingests:
         print(f"| {n} | {ing:.0f} | {bare:.0f} | {ing / bare:.2f} | {rep.prefill_seconds:.3f} | "
-              f"{rep.prefill_seconds - n / bare:.3f} | {rep.write_seconds:.3f} |")
+              f"{rep.prefill_seconds - n / bare:.3f} | {rep.write_seconds:.3f} | {1e3 / ing:.2f} | {1e3 * comp / n:.2f} | "
+              f"{comp / (n / bare):.2f}x |")
     if profiles:
         steps = list(profiles[0][2])
         print("\nStored path, per step (seconds, one worker; MB read):\n")
         print("| context tokens | version | " + " | ".join(steps) + " |")
         print("|---:|---|" + "---:|" * len(steps))
         for n, label, p in profiles:
-            print(f"| {n} | {label} | " + " | ".join(f"{p[s]:.4f}" if s != "MB" else f"{p[s]:.0f}" for s in steps) + " |")
+            print(f"| {n} | {label} | " + " | ".join(f"{p[s]:.4f}" if "MB" not in s else f"{p[s]:.0f}" for s in steps) + " |")
+        print("\nDecode throughput of the default (its dequantize step: inflate, unpack, dequantize, key basis, RoPE, "
+              "written into the cache), GB/s of fp32 output:\n")
+        print("| context tokens | fp32 MB | dequantize s | GB/s |\n|---:|---:|---:|---:|")
+        for n, label, p in profiles:
+            if label == "default":
+                print(f"| {n} | {p['fp32 MB']:.0f} | {p['dequantize']:.4f} | {p['fp32 MB'] / 1e3 / max(p['dequantize'], 1e-9):.2f} |")
 
 
 if __name__ == "__main__":

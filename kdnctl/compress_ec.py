@@ -21,6 +21,7 @@ readers mask their query heads off those rows (``KVBundle.layer_bias``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -28,7 +29,7 @@ import torch
 
 from .models import plain_rope_theta
 from .allocate import layer_fisher as lf
-from .allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor
+from .allocate.rate import clamp_steps, fit_near, fit_scale, relative_steps, step_floor
 from .bundle import KVBundle, derived_meta, encode_bundle, held_rows, tensor_name
 from .bundle_kept import kept_positions_dtype
 from .compress_recipe import LIFT_LEVEL, LIFT_SHARE, PROTECT_LEVEL
@@ -152,6 +153,18 @@ def decoded_keys(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, boun
     return tf.rope(k, positions, theta) if theta else k
 
 
+@contextlib.contextmanager
+def one_torch_thread():
+    """torch on one thread inside the block (small per-layer ops; on a machine shared with
+    other jobs a fork-join waits for a descheduled thread)"""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 def _chunk_positions(chunk_positions: torch.Tensor, local: torch.Tensor, n_heads: int) -> torch.Tensor:
     """One layer's positions tensor for a chunk's kept tokens (int16 while they fit)."""
     p = chunk_positions[local]
@@ -250,6 +263,10 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         return tuple(clamp_steps(alpha * b, f) for b, f in zip(base[i], floors[i]))
 
     def encoded(alpha: float, feedback: bool = False):
+        with one_torch_thread():  # hundreds of small tensors: fork-join costs more than it gives
+            return _encoded(alpha, feedback)
+
+    def _encoded(alpha: float, feedback: bool = False):
         # --refit-feedback: the values rounded with feedback at these steps (the sizes are fitted
         # without it: the same grid, codes a little apart)
         fed = [feedback_values(fit_queries[0][i], kept_keys[i] if kept_keys else keys[i], xs[i][1],
@@ -276,11 +293,11 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         return sum(t.numel() for chunk in encoded(alpha) for t in chunk.values())
 
     overhead = len(bundles) * (6144 + 200 * n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
-    kept_keys = None
+    kept_keys = first = None
     if rows is not None and recipe.refit_decoded:
         # fit the values to the kept keys as the loader will read them: coded at a first fit of the
         # scale (the refitted values move the final scale only a little)
-        first = fit_scale(payload, cap - overhead)
+        first = fit_near(payload, cap - overhead) if recipe.fit == "secant" else fit_scale(payload, cap - overhead)
         if first is not None:
             kept_keys = [decoded_keys(xs[i][0], steps_at(first, i)[0], levels_by_role[0], kept_bounds,
                                       None if basis is None else basis[i], positions, theta) for i in range(n_layers)]
@@ -294,9 +311,11 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     qmeta = q.meta(n_heads, d)
     alpha = None
     for _attempt in range(4):
-        # a refit (the first guess of the headers was short) starts next to the last scale
-        alpha = (alpha is not None and fit_scale(payload, cap - overhead, alpha, alpha * 1.25)) or \
-            fit_scale(payload, cap - overhead)
+        if recipe.fit == "secant":
+            alpha = fit_near(payload, cap - overhead, alpha or first or 0.5)  # a refit starts at the last scale
+        else:  # a refit (the first guess of the headers was short) starts next to the last scale
+            alpha = (alpha is not None and fit_scale(payload, cap - overhead, alpha, alpha * 1.25)) or \
+                fit_scale(payload, cap - overhead)
         if alpha is None:
             smallest = (payload(64.0) + overhead) / fp16  # fit_scale's coarsest scale
             raise UsageError(f"a budget of {recipe.budget:g} is too small for --quant ec on this model even at its "

@@ -125,6 +125,8 @@ OPTIONS: dict[str, Option] = {
     "refit_feedback": Option(False, _flag, "value_feedback", "with refit: round the values with error feedback"),
     "protect_level": Option(None, _int_range(0, PROTECT_LEVEL), "ec", "the header's and the protected tail's "
                             f"steps are 2**N finer (default {PROTECT_LEVEL})"),
+    "fit": Option("search", _choice("search", "secant"), "ec", "how ec fits its scale to the byte cap: search "
+                  "(bisection, about 14 encodings) or secant (3-4 encodings, within 0.2% under the cap)"),
     "tail_reads": Option(None, _share(False, 1, True), "tail_reads", "with keep < 1: the share of the kept tokens "
                          "chosen by what the document's last queries read (0: off)"),
 }

@@ -85,3 +85,57 @@ def fit_scale(size_at: Callable[[float], int], cap: float, lo: float = 1 / 64, h
         if abs(f) < 2 * tol and b - a > tol and a < other < b:
             probe(other)
     return math.exp(b)
+
+
+RTOL = 0.002  # fit_near stops at a size within this share under the cap
+
+
+def fit_near(size_at: Callable[[float], int], cap: float, guess: float = 0.5, rtol: float = RTOL,
+             lo: float = 1 / 64, hi: float = 64.0, max_probes: int = 8) -> float | None:
+    """A scale ``alpha`` in ``[lo, hi]`` with ``(1 - rtol) cap <= size_at(alpha) <= cap`` (or the
+    smallest that fits within ``fit_scale``'s tolerance), None if even ``hi`` does not fit.
+
+    Encoded bytes fall with ``alpha`` nearly as a power law, so secant steps on (log alpha,
+    log size) from ``guess`` (the last fit, or the defaults' usual scale) land inside the window
+    in three or four encodings; each step stays inside the bracket found so far. Where that
+    does not converge, :func:`fit_scale` finishes inside the bracket."""
+    target = math.log1p(-rtol / 2)
+    seen: dict[float, float] = {}
+
+    def f(a: float) -> float:
+        if a not in seen:
+            seen[a] = math.log(max(size_at(a), 1)) - math.log(cap)
+        return seen[a]
+
+    def inside(v: float) -> bool:
+        return math.log1p(-rtol) <= v <= 0
+
+    x0 = math.log(min(max(guess, lo), hi))
+    f0 = f(math.exp(x0))
+    if inside(f0):
+        return math.exp(x0)
+    x1 = min(max(x0 + (0.05 if f0 > 0 else -0.05), math.log(lo)), math.log(hi))
+    for _ in range(max_probes - 1):
+        f1 = f(math.exp(x1))
+        if inside(f1):
+            return math.exp(x1)
+        fits = [math.log(a) for a, v in seen.items() if v <= 0]
+        big = [math.log(a) for a, v in seen.items() if v > 0]
+        a_hi = min(fits) if fits else None  # the finest scale that fits
+        a_lo = max(big) if big else None  # the coarsest that does not
+        if f1 > 0 and x1 >= math.log(hi):
+            return None  # even the coarsest steps do not fit
+        if f1 <= 0 and x1 <= math.log(lo):
+            return lo
+        slope = (f1 - f0) / (x1 - x0) if x1 != x0 and f1 != f0 else -1.0
+        x = x1 + (target - f1) / slope if slope < 0 else x1 + (0.5 if f1 > 0 else -0.5)
+        x = min(max(x, x1 - 1.5), x1 + 1.5, math.log(hi))
+        x = max(x, math.log(lo))
+        if a_hi is not None and a_lo is not None and not a_lo < x < a_hi:
+            x = (a_lo + a_hi) / 2
+        x0, f0, x1 = x1, f1, x
+    fits = [a for a, v in seen.items() if v <= 0]
+    big = [a for a, v in seen.items() if v > 0]
+    if fits and big:
+        return fit_scale(size_at, cap, max(big), min(fits))
+    return fit_scale(size_at, cap, lo, hi)

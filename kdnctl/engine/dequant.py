@@ -11,6 +11,8 @@ general path. The result equals the reference decoder's (tests/test_load_path.py
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kdnctl.errors import BundleFormatError
@@ -152,3 +154,22 @@ def _decode_groups(out: torch.Tensor, q, s, z, fmt: str, g: int, layout: str) ->
             dst.add_(ze)
         else:
             dst.copy_(codes.to(torch.float32).mul_(sc.float()).add_(ze.float()))
+
+
+def ec_batch_into(bundles, n_layers: int, stacked, offsets, lens, profile=None) -> bool:
+    """Decode ec chunks (every layer of a chunk as many tokens) into the stacked CPU cache with
+    the compiled batch decoder; False where it does not apply (the caller then places chunk by chunk)."""
+    quant = bundles[0].meta.get("quant") or {}
+    if quant.get("scheme") != "ec" or any(len(set(o)) != 1 for o in offsets) or any(len(set(n)) != 1 for n in lens):
+        return False
+    if not all(b.is_quantized(i) for b in bundles for i in range(n_layers)):
+        return False
+    from ..quant import ec_batch
+
+    if not ec_batch.eligible(bundles, n_layers, quant, stacked):
+        return False
+    t0 = time.perf_counter()
+    ec_batch.decode_into(stacked, bundles, [o[0] for o in offsets], quant)
+    if profile is not None:
+        profile.dequantize += time.perf_counter() - t0
+    return True

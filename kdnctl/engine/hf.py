@@ -34,7 +34,7 @@ from ..errors import NotFoundError, StoreCorruptError
 from ..models import adapter_for
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState
-from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into
+from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into
 from .generate import GenerationResult, forward_suffix, full_prefill_generate, generate, stop_ids  # noqa: F401
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
@@ -210,7 +210,10 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 profile.dequantize += prof.dequantize
                 profile.place += prof.place
 
-    _run(place, range(len(bundles)), workers)
+    # ec on a CPU: every chunk decoded in one compiled pass per role (kdnctl/quant/ec_batch.py)
+    if not (device.type == "cpu" and stacked is not None and not placed
+            and ec_batch_into(bundles, n_layers, stacked, offsets, lens, profile)):
+        _run(place, range(len(bundles)), workers)
     keys = [bufs[i][0][:, :, : totals[i]] for i in range(n_layers)]
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
     bias = {}

@@ -53,6 +53,7 @@ from kdnctl.errors import BundleFormatError, InputError
 from . import transforms as tf
 from .base import Quantizer, check_kv, need
 from .basis import load_basis
+from .frames import codes_per_byte, frame_blob  # noqa: F401 (codes_per_byte: re-exported)
 from .grid import dequantize_codes, quantize_codes, roundtrip_role, stored_step_mean  # noqa: F401 (re-exported)
 
 ROLES = ("keys", "values")
@@ -146,18 +147,6 @@ def _u8(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
-def codes_per_byte(peak: int) -> int:
-    """How many codes in ``[-peak, peak]`` one byte holds as base-``2 peak + 1`` digits (1: none;
-    0: every code is 0 and nothing is stored). Huffman coding spends at least one bit per
-    symbol: grouping codes lets channels whose codes are nearly all 0 cost less than a bit."""
-    if peak == 0:
-        return 0
-    radix, per = 2 * peak + 1, 1
-    while radix ** (per + 1) <= 256:
-        per += 1
-    return per
-
-
 def pack_codes(codes: torch.Tensor, peak: int, per: int) -> bytes:
     """Codes (flat) as base-``2 peak + 1`` digits, ``per`` to a byte, least significant first."""
     radix = 2 * peak + 1
@@ -227,9 +216,11 @@ def encode_params(step: torch.Tensor, mean: torch.Tensor, bins: torch.Tensor, co
 
 
 def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Callable[[bytes], bytes] | None = None,
-                 stored: torch.Tensor | None = None):
+                 stored: torch.Tensor | None = None, reference: bool = False):
     """``(codes blob, bins [H, D])`` of integer ``codes [H, T, D]`` (as float, within int16), of
-    the ``stored`` rows only (bool ``[H, T]``) where given.
+    the ``stored`` rows only (bool ``[H, T]``) where given. Every row stored: the frames are cut
+    by :func:`frame_blob` (numpy, the same bytes); ``reference`` (or ``stored``) takes the plain
+    loop below, the spec it is tested against.
 
     The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
     one frame: one Huffman table over channels whose steps differ by orders of magnitude
@@ -238,6 +229,8 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
     lim = float(codes.abs().max()) if codes.numel() else 0.0
     width, dtype = (1, torch.int8) if lim <= 127 else (2, torch.int16)
     bins = spread_bins(codes, stored)
+    if stored is None and not reference:
+        return _u8(frame_blob(codes, bins, width, lambda data: compress(data) if compress else compress_frame(data, coding))), bins
     flat = codes.permute(0, 2, 1).reshape(h * d, t)  # channel-major rows
     keep = None if stored is None else stored.repeat_interleave(d, 0)  # [H * D, T]
     order = torch.argsort(bins.flatten(), stable=True)

@@ -1,0 +1,255 @@
+"""ec's fast CPU load: every chunk's layers of one role decoded in one compiled pass.
+
+What :func:`kdnctl.quant.entropy.decode_role` does one layer at a time (the reference and the
+spec), :func:`decode_into` does for a whole version: per chunk and role, the params frames of
+every layer inflated in one call, converted with numpy, then one kernel
+(``kdnctl.kernels.ec.cpu.decode_blobs``) inflates every code frame, unpacks its digits,
+dequantizes, applies the inverse key basis and RoPE, and writes each element once into the
+cache. Chunks run on two threads (the kernels hold no GIL). The bytes were checked against their
+digests before this runs (the loader reads, checks, then decodes); each frame is still parsed
+as untrusted: a malformed one raises BundleFormatError, never garbage in the cache.
+
+The path takes what the shipped defaults write (deflate frames, every layer of a chunk as many
+tokens, no narrowed heads, a float32 cache); anything else returns False and the caller decodes
+with the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from kdnctl.bundle import role_levels, tensor_name
+from kdnctl.errors import BundleFormatError
+
+from . import transforms as tf
+from .entropy import MAX_LEVEL, ROLES
+
+WORKERS = 2  # threads over chunks: the kernels release the GIL
+
+
+def enabled() -> bool:
+    """The compiled path is present and not turned off (``KDNCTL_EC_REFERENCE=1`` forces the reference)."""
+    if os.environ.get("KDNCTL_EC_REFERENCE", "") == "1":
+        return False
+    from kdnctl.kernels.ec import cpu
+
+    return cpu.available()
+
+
+def eligible(bundles, n_layers: int, quant_meta: dict, out: tuple[torch.Tensor, torch.Tensor]) -> bool:
+    """Whether :func:`decode_into` takes these chunks (else the reference decodes them)."""
+    if any(o.dtype != torch.float32 or o.device.type != "cpu" for o in out):
+        return False
+    for b in bundles:
+        q = b.meta.get("quant") or {}
+        if q.get("scheme") != "ec" or q.get("coding", "zstd") != "deflate":
+            return False
+        if (q.get("n_heads"), q.get("head_dim"), q.get("key_rope_theta"), q.get("key_basis")) != (
+                quant_meta.get("n_heads"), quant_meta.get("head_dim"), quant_meta.get("key_rope_theta"),
+                quant_meta.get("key_basis")):
+            return False
+        if any(tensor_name(i, "narrow") in b.tensors for i in range(n_layers)):
+            return False
+        if len({b.layer_len(i) for i in range(n_layers)}) != 1:
+            return False
+    return enabled()
+
+
+def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[int], quant_meta: dict,
+                workers: int = WORKERS) -> None:
+    """Chunk ``c`` of ``bundles`` into ``out[role][:, :, starts[c]:starts[c] + T_c]`` (``out``:
+    keys and values ``[L, H, T_slot, D]`` float32); call :func:`eligible` first."""
+    from kdnctl.kernels.ec import cpu
+
+    h, d = quant_meta.get("n_heads"), quant_meta.get("head_dim")
+    if not all(isinstance(x, int) and x > 0 for x in (h, d)):
+        raise BundleFormatError("ec meta needs n_heads and head_dim")
+    n_layers = out[0].shape[0]
+    if tuple(out[0].shape[1:2]) != (h,) or out[0].shape[3] != d:
+        raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
+    basis_t = _basis_t(quant_meta.get("key_basis"), n_layers, h, d)
+    jobs = [(c, role) for c in range(len(bundles)) for role in ROLES]
+
+    def run(part):
+        with torch.inference_mode():  # (thread-local: a worker does not inherit the caller's)
+            run_part(part)
+
+    def run_part(part):
+        scratch, state, zbuf = None, cpu.new_state(), None
+        for c, role in part:
+            b = bundles[c]
+            t = b.layer_len(0)
+            need = 2 * h * d * t
+            if scratch is None or scratch.shape[0] < need:
+                scratch = np.empty(max(need, 1), np.uint8)
+            basis = basis_t if role == "keys" else None
+            if basis is not None and (zbuf is None or zbuf.shape[2] < t):
+                zbuf = torch.empty(n_layers, h, t, d)
+            _decode_chunk_role(b, role, t, starts[c], out[ROLES.index(role)], quant_meta, h, d, basis, scratch,
+                               state, n_layers, zbuf)
+
+    if workers <= 1 or len(bundles) <= 1:
+        run(jobs)
+        return
+    parts = [jobs[i::workers] for i in range(workers)]
+    # the chunks are the parallel work: the key basis's matmuls run on one torch thread each
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            for f in [pool.submit(run, p) for p in parts]:
+                f.result()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_meta: dict, h: int, d: int,
+                       basis_t: torch.Tensor | None, scratch: np.ndarray, state: np.ndarray, n_layers: int,
+                       zbuf: torch.Tensor | None = None) -> None:
+    """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``. In a key basis the kernel writes
+    the scaled codes to ``zbuf``; one batched matmul with the basis (its columns scaled by the
+    steps) and the mean rotates them into the cache, and RoPE follows in place."""
+    from kdnctl.kernels.ec import cpu
+
+    inflate_frames, decode_blobs, rope_blobs = cpu.kernels()
+    tensors = b.tensors
+    prefixes = [tensor_name(i, role) for i in range(n_layers)]
+    codes, params = [], []
+    for p in prefixes:
+        c, pa = tensors.get(f"{p}.codes"), tensors.get(f"{p}.params")
+        if c is None or pa is None:
+            raise BundleFormatError(f"missing tensor {p}.codes/params")
+        if c.dtype != torch.uint8 or pa.dtype != torch.uint8 or c.dim() != 1 or pa.dim() != 1 or c.numel() < 2:
+            raise BundleFormatError(f"{p}: codes and params must be uint8 [n]")
+        codes.append(c)
+        params.append(pa)
+    raw, offs = _span(codes + params)
+    c_off, p_off = offs[:n_layers], offs[n_layers:]
+    c_len = np.array([x.numel() for x in codes], np.int64)
+    p_len = np.array([x.numel() for x in params], np.int64)
+    hd = h * d
+    pbuf = np.empty(n_layers * 5 * hd, np.uint8)
+    ok = np.zeros(n_layers, np.bool_)
+    inflate_frames(raw, p_off, p_len, pbuf, np.arange(n_layers, dtype=np.int64) * 5 * hd,
+                   np.full(n_layers, 5 * hd, np.int64), state, ok)
+    if not ok.all():
+        bad = prefixes[int(np.argmin(ok))]
+        raise BundleFormatError(f"{bad}.params is not a valid deflate stream of exactly {5 * hd} bytes")
+    pv = pbuf.reshape(n_layers, 5 * hd)
+    sm = pv[:, : 4 * hd].copy().view(np.float16).astype(np.float32).reshape(n_layers, 2, hd)
+    step, mean = np.ascontiguousarray(sm[:, 0]), np.ascontiguousarray(sm[:, 1])
+    bins = np.ascontiguousarray(pv[:, 4 * hd:])
+    lsc = _level_scales(tensors, prefixes, t)
+    cos = sin = np.zeros((1, 1, 1, 1), np.float32)
+    cs_idx = np.full(n_layers, -1, np.int64)
+    theta = quant_meta.get("key_rope_theta")
+    if role == "keys" and theta:
+        cos, sin, cs_idx = _rope_tables(tensors, prefixes, t, h, d, float(theta))
+    err = np.zeros(n_layers, np.int32)
+    layers = np.arange(n_layers, dtype=np.int64)
+    if basis_t is None:
+        decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out.numpy(), layers, tok, True,
+                     cos, sin, cs_idx, cpu.digit_tables(), scratch, state, err)
+    else:
+        z = zbuf[:, :, :t]
+        decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, z.numpy(), layers, 0, False,
+                     cos, sin, np.full(n_layers, -1, np.int64), cpu.digit_tables(), scratch, state, err)
+    if err.any():
+        i = int(np.flatnonzero(err)[0])
+        raise BundleFormatError(f"{prefixes[i]}.{cpu.MESSAGES[int(err[i])]}")
+    if basis_t is not None and t:
+        m = basis_t[:n_layers] * torch.from_numpy(step).view(n_layers, h, 1, d)
+        slot = out[:, :, tok:tok + t].view(n_layers * h, t, d)  # (a view: the matmul writes the cache)
+        torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, t, d),
+                      m.view(n_layers * h, d, d), out=slot)
+        rope_blobs(out.numpy(), layers, tok, t, cos, sin, cs_idx)
+
+
+def _span(blobs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
+    """One uint8 array holding every blob and each blob's offset in it: the bytes of the object
+    the blobs are views of (no copy) where they lie close together, else a copy."""
+    ptrs = np.array([x.data_ptr() for x in blobs], np.int64)
+    lens = np.array([x.numel() for x in blobs], np.int64)
+    lo, hi = int(ptrs.min()), int((ptrs + lens).max())
+    if hi - lo <= 2 * int(lens.sum()) + (1 << 20):
+        return np.asarray(_Memory(lo, hi - lo)), ptrs - lo
+    raw = np.concatenate([x.numpy() for x in blobs])
+    return raw, np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+
+
+class _Memory:
+    """``n`` bytes at ``address`` as a numpy array (no copy): the object the blobs are views of,
+    which the bundle's tensors keep alive while the kernels read it."""
+
+    def __init__(self, address: int, n: int):
+        self.__array_interface__ = {"data": (address, True), "shape": (n,), "typestr": "|u1", "version": 3}
+
+
+def _level_scales(tensors, prefixes: list[str], t: int) -> np.ndarray:
+    """float32 ``[L, t]``: ``2**-level`` of each layer's tokens (one row, broadcast, where the
+    layers share one levels tensor)."""
+    levels = []
+    for p in prefixes:
+        layer, role = p.rsplit(".", 1)
+        lv = role_levels(tensors, layer, role)
+        if lv is None or lv.dtype != torch.uint8 or lv.dim() != 1:
+            raise BundleFormatError(f"{layer}: token_levels must be uint8 [T]")
+        if lv.numel() != t:
+            raise BundleFormatError(f"{p}: {lv.numel()} token levels for {t} tokens")
+        levels.append(lv)
+    if all(lv is levels[0] for lv in levels):
+        levels = levels[:1]
+    lv = np.stack([x.numpy() for x in levels])
+    if lv.size and int(lv.max()) > MAX_LEVEL:
+        raise BundleFormatError(f"{prefixes[0].rsplit('.', 1)[0]}: a token level above {MAX_LEVEL}")
+    sc = np.ldexp(np.float32(1.0), -lv.astype(np.int32)).astype(np.float32)
+    return np.broadcast_to(sc, (len(prefixes), t)) if sc.shape[0] == 1 else sc
+
+
+def _rope_tables(tensors, prefixes: list[str], t: int, h: int, d: int, theta: float):
+    """(cos, sin ``[K, Hc, t, D]``, table index per layer) of the keys' positions."""
+    tables, idx, seen = [], [], []  # (positions, table index): layers with equal positions share a table
+    for p in prefixes:
+        layer = p.rsplit(".", 1)[0]
+        pos = tensors.get(f"{layer}.positions")
+        pos = tensors.get("positions") if pos is None else pos
+        if pos is None:
+            raise BundleFormatError("missing tensor positions")
+        if tuple(pos.shape) not in ((t,), (h, t)) or pos.dtype.is_floating_point:
+            raise BundleFormatError(f"{layer}: positions {list(pos.shape)} do not fit {t} tokens of {h} heads")
+        for q, j in seen:
+            if q is pos or (q.shape == pos.shape and q.dtype == pos.dtype and torch.equal(q, pos)):
+                idx.append(j)
+                break
+        else:
+            seen.append((pos, len(tables)))
+            idx.append(len(tables))
+            tables.append(tf._cos_sin(pos, d, theta))
+    per_head = any(c.dim() == 3 for c, _ in tables)
+    cos = np.stack([(c.expand(h, -1, -1) if per_head and c.dim() == 2 else c[None] if c.dim() == 2 else c).numpy()
+                    for c, _ in tables])
+    sin = np.stack([(s.expand(h, -1, -1) if per_head and s.dim() == 2 else s[None] if s.dim() == 2 else s).numpy()
+                    for _, s in tables])
+    return cos.astype(np.float32, copy=False), sin.astype(np.float32, copy=False), np.array(idx, np.int64)
+
+
+@functools.lru_cache(maxsize=4)
+def _basis_t_cached(sha: str) -> torch.Tensor:
+    from .basis import load_basis
+
+    return load_basis(sha).transpose(-1, -2).contiguous()
+
+
+def _basis_t(sha: str | None, n_layers: int, h: int, d: int) -> torch.Tensor | None:
+    """``[L, H, D, D]`` transposed key basis (``x = (z @ B^T) * step + mean``), or None."""
+    if sha is None:
+        return None
+    bt = _basis_t_cached(sha)
+    if tuple(bt.shape[1:]) != (h, d, d) or bt.shape[0] < n_layers:
+        raise BundleFormatError(f"key basis {sha[:12]} is {list(bt.shape)}, the bundle needs [{n_layers}, {h}, {d}, {d}]")
+    return bt

@@ -1,0 +1,227 @@
+"""ec's compiled CPU decoder (``kdnctl.quant.ec_batch``) against the reference decoder
+(``EntropyQuantizer.dequantize``, layer by layer): every code width and digit packing, odd
+sizes, levels, RoPE by the chunk's or each layer's positions, the key basis; and fuzzed frames
+(truncations, flips, wrong sizes) end in BundleFormatError on both, or in the same K/V."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kdnctl.errors import BundleFormatError
+from kdnctl.quant import ec_batch
+from kdnctl.quant.entropy import EntropyQuantizer, encode_role
+
+pytestmark = pytest.mark.skipif(not ec_batch.enabled(), reason="numba or ISA-L missing: loads take the reference path")
+
+
+@dataclass
+class Chunk:
+    tensors: dict
+    meta: dict
+
+    def layer_len(self, i: int) -> int:
+        pos = self.tensors.get(f"layers.{i}.positions", self.tensors["positions"])
+        return pos.shape[-1]
+
+
+def _chunk(seed: int, h: int, t: int, d: int, n_layers: int, *, theta=10000.0, basis=None, own_positions=False,
+           spread=1.0, start=0):
+    g = torch.Generator().manual_seed(seed)
+    q = EntropyQuantizer(key_rope_theta=theta, key_basis="test" if basis is not None else None)
+    meta = {"quant": {**q.meta(h, d), "scheme": "ec"}}
+    tensors = {"token_levels": torch.randint(0, 4, (t,), dtype=torch.uint8, generator=g),
+               "positions": torch.arange(start, start + t)}
+    for i in range(n_layers):
+        # channels of very different spreads: every bin, peaks 0 to 7 (digits packed 5, 3, 2 to a
+        # byte), one-byte codes, and two-byte codes in layer 1
+        scale = torch.logspace(-3, -0.3, d)[torch.randperm(d, generator=g)] * spread
+        for role in ("keys", "values"):
+            x = torch.randn(h, t, d, generator=g) * scale
+            if i == 1 and role == "values" and t:
+                x[0, t // 2, 0] = 500.0
+            lv = tensors["token_levels"]
+            axes = basis[i] if basis is not None and role == "keys" else None
+            tensors[f"layers.{i}.{role}.codes"], tensors[f"layers.{i}.{role}.params"] = encode_role(
+                x, torch.full((h, d), 0.3), lv, basis=axes)
+        if own_positions:
+            tensors[f"layers.{i}.positions"] = torch.stack(
+                [torch.randperm(3 * t + 1, generator=g)[:t].sort().values + start for _ in range(h)])
+    return Chunk(tensors, meta)
+
+
+def _reference(chunks, n_layers, h, d, monkeypatch=None):
+    outs = []
+    for role in ("keys", "values"):
+        parts = [torch.stack([EntropyQuantizer.dequantize(c.tensors, f"layers.{i}.{role}", c.meta["quant"])
+                              for i in range(n_layers)]) for c in chunks]
+        outs.append(torch.cat(parts, 2))
+    return outs
+
+
+def _fast(chunks, n_layers, h, d, workers=2, room=3):
+    total = sum(c.layer_len(0) for c in chunks)
+    out = tuple(torch.full((n_layers, h, total + room, d), float("nan")) for _ in range(2))
+    starts = [sum(c.layer_len(0) for c in chunks[:i]) for i in range(len(chunks))]
+    assert ec_batch.eligible(chunks, n_layers, chunks[0].meta["quant"], out)
+    ec_batch.decode_into(out, chunks, starts, chunks[0].meta["quant"], workers=workers)
+    assert all(o[:, :, total:].isnan().all() for o in out)  # nothing written past the chunks
+    return [o[:, :, :total] for o in out]
+
+
+@pytest.fixture
+def with_basis(monkeypatch):
+    """A random orthonormal key basis, registered for these tests only."""
+    h, d, n_layers = 3, 24, 3
+    g = torch.Generator().manual_seed(9)
+    basis = torch.linalg.qr(torch.randn(n_layers, h, d, d, generator=g))[0].contiguous()
+    from kdnctl.quant import entropy
+
+    monkeypatch.setattr(entropy, "_basis_on", lambda sha, device: basis)
+    monkeypatch.setattr(ec_batch, "_basis_t_cached", lambda sha: basis.transpose(-1, -2).contiguous())
+    return basis
+
+
+@pytest.mark.parametrize("h,t,d,theta,own,workers", [
+    (3, 37, 16, 10000.0, False, 2), (1, 1, 8, 10000.0, False, 1), (2, 129, 10, None, False, 2),
+    (3, 64, 16, 500.0, True, 2), (2, 0, 8, 10000.0, False, 1)])
+def test_batch_decoder_equals_the_reference(h, t, d, theta, own, workers):
+    n_layers = 3
+    chunks = [_chunk(11 + j, h, t + j, d, n_layers, theta=theta, own_positions=own, start=j * 300) for j in range(3)]
+    widths = {int(c.tensors[f"layers.{i}.{r}.codes"][0]) for c in chunks for i in range(n_layers) for r in ("keys", "values")}
+    if t > 1:
+        assert widths == {1, 2}  # both code widths appear
+    ref = _reference(chunks, n_layers, h, d)
+    fast = _fast(chunks, n_layers, h, d, workers)
+    for a, b in zip(ref, fast):
+        assert torch.equal(a, b)  # the same float32 operations in the same order: bit for bit
+
+
+def test_every_packing_is_exercised():
+    from kdnctl.quant.entropy import codes_per_byte
+
+    c = _chunk(3, 3, 61, 32, 2)
+    peaks = set()
+    for name, blob in c.tensors.items():
+        if name.endswith(".codes"):
+            n = int(blob[1])
+            peaks |= set(blob[2 + 4 * n:2 + 6 * n].clone().view(torch.int16).tolist())
+    assert {codes_per_byte(p) for p in peaks} >= {0, 1, 2, 3, 5}, sorted(peaks)
+
+
+def test_a_cache_made_under_inference_mode(with_basis):
+    """A load under ``torch.inference_mode`` allocates inference tensors; the worker threads
+    (which do not inherit the mode) write them all the same."""
+    h, d, n_layers = 3, 24, 3
+    chunks = [_chunk(41 + j, h, 30, d, n_layers, basis=with_basis, start=30 * j) for j in range(2)]
+    ref = _reference(chunks, n_layers, h, d)
+    with torch.inference_mode():
+        fast = _fast(chunks, n_layers, h, d, workers=2)
+    assert torch.equal(ref[1], fast[1]) and torch.allclose(ref[0], fast[0], atol=1e-5 * float(ref[0].abs().max()))
+
+
+def test_key_basis_within_float_tolerance(with_basis):
+    h, d, n_layers = 3, 24, 3
+    chunks = [_chunk(21 + j, h, 50 - 7 * j, d, n_layers, basis=with_basis, start=50 * j) for j in range(3)]
+    ref = _reference(chunks, n_layers, h, d)
+    fast = _fast(chunks, n_layers, h, d)
+    assert torch.equal(ref[1], fast[1])
+    scale = ref[0].abs().amax()
+    assert (ref[0] - fast[0]).abs().max() <= 1e-5 * scale  # a matmul's sums in another order
+
+
+@pytest.mark.parametrize("coding_bits", range(4))
+def test_fuzzed_frames_fail_alike(coding_bits):
+    """Flips, overwrites, truncations, insertions and wrong sizes of codes and params blobs:
+    the batch decoder raises BundleFormatError exactly where the reference does, and where the
+    reference decodes, both give the same K/V."""
+    h, t, d, n_layers = 2, 23, 8, 2
+    rng = random.Random(20261129 + coding_bits)
+    base = _chunk(31 + coding_bits, h, t, d, n_layers)
+    counts = {"error": 0, "decoded": 0}
+    for case in range(150):
+        tensors = dict(base.tensors)
+        name = rng.choice([f"layers.{rng.randrange(n_layers)}.{r}.{p}" for r in ("keys", "values") for p in ("codes", "params")])
+        b = bytearray(tensors[name].numpy().tobytes())
+        op, i = rng.randrange(5), rng.randrange(len(b))
+        if op == 0:
+            b[i] ^= 1 << rng.randrange(8)
+        elif op == 1:
+            b[i] = rng.randrange(256)
+        elif op == 2:
+            del b[i:]
+        elif op == 3:
+            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+        else:  # a frame size or peak of the header rewritten
+            n = b[1] if len(b) > 1 else 0
+            j = 2 + rng.randrange(max(1, 6 * n))
+            if j < len(b):
+                b[j] = rng.randrange(256)
+        tensors[name] = torch.frombuffer(b, dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
+        chunk = Chunk(tensors, base.meta)
+        try:
+            ref = _reference([chunk], n_layers, h, d)
+        except BundleFormatError:
+            ref = None
+        try:
+            fast = _fast([chunk], n_layers, h, d, workers=1)
+        except BundleFormatError:
+            fast = None
+        assert (ref is None) == (fast is None), (case, name, op)
+        if ref is None:
+            counts["error"] += 1
+        else:
+            counts["decoded"] += 1
+            assert all(torch.equal(a, b) for a, b in zip(ref, fast)), (case, name, op)
+    assert counts["error"] > 50, counts
+
+
+@pytest.mark.model
+def test_a_load_decodes_like_the_reference(lm, tmp_path_factory, monkeypatch):
+    """``load_document`` of the shipped defaults (0.25: every token, keys in the model's basis;
+    0.083: eviction first, per-layer positions) through the batch decoder and through the
+    reference give the same cache, and the same next token."""
+    from budgetkit import trimmed_store
+
+    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.engine.hf import forward_suffix, load_document
+
+    st = trimmed_store(tmp_path_factory, lm, {"faq.md": 300})
+    with st.writer():
+        for b in (0.25, 0.083):
+            compress_document(st, "faq.md", CompressRecipe(budget=b), lm=lm, label=f"b{b}")
+    question = lm.tokenizer("How long does charging take?", add_special_tokens=False).input_ids
+    calls, real = [], ec_batch.decode_into
+    monkeypatch.setattr(ec_batch, "decode_into", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+    for label in ("b0.25", "b0.083"):
+        n_calls = len(calls)
+        fast = load_document(lm, st, "faq.md", label)
+        assert len(calls) == n_calls + 1  # the batch decoder ran
+        monkeypatch.setenv("KDNCTL_EC_REFERENCE", "1")
+        ref = load_document(lm, st, "faq.md", label)
+        monkeypatch.delenv("KDNCTL_EC_REFERENCE")
+        for a, b in zip(fast.keys + fast.values, ref.keys + ref.values):
+            assert a.shape == b.shape
+            assert (a - b).abs().max() <= 1e-5 * max(1.0, float(b.abs().max()))
+        assert all(torch.equal(a, b) for a, b in zip(fast.values, ref.values))
+        lf = forward_suffix(lm, fast, question, last_only=True)[0]
+        lr = forward_suffix(lm, ref, question, last_only=True)[0]
+        assert int(lf[-1].argmax()) == int(lr[-1].argmax())
+
+
+@pytest.mark.parametrize("h,t,d", [(3, 37, 16), (1, 1, 8), (2, 256, 64), (3, 0, 8)])
+def test_frames_cut_in_numpy_are_the_reference_bytes(h, t, d):
+    """The encoder's numpy frame cutting writes exactly the bytes of the plain per-frame loop:
+    every packing, both code widths (stored bytes of existing versions do not move)."""
+    from kdnctl.quant.entropy import encode_codes
+
+    g = torch.Generator().manual_seed(h * 1000 + t)
+    for spread in (0.2, 3.0, 400.0):
+        scale = torch.logspace(-2, 0, d)[torch.randperm(d, generator=g)] * spread
+        codes = torch.round(torch.randn(h, t, d, generator=g) * scale)
+        fast, bins = encode_codes(codes)
+        ref, bins_ref = encode_codes(codes, reference=True)
+        assert torch.equal(bins, bins_ref) and torch.equal(fast, ref), spread
