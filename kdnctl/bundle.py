@@ -221,7 +221,9 @@ def make_meta(**fields: Any) -> dict[str, Any]:
     sde = os.environ.get("SOURCE_DATE_EPOCH")
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
-        "created": float(sde) if sde else time.time(),
+        # whole seconds: the stamp's printed length stays fixed, and the byte cap a version is
+        # fitted to counts it, so what a recipe stores does not depend on the clock
+        "created": float(sde) if sde else float(int(time.time())),
         "tool_version": __version__,
     }
     meta.update(fields)

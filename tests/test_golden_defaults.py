@@ -3,8 +3,8 @@ of the 0.25 and 0.083 versions of one short real document, hashed byte for byte 
 pinned below, and the chunk metadata apart from the version's name and the writer's stamps.
 
 A change to these digests is a change to what the defaults store: make it on purpose, measure it
-(bench/quality.py), and pin the new digests with ``python tests/test_golden_defaults.py``. The
-digests below were computed from the code before versions had short names."""
+(bench/quality.py), and pin the new digests with ``python tests/test_golden_defaults.py``. A
+version's name does not change them."""
 
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from kdnctl.compress import CompressRecipe, compress_document
 DOC, N_TOKENS = "faq.md", 300
 # budget -> (sha256 of every chunk's tensors, sha256 of every chunk's meta without name and stamps)
 GOLDEN = {
-    0.25: ("72d030538d0fe39c4e0b69eb6cbe81e27984d9fdc9696faa400d0a531f4f4ece",
-           "1d5f098d6f48f5bdc7a1331aff237108354e6f8b5e76d2f6d573bc427edf46c9"),
-    0.083: ("5fb061c3d47f85ce36b4b520c285d0892696ecaae76de76a91c01d4208a63044",
-            "ff3fbfb43710d27c89410319abfc2a97eb4170bce4f33668c735b6c1ee31be95"),
+    0.25: ("0543f1ca94eaa09956586ba74b7349df3f7e478b9ea247a5059034ce9663f005",
+           "96f889996e979f1f0a31f2592593d93864d863021f6c09fbccceaf5aa07f6d07"),
+    0.083: ("29df25cec4c97e62d4bab86801adb5493d737d6f16e8b1c7d5a904202306d81f",
+            "c3661997504fa5f898772c59c4baff266012f1820e163890f8f4779a6ced92e3"),
 }
 # The writer's stamp (`created`, a float whose printed length varies) counts toward the byte cap
 # the scale is fitted to: a fixed stamp makes what a recipe stores a function of its input alone.
