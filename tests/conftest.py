@@ -109,6 +109,22 @@ def kdnctl_source_root() -> Path:
     return Path(kdnctl.__file__).resolve().parent.parent
 
 
+def kdnctl_source_digest() -> str:
+    """sha256 over this process's kdnctl source files (names and bytes)."""
+    import hashlib
+
+    root = kdnctl_source_root()
+    h = hashlib.sha256()
+    for path in sorted((root / "kdnctl").rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+# The kdnctl source as this session found it: a comparison of bytes written by a child process
+# with bytes written here means nothing if the checkout changed in between (a merge mid-run).
+SOURCE_DIGEST_AT_START = kdnctl_source_digest()
+
+
 def python_argv(*args) -> list[str]:
     """A Python command line that does not put its working directory first on sys.path (-P):
     with ``kdnctl_env`` it imports the same kdnctl as this process, not a tree that happens to

@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from conftest import EXAMPLES, REPO, cli_json, kdnctl_argv, kdnctl_env, run_cli
+from conftest import (EXAMPLES, REPO, SOURCE_DIGEST_AT_START, cli_json, kdnctl_argv, kdnctl_env, kdnctl_source_digest,
+                      run_cli)
 
 from kdnctl.corpus import read_corpus
 from kdnctl.engine.hf import forward_suffix, full_prefill_generate, generate, load_document, load_prefix
@@ -141,6 +142,7 @@ def test_sigkill_mid_ingest_is_resumable(tmp_path):
     assert resumed["unchanged"] and resumed["ingested"]  # committed docs were not redone
     assert run_cli("verify", store=killed).returncode == 0
     run_cli("ingest", corpus, store=clean, check=True, env=sde)
+    assert kdnctl_source_digest() == SOURCE_DIGEST_AT_START, "kdnctl's source changed during the run: rerun"
     assert _catalog(killed) == _catalog(clean)
     assert partial != _catalog(clean)
 
