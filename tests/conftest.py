@@ -102,12 +102,58 @@ def run_cli(*args, store=None, env=None, timeout=600, check=False, own_process=F
     return proc
 
 
+def kdnctl_source_root() -> Path:
+    """The directory holding the kdnctl package this test process imported."""
+    import kdnctl
+
+    return Path(kdnctl.__file__).resolve().parent.parent
+
+
+def kdnctl_source_digest() -> str:
+    """sha256 over this process's kdnctl source files (names and bytes)."""
+    import hashlib
+
+    root = kdnctl_source_root()
+    h = hashlib.sha256()
+    for path in sorted((root / "kdnctl").rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+# The kdnctl source as this session found it: a comparison of bytes written by a child process
+# with bytes written here means nothing if the checkout changed in between (a merge mid-run).
+SOURCE_DIGEST_AT_START = kdnctl_source_digest()
+
+
+def python_argv(*args) -> list[str]:
+    """A Python command line that does not put its working directory first on sys.path (-P):
+    with ``kdnctl_env`` it imports the same kdnctl as this process, not a tree that happens to
+    sit in the working directory."""
+    return [sys.executable, "-P", *map(str, args)]
+
+
+def kdnctl_argv(*args) -> list[str]:
+    """``python -m kdnctl.cli.app ARGS``, run on the same kdnctl code as this process."""
+    return python_argv("-m", "kdnctl.cli.app", *args)
+
+
+def kdnctl_env(env=None) -> dict:
+    """os.environ plus ``env``, with PYTHONPATH leading to this process's kdnctl: a child
+    started from another checkout's directory, or with the installed (editable) package first
+    on its path, would otherwise run other code, and its bundles other bytes."""
+    full = dict(os.environ)
+    full.update(env or {})
+    rest = full.get("PYTHONPATH")
+    full["PYTHONPATH"] = str(kdnctl_source_root()) + (os.pathsep + rest if rest else "")
+    return full
+
+
 def _run_subprocess(argv, env, timeout):
-    full_env = dict(os.environ)
+    full_env = kdnctl_env(env)
     full_env.pop("KDNCTL_DEBUG", None)
-    full_env.update(env or {})
-    cmd = [sys.executable, "-m", "kdnctl.cli.app", *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, env=full_env, timeout=timeout)
+    if env and "KDNCTL_DEBUG" in env:
+        full_env["KDNCTL_DEBUG"] = env["KDNCTL_DEBUG"]
+    return subprocess.run(kdnctl_argv(*argv), capture_output=True, text=True, env=full_env, timeout=timeout)
 
 
 def _run_forked(argv, env, timeout):

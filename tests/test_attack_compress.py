@@ -8,11 +8,10 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
-from conftest import EXAMPLES, cli_json, run_cli
+from conftest import EXAMPLES, cli_json, kdnctl_argv, kdnctl_env, run_cli
 
 from kdnctl.corpus import read_corpus
 from kdnctl.ingest import IngestOptions, ingest_documents
@@ -32,12 +31,11 @@ def test_sigkill_during_compress(tmp_path, lm):
     with Store(root) as st:
         ingest_documents(st, lm, docs, IngestOptions(chunk_tokens=64, stats=False))
         source = {v.doc_id: v.chunks for v in st.list_versions()}
-    cmd = [sys.executable, "-m", "kdnctl.cli.app", "compress", "--budget", "1", "--quant", "int8",
-           "--label", "q8", "--store", str(root)]
+    cmd = kdnctl_argv("compress", "--budget", "1", "--quant", "int8", "--label", "q8", "--store", root)
     sde = {"SOURCE_DATE_EPOCH": "1700000000"}  # equal bundles -> equal bytes -> equal object names
     rng = random.Random(3)
     for _ in range(KILLS):
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ, **sde))
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=kdnctl_env(sde))
         time.sleep(rng.uniform(1.0, 6.0))
         proc.send_signal(signal.SIGKILL)
         proc.wait(60)

@@ -7,13 +7,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
-from conftest import EXAMPLES, REPO, cli_json, run_cli
+from conftest import (EXAMPLES, REPO, SOURCE_DIGEST_AT_START, cli_json, kdnctl_argv, kdnctl_env, kdnctl_source_digest,
+                      run_cli)
 
 from kdnctl.corpus import read_corpus
 from kdnctl.engine.hf import forward_suffix, full_prefill_generate, generate, load_document, load_prefix
@@ -118,9 +118,11 @@ def test_sigkill_mid_ingest_is_resumable(tmp_path):
     # Bundles carry their creation time; a fixed SOURCE_DATE_EPOCH makes ingest reproducible to
     # the byte, so the resumed store must equal a clean one exactly, object hashes included.
     sde = {"SOURCE_DATE_EPOCH": "1700000000"}
-    env = dict(os.environ, KDN_STORE=str(killed), **sde)
-    proc = subprocess.Popen([sys.executable, "-m", "kdnctl.cli.app", "ingest", str(corpus)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # The killed run must be the same code as the in-process runs it is compared with (kdnctl_env,
+    # kdnctl_argv): a child importing another checkout writes other bundle bytes under the same
+    # document version, which resume then keeps as unchanged.
+    env = kdnctl_env(dict(KDN_STORE=str(killed), **sde))
+    proc = subprocess.Popen(kdnctl_argv("ingest", corpus), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # Kill once the first document is committed but before the corpus is done.
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -140,6 +142,7 @@ def test_sigkill_mid_ingest_is_resumable(tmp_path):
     assert resumed["unchanged"] and resumed["ingested"]  # committed docs were not redone
     assert run_cli("verify", store=killed).returncode == 0
     run_cli("ingest", corpus, store=clean, check=True, env=sde)
+    assert kdnctl_source_digest() == SOURCE_DIGEST_AT_START, "kdnctl's source changed during the run: rerun"
     assert _catalog(killed) == _catalog(clean)
     assert partial != _catalog(clean)
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from conftest import EXAMPLES, REPO, cli_json, run_cli
+from conftest import EXAMPLES, REPO, cli_json, kdnctl_argv, kdnctl_env, run_cli
 
 from kdnctl.compress import CompressRecipe, compress_document
 from kdnctl.corpus import read_corpus
@@ -145,9 +145,9 @@ def test_worker_sigkilled_mid_document_is_retried(tmp_path, ray_address, baselin
 
 def test_driver_sigkilled_mid_job_then_rerun_completes(tmp_path, ray_address, corpus, baseline):
     root = tmp_path / "s"
-    proc = subprocess.Popen([sys.executable, "-m", "kdnctl.cli.app", "ingest", str(corpus), "--store", str(root),
-                             "--chunk-tokens", "64", "--ray", ray_address, "--workers", "2", "--batch", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "SOURCE_DATE_EPOCH": SDE})
+    proc = subprocess.Popen(kdnctl_argv("ingest", corpus, "--store", root, "--chunk-tokens", "64", "--ray", ray_address,
+                                        "--workers", "2", "--batch", "1"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=kdnctl_env({"SOURCE_DATE_EPOCH": SDE}))
     committed: list[str] = []
     deadline = time.monotonic() + 300
     while not committed and proc.poll() is None and time.monotonic() < deadline:
