@@ -246,3 +246,34 @@ def test_results_carry_answer_kinds_and_merge_keeps_them():
     table = answer_kind_markdown(whole)
     assert "| b0.25 | words | 3 | 2/3 (3/3) | 66.7% | 1/0 (1.000) |" in table
     assert "| b0.25 | continuation | 1 | - | - | - |" in table and "| full |" not in table
+
+
+def test_paired_versions_vs_full_per_answer_kind(tmp_path):
+    """bench/paired_versions.py --vs-full: rows per answer kind (and task kind), counts beside
+    every accuracy, a second run joined by --also only where its full cache agrees."""
+    import subprocess
+    import sys
+
+    def task(i, kind, answer, full_ok, ok, nll, label="b0.25"):
+        return {"id": f"t{i}", "kind": kind, "answer": answer,
+                "by_version": {"full": {"correct": full_ok, "nll": 1.0}, label: {"correct": ok, "nll": nll}}}
+
+    a = {"tasks": [task(0, "needle", "parrot", True, False, 1.5), task(1, "multifact", "Oslo", True, True, 0.9),
+                   task(2, "needle", "48213", True, True, 1.0), task(3, "needle", "Emma", False, True, 1.1)]}
+    b = {"tasks": [task(i, t["kind"], t["answer"], True, True, 1.2, label="b0.083") for i, t in enumerate(a["tasks"][:2])]}
+    for name, data in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(data))
+    script = [sys.executable, str(REPO / "bench" / "paired_versions.py")]
+    out = subprocess.run(script + [str(tmp_path / "a.json"), "b0.25", "--vs-full"], capture_output=True, text=True, check=True).stdout
+    assert "| b0.25 | words | 3 | 2/3 (2/3) | 100.0% | 1/1 (1.000) | 1.1000 | 1.1667 | 2/1 |" in out
+    assert "| b0.25 | digits | 1 | 1/1 (1/1) | 100.0% | 0/0 (1.000) | 1.0000 |" in out
+    out = subprocess.run(script + [str(tmp_path / "a.json"), "b0.25", "b0.083", "--vs-full", "--by-task-kind",
+                                   "--tasks-of", str(tmp_path / "b.json"), "--also", str(tmp_path / "b.json")],
+                         capture_output=True, text=True, check=True).stdout
+    assert "| b0.083 | words (needle) | 1 | 1/1 (1/1) |" in out and "| b0.25 | words (multifact) | 1 | 1/1 (1/1) |" in out
+    assert "digits" not in out and "joined by --also" in out
+    b["tasks"][0]["by_version"]["full"]["nll"] = 2.0
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    bad = subprocess.run(script + [str(tmp_path / "a.json"), "b0.25", "--vs-full", "--also", str(tmp_path / "b.json")],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "full cache differs" in bad.stderr
