@@ -9,6 +9,11 @@ compressor never sees:
                    service is 7310."); the question asks for one, the others are distractors;
 * ``continuation`` no question: the real text that follows the context; scored by NLL.
 
+The needle and multi-fact kinds also come with answers that are words (``word_needle_task``,
+``word_fact_task``: a name, a city, an object or an animal; 2-3 facts per multi-fact task), each
+with the lead of its planted sentence (``answer_lead``). ``assign_splits`` names each task's half,
+``tune`` or ``report`` (docs/evaluation.md).
+
 Everything is drawn from one ``random.Random(seed)``; pages are read in sorted order, so the
 same man pages, groff and tokenizer give the same file. The committed set
 (``examples/eval/realtext.jsonl``) is what the project measures with; ``bench/make_eval_set.py``

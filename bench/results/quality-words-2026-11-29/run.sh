@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 D=bench/results/quality-words-2026-11-29
-DEADLINE=${DEADLINE:-10:35}
+DEADLINE=${DEADLINE:-10:40}
 STORE=${STORE:-.bench-quality-words}
 common=(--tasks realtext-words --split report --no-default-recipes --per-task --interleave --threads 1 --store "$STORE")
 nice -n 10 python bench/quality.py "${common[@]}" --recipe "--budget 0.25" --out $D/budget-0.25.json > $D/budget-0.25.txt 2> $D/budget-0.25.log
