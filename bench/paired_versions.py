@@ -6,6 +6,12 @@
         ``--also OTHER.json``: the versions of another run of the same tasks too, where its full
         cache agrees task for task; ``--worst N``: the N continuation tasks A loses most on, each
         label's NLL / full there)
+    python bench/paired_versions.py RESULTS.json LABEL... --vs-full [--tasks-of OTHER.json] [--also OTHER.json]
+        each label against the full cache per answer kind (digits / words / continuation): answers
+        of the label and of the full cache with counts, lost, gained, exact McNemar p, median and
+        mean per-task NLL ratio; ``--also`` joins a run of the same tasks (its full cache must
+        agree), ``--tasks-of`` keeps the tasks another run holds (e.g. those a cut-off run reached),
+        ``--by-task-kind`` splits each answer kind into needle and multi-fact rows
     python bench/paired_versions.py NEW.json LABEL --against OLD.json
         LABEL in two deterministic runs on the tasks both hold (the full cache must agree): counts,
         tasks only one run answers (exact McNemar p), identical answers, the largest NLL change
@@ -19,11 +25,46 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def mcnemar(a: int, b: int) -> float:
     n = a + b
     return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(a, b) + 1)) / 2 ** n) if n else 1.0
+
+
+def vs_full_table(tasks: list[dict], labels: list[str], *, joined: bool = False, by_task_kind: bool = False) -> str:
+    """Markdown: one row per (label, answer kind) of ``label`` against the full cache, over the
+    tasks where both answered; ``by_task_kind``: one row per (label, answer kind, task kind)."""
+    from kdnctl.evaluation.paired import ANSWER_KIND_HEADER, answer_kind_vs_full
+    from kdnctl.evaluation.realtext import ANSWER_KINDS, answer_kind
+
+    kind_of = {t["id"]: t.get("answer_kind") or answer_kind(t["kind"], t.get("answer")) for t in tasks}
+    groups = list(ANSWER_KINDS)
+    if by_task_kind:
+        kind_of = {t["id"]: f"{kind_of[t['id']]} ({t['kind']})" if t["kind"] != "continuation" else "continuation"
+                   for t in tasks}
+        groups = [f"{a} ({k})" for a in ANSWER_KINDS[:2] for k in ("needle", "multifact")] + ["continuation"]
+    by = lambda label: {t["id"]: t["by_version"][label] for t in tasks if label in t["by_version"]}  # noqa: E731
+    full = by("full")
+    rows = ["| " + " | ".join(ANSWER_KIND_HEADER) + " |", "|---|---" + "|---:" * (len(ANSWER_KIND_HEADER) - 2) + "|"]
+    f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    for label in labels:
+        res = by(label)
+        for kind in groups:
+            s = answer_kind_vs_full(res, full, [i for i, k in kind_of.items() if k == kind], kind)
+            if not s["n"]:
+                continue
+            q = "correct" in s
+            rows.append(f"| {label} | {kind} | {s['n']} | "
+                        + (f"{s['correct']}/{s['n']} ({s['full_correct']}/{s['n']}) | {f(s['accuracy_vs_full'], '.1%')} | "
+                           f"{s['lost']}/{s['gained']} ({s['p']:.3f})" if q else "- | - | -")
+                        + f" | {f(s['median_nll_ratio'], '.4f')} | {f(s['mean_nll_ratio'], '.4f')} | "
+                          f"{s['nll_worse']}/{s['nll_better']} |")
+    return "\n".join(rows) + ("\n(runs joined by --also; the full cache agrees task for task)" if joined else "")
 
 
 def main() -> None:
@@ -34,6 +75,8 @@ def main() -> None:
     ap.add_argument("--tasks-of", default=None, help="another results JSON: only the tasks it holds (before --also joins runs)")
     ap.add_argument("--also", action="append", default=[], help="another run's results JSON of the same tasks")
     ap.add_argument("--old-label", default=None, help="with --against and one label: its label in the old run")
+    ap.add_argument("--vs-full", action="store_true", help="each label against the full cache, per answer kind")
+    ap.add_argument("--by-task-kind", action="store_true", help="with --vs-full: needle and multi-fact rows apart")
     ap.add_argument("--worst", type=int, default=0, help="print the N continuation tasks A loses most on")
     args = ap.parse_args()
     tasks = json.load(open(args.results))["tasks"]
@@ -47,6 +90,8 @@ def main() -> None:
             if abs(o["full"]["nll"] - t["by_version"]["full"]["nll"]) > 1e-3:
                 raise SystemExit(f"{other}: the full cache differs on {t['id']}: not the same tasks and model")
             t["by_version"] = {**o, **t["by_version"]}
+    if args.vs_full:
+        return print(vs_full_table(tasks, args.labels, joined=bool(args.also), by_task_kind=args.by_task_kind))
     if args.worst:
         cont = [t for t in tasks if t["kind"] == "continuation"]
         ratio = {(t["id"], k): t["by_version"][k]["nll"] / t["by_version"]["full"]["nll"] for t in cont for k in args.labels}

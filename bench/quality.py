@@ -1,6 +1,7 @@
 """Quality vs stored bytes of compress recipes on the real-text task set, all in one run.
 
-    python bench/quality.py [--store DIR] [--tasks realtext] [--limit N] [--threads 1]
+    python bench/quality.py [--store DIR] [--tasks realtext] [--split tune|report] [--answer-kinds words]
+                            [--limit N] [--threads 1]
                             [--device cpu|cuda] [--dtype float32|float16|bfloat16]
                             [--recipe "--budget 1 --quant int8"]... [--no-default-recipes]
                             [--versions L,...] [--out research/results/quality.json] [--plot PNG]
@@ -11,7 +12,12 @@
    reconstruction scores are computed once per document and cached on disk in the store;
 3. evaluate the full cache and every produced version on every task (``kdnctl eval --tasks``);
 4. print the table (accuracy with its count, ratios vs the full cache of the same run, stored
-   bytes per token, K/V bytes as a fraction of fp16) and write the results JSON (+ plot).
+   bytes per token, K/V bytes as a fraction of fp16), the paired table per answer kind (digits /
+   words / continuation: answers of the version and of the full cache on the same tasks, lost,
+   gained, McNemar p, median per-task NLL ratio) and write the results JSON (+ plot).
+
+``--split tune`` is the half a method is chosen on, ``--split report`` the half it is reported on
+(docs/evaluation.md).
 
 Torch runs on ``--threads`` threads (default 1): on a shared 2-core machine two spinning
 threads per process cost 5-10x the wall time of one. ``--device``/``--dtype`` (default cpu,
@@ -157,6 +163,9 @@ def main() -> None:
     ap.add_argument("--tasks", default="realtext")
     ap.add_argument("--kinds", default=None, help="comma-separated: needle,multifact,continuation")
     ap.add_argument("--limit", type=int, default=None, help="first N tasks of each kind")
+    ap.add_argument("--split", default=None, choices=("tune", "report"),
+                    help="only this half of the tasks (tune: choosing a method; report: the numbers it is judged by)")
+    ap.add_argument("--answer-kinds", default=None, help="comma-separated: digits,words,continuation")
     ap.add_argument("--recipe", action="append", default=[], help='kdnctl compress arguments, e.g. "--budget 1 --quant int4"')
     ap.add_argument("--recipe-file", default=None, help="more recipes, one kdnctl compress argument list per line "
                     "(# comments)")
@@ -194,13 +203,14 @@ def main() -> None:
     import torch
 
     from kdnctl.errors import KdnError
-    from kdnctl.evaluation.paired import paired_markdown
+    from kdnctl.evaluation.paired import answer_kind_markdown, paired_markdown
     from kdnctl.evaluation.tasks import evaluate_tasks, ingest_tasks, load_tasks, missing_documents
     from kdnctl.model import load_model
     from kdnctl.store import Store
 
     torch.set_num_threads(args.threads)
-    tasks = load_tasks(args.tasks, kinds=args.kinds.split(",") if args.kinds else None, limit=args.limit)
+    tasks = load_tasks(args.tasks, kinds=args.kinds.split(",") if args.kinds else None, limit=args.limit,
+                       split=args.split, answer_kinds=args.answer_kinds.split(",") if args.answer_kinds else None)
     lm = load_model(device=args.device, dtype=args.dtype)
     store_dir = Path(args.store)
     store = Store(store_dir)
@@ -267,7 +277,7 @@ def main() -> None:
         return {"recipes": [{**t, "seconds": round(t["seconds"], 2), "reconstruct_seconds": round(t["reconstruct_seconds"], 2),
                              "statuses": sorted(t["statuses"])} for t in timings.values()],
                 "ingest_seconds": round(ingest_s, 2), "threads": args.threads, "task_file": args.tasks,
-                "limit": args.limit, "device": args.device, "dtype": args.dtype, "interleave": args.interleave, "per_task": args.per_task, "deadline": args.deadline,
+                "limit": args.limit, "split": args.split, "answer_kinds": args.answer_kinds, "device": args.device, "dtype": args.dtype, "interleave": args.interleave, "per_task": args.per_task, "deadline": args.deadline,
                 "eval_seconds": round(time.perf_counter() - t_start - prep_s(), 2)}
 
     def prep_s() -> float:
@@ -291,6 +301,7 @@ def main() -> None:
         print(f"deadline {args.deadline}: stopped after {result['n_tasks']} of {len(tasks)} tasks", file=sys.stderr)
     print(markdown(result))
     print("\n" + paired_markdown(result))
+    print("\n" + answer_kind_markdown(result))
     per = {v["label"]: v.get("eval_seconds") for v in result["versions"]}
     print(f"\neval: {eval_s:.1f}s for {len(tasks)} tasks x {len(result['versions'])} versions "
           f"(per version: {', '.join(f'{k} {s:.0f}s' for k, s in per.items() if s is not None)}); results: {out_path}")
@@ -303,14 +314,14 @@ def main() -> None:
 def merge(args) -> None:
     """``--merge A.json B.json ...``: one table over the union of the shards' tasks (every ratio
     recomputed over the union, tasks in the interleaved order of the task file)."""
-    from kdnctl.evaluation.paired import paired_markdown
+    from kdnctl.evaluation.paired import answer_kind_markdown, paired_markdown
     from kdnctl.evaluation.tasks import load_tasks, merge_results
 
     parts = [json.loads(Path(f).read_text()) for f in args.merge]
     tasks = load_tasks(parts[0].get("task_file") or args.tasks)
     order = [t.id for t in (interleave(tasks) if parts[0].get("interleave") else tasks)]
     result = merge_results(parts, order)
-    keep = ("task_file", "device", "dtype", "interleave", "per_task", "threads")
+    keep = ("task_file", "device", "dtype", "interleave", "per_task", "threads", "split", "answer_kinds")
     result.update({k: parts[0].get(k) for k in keep})
     result["recipes"] = [r for p in parts[:1] for r in p.get("recipes", [])]
     result["shards"] = [{"file": f, "n_tasks": p["n_tasks"], "deadline": p.get("deadline"),
@@ -322,6 +333,7 @@ def merge(args) -> None:
     write_json(out_path, result)
     print(markdown(result))
     print("\n" + paired_markdown(result))
+    print("\n" + answer_kind_markdown(result))
     print(f"\nmerged {len(parts)} parts: {result['n_tasks']} tasks; results: {out_path}")
     if args.plot:
         from kdnctl.evaluation.plot import plot_quality_vs_bytes

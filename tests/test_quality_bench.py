@@ -54,6 +54,9 @@ def test_per_task_run_stops_at_the_deadline_with_results_written(tmp_path):
     assert by["int8-b1"]["n_tasks"] == by["full"]["n_tasks"] == 1
     assert 0.4 < by["int8-b1"]["fp16_fraction"] < 0.6
     assert "stopped after 1 of 2 tasks" in res.stderr
+    kind = result["tasks"][0]["answer_kind"]  # the paired table per answer kind, one row per kind evaluated
+    assert kind == {"needle": "digits", "continuation": "continuation"}[result["tasks"][0]["kind"]]
+    assert f"| int8-b1 | {kind} | 1 | " in res.stdout and set(by["int8-b1"]["by_answer_kind"]) == {kind}
     from kdnctl.store import Store
 
     st = Store(tmp_path / "kdn", create=False)

@@ -113,6 +113,74 @@ def paired_vs_full(res: dict[str, dict], full: dict[str, dict], ids: list[str], 
     return out
 
 
+def median(xs: list[float]) -> float | None:
+    """The middle value (the mean of the two middle ones for an even count); None when empty."""
+    if not xs:
+        return None
+    ys = sorted(xs)
+    mid = len(ys) // 2
+    return ys[mid] if len(ys) % 2 else (ys[mid - 1] + ys[mid]) / 2
+
+
+def answer_kind_vs_full(res: dict[str, dict], full: dict[str, dict], ids: list[str], kind: str) -> dict:
+    """One version against the full cache over the tasks ``ids`` of one answer kind (``digits``,
+    ``words`` or ``continuation``): how many each answers (with the count), answers lost and
+    gained, McNemar p, and the per-task NLL ratio version / full (its median, the mean NLL ratio,
+    and on how many tasks the NLL is higher). The NLL is the answer's, teacher-forced, or the
+    continuation's."""
+    ids = [i for i in ids if i in res and i in full]
+    out: dict = {"n": len(ids)}
+    if not ids:
+        return out
+    ratios = [res[i]["nll"] / full[i]["nll"] for i in ids if full[i]["nll"] > 0]
+    out.update({"median_nll_ratio": round(median(ratios), 4) if ratios else None,
+                "mean_nll_ratio": round(sum(res[i]["nll"] for i in ids) / sum(full[i]["nll"] for i in ids), 4)
+                if sum(full[i]["nll"] for i in ids) > 0 else None,
+                "nll_worse": sum(res[i]["nll"] > full[i]["nll"] for i in ids),
+                "nll_better": sum(res[i]["nll"] < full[i]["nll"] for i in ids)})
+    if kind == "continuation":
+        return out
+    mine = [bool(res[i].get("correct")) for i in ids]
+    ref = [bool(full[i].get("correct")) for i in ids]
+    lost = sum(r and not m for m, r in zip(mine, ref))
+    gained = sum(m and not r for m, r in zip(mine, ref))
+    out.update({"correct": sum(mine), "full_correct": sum(ref),
+                "accuracy_vs_full": round(sum(mine) / sum(ref), 4) if sum(ref) else None,
+                "lost": lost, "gained": gained, "p": round(mcnemar_p(lost, gained), 4)})
+    return out
+
+
+ANSWER_KIND_HEADER = ("version", "answer kind", "n", "correct (full)", "accuracy / full", "lost/gained (McNemar p)",
+                      "median NLL / full", "mean NLL / full", "NLL worse/better (tasks)")
+
+
+def answer_kind_rows(result: dict) -> list[tuple[str, ...]]:
+    """Text cells, one row per (compressed version, answer kind) of an ``evaluate_tasks``
+    result, in ``ANSWER_KIND_HEADER`` order; every accuracy carries its counts."""
+    f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    rows = []
+    for v in result["versions"]:
+        if v["label"] == "full":
+            continue
+        for kind, s in (v.get("by_answer_kind") or {}).items():
+            if not s.get("n"):
+                continue
+            has_answers = "correct" in s
+            rows.append((v["label"], kind, str(s["n"]),
+                         f"{s['correct']}/{s['n']} ({s['full_correct']}/{s['n']})" if has_answers else "-",
+                         f(s.get("accuracy_vs_full"), ".1%") if has_answers else "-",
+                         f"{s['lost']}/{s['gained']} ({s['p']:.3f})" if has_answers else "-",
+                         f(s.get("median_nll_ratio"), ".4f"), f(s.get("mean_nll_ratio"), ".4f"),
+                         f"{s['nll_worse']}/{s['nll_better']}"))
+    return rows
+
+
+def answer_kind_markdown(result: dict, names: dict[str, str] | None = None) -> str:
+    rows = ["| " + " | ".join(ANSWER_KIND_HEADER) + " |", "|---|---" + "|---:" * (len(ANSWER_KIND_HEADER) - 2) + "|"]
+    rows += ["| " + " | ".join(((names or {}).get(r[0], r[0]),) + r[1:]) + " |" for r in answer_kind_rows(result)]
+    return "\n".join(rows)
+
+
 PAIRED_HEADER = ("version", "needle lost/gained (p)", "needle / full, 95% CI", "multi-fact lost/gained (p)",
                  "multi-fact / full, 95% CI", "fact answer NLL / full, 95% CI", "NLL / full, 95% CI")
 

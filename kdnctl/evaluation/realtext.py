@@ -9,6 +9,11 @@ compressor never sees:
                    service is 7310."); the question asks for one, the others are distractors;
 * ``continuation`` no question: the real text that follows the context; scored by NLL.
 
+The needle and multi-fact kinds also come with answers that are words (``word_needle_task``,
+``word_fact_task``: a name, a city, an object or an animal; 2-3 facts per multi-fact task), each
+with the lead of its planted sentence (``answer_lead``). ``assign_splits`` names each task's half,
+``tune`` or ``report`` (docs/evaluation.md).
+
 Everything is drawn from one ``random.Random(seed)``; pages are read in sorted order, so the
 same man pages, groff and tokenizer give the same file. The committed set
 (``examples/eval/realtext.jsonl``) is what the project measures with; ``bench/make_eval_set.py``
@@ -45,6 +50,43 @@ FACT_TEMPLATES = [
 NAMES = ["kestrel", "marlin", "juniper", "cobalt", "heron", "tundra", "saffron", "basalt", "lynx",
          "quartz", "willow", "osprey", "ember", "glacier", "meadow", "falcon", "cedar", "onyx",
          "harbor", "maple", "comet", "otter", "granite", "sparrow"]
+
+# Word answers: the same task shapes, the answer a word (a name, a place, an object, an animal),
+# never a digit. Each template names its vocabulary; answers and fact names never share a word.
+WORD_NEEDLE_TEMPLATES = [
+    ("The secret password for this manual is {w}.", "What is the secret password for this manual?", "objects"),
+    ("The author of this page was born in {w}.", "In which city was the author of this page born?", "cities"),
+    ("The mascot of this program is a {w}.", "What animal is the mascot of this program?", "animals"),
+    ("The maintainer of this tool is called {w}.", "What is the name of the maintainer of this tool?", "people"),
+]
+WORD_FACT_TEMPLATES = [
+    ("The {name} team is based in {w}.", "In which city is the {name} team based?", "cities"),
+    ("The leader of the {name} group is {w}.", "Who is the leader of the {name} group?", "people"),
+    ("The logo of the {name} project is a {w}.", "What is the logo of the {name} project?", "objects"),
+    ("The mascot of the {name} office is a {w}.", "What animal is the mascot of the {name} office?", "animals"),
+]
+WORDS = {
+    "cities": ["Paris", "London", "Berlin", "Madrid", "Rome", "Tokyo", "Cairo", "Lisbon", "Vienna", "Dublin",
+               "Moscow", "Sydney", "Chicago", "Boston", "Toronto", "Athens", "Prague", "Oslo", "Delhi", "Seoul",
+               "Lima", "Nairobi", "Warsaw", "Budapest"],
+    "people": ["Alice", "Oliver", "Sophia", "Daniel", "Emma", "Lucas", "Maria", "Henry", "Clara", "Thomas",
+               "Julia", "Victor", "Laura", "Martin", "Nina", "George", "Hannah", "Peter", "Sarah", "David",
+               "Anna", "Michael", "Rachel", "Samuel"],
+    "objects": ["pineapple", "lantern", "violin", "umbrella", "anchor", "teapot", "compass", "candle", "pencil",
+                "guitar", "rocket", "mirror", "bicycle", "kettle", "hammer", "balloon", "trumpet", "ladder",
+                "basket", "banana", "piano", "castle", "crown", "feather"],
+    "animals": ["tiger", "elephant", "penguin", "giraffe", "dolphin", "rabbit", "zebra", "kangaroo", "panda",
+                "turtle", "monkey", "camel", "parrot", "squirrel", "wolf", "bear", "lion", "horse", "frog",
+                "eagle", "shark", "goat", "duck", "mouse"],
+}
+ANSWER_KINDS = ("digits", "words", "continuation")
+
+
+def answer_kind(kind: str, answer: str | None) -> str:
+    """``continuation`` (no answer), ``digits`` (an answer of digits only) or ``words``."""
+    if kind == "continuation" or answer is None:
+        return "continuation"
+    return "digits" if answer.isdigit() else "words"
 
 
 @dataclass(frozen=True)
@@ -145,6 +187,75 @@ def fresh_number(rng: random.Random, digits: int, avoid: str, taken: set[str]) -
             return v
 
 
+def fresh_word(rng: random.Random, vocabulary: list[str], avoid: str, taken: set[str]) -> str:
+    """A word of ``vocabulary`` that occurs nowhere in ``avoid`` as a whole word (any case) and
+    is not one already ``taken``."""
+    lowered = avoid.lower()
+    free = [w for w in vocabulary if w not in taken and not re.search(rf"(?<![a-z]){w.lower()}(?![a-z])", lowered)]
+    if not free:
+        raise ValueError("every word of the vocabulary occurs in the text")
+    return free[rng.randrange(len(free))]
+
+
+def word_needle_task(task_id: str, page: Page, rng: random.Random, tokenize, length: int, min_tokens: int = 0) -> dict:
+    """A needle whose answer is a word: one planted sentence at a random depth."""
+    base = cut_at_line(page.text, tokenize(page.text), length, min_tokens)
+    template, question, vocab = WORD_NEEDLE_TEMPLATES[rng.randrange(len(WORD_NEEDLE_TEMPLATES))]
+    value = fresh_word(rng, WORDS[vocab], base, set())
+    sentence = template.format(w=value)
+    text, at = plant(base, sentence, rng.uniform(0.05, 0.95))
+    return {"id": task_id, "kind": "needle", "answer_kind": "words", "source": page.source, "text": text,
+            "question": question, "answer": value, "answer_lead": answer_lead(template),
+            "planted": [sentence], "depth": round(at / len(text), 4)}
+
+
+def word_fact_task(task_id: str, page: Page, rng: random.Random, tokenize, length: int, min_tokens: int = 0,
+                   n_facts: tuple[int, int] = (2, 3)) -> dict:
+    """Several planted facts of one template whose answers are words of one vocabulary (a city
+    per team, a leader per group, ...); the question asks for one, the others are distractors."""
+    base = cut_at_line(page.text, tokenize(page.text), length, min_tokens)
+    template, question, vocab = WORD_FACT_TEMPLATES[rng.randrange(len(WORD_FACT_TEMPLATES))]
+    n = rng.randint(*n_facts)
+    lowered = base.lower()
+    names = rng.sample([m for m in NAMES if not re.search(rf"(?<![a-z]){m}(?![a-z])", lowered)], n)
+    taken: set[str] = set()
+    values = []
+    for _ in names:
+        values.append(fresh_word(rng, WORDS[vocab], base, taken))
+        taken.add(values[-1])
+    depths = [(i + rng.uniform(0.1, 0.9)) / n for i in range(n)]
+    text = base
+    for name, value, depth in sorted(zip(names, values, depths), key=lambda x: -x[2]):
+        text, _ = plant(text, template.format(name=name, w=value), depth)
+    ask = rng.randrange(n)
+    sentences = [template.format(name=m, w=v) for m, v in zip(names, values)]
+    return {"id": task_id, "kind": "multifact", "answer_kind": "words", "source": page.source, "text": text,
+            "question": question.format(name=names[ask]), "answer": values[ask],
+            "answer_lead": answer_lead(template, name=names[ask]),
+            "distractors": [v for i, v in enumerate(values) if i != ask], "planted": sentences,
+            "depth": round(text.index(sentences[ask]) / len(text), 4)}
+
+
+def answer_lead(template: str, **names: str) -> str:
+    """The words of a planted sentence before its answer ("The mascot of this program is a"):
+    the answer NLL of a word task is scored after the question and this lead, so it measures
+    whether the context still tells which word comes, not how the model likes to open a reply."""
+    return template.split("{w}")[0].format(**names).rstrip()
+
+
+def assign_splits(tasks: list[dict]) -> list[dict]:
+    """Name every task's half: within each (kind, answer kind), in file order, the even-numbered
+    tasks are ``tune`` (for choosing a method) and the odd-numbered ``report`` (for the numbers
+    a method is judged by). Lengths, depths and templates are drawn at random, so the halves are
+    two samples of one design."""
+    seen: dict[tuple[str, str], int] = {}
+    for t in tasks:
+        key = (t["kind"], t.get("answer_kind") or answer_kind(t["kind"], t.get("answer")))
+        t["split"] = "tune" if seen.get(key, 0) % 2 == 0 else "report"
+        seen[key] = seen.get(key, 0) + 1
+    return tasks
+
+
 def needle_task(task_id: str, page: Page, rng: random.Random, tokenize, length: int, min_tokens: int = 0) -> dict:
     base = cut_at_line(page.text, tokenize(page.text), length, min_tokens)
     template, question = NEEDLE_TEMPLATES[rng.randrange(len(NEEDLE_TEMPLATES))]
@@ -211,14 +322,16 @@ def _offsets(tokenizer, text: str) -> list[tuple[int, int]]:
 
 
 def build_set(pages: list[Page], tokenizer, *, n_needle: int, n_multifact: int, n_continuation: int,
-              min_tokens: int, max_tokens: int, rng: random.Random, set_name: str = "realtext") -> list[dict]:
+              min_tokens: int, max_tokens: int, rng: random.Random, set_name: str = "realtext",
+              n_word_needle: int = 0, n_word_fact: int = 0) -> list[dict]:
     """Tasks over distinct pages (one page per task), context lengths uniform in
     [min_tokens, max_tokens] tokens of the base text (planted sentences add a few); task ids
-    are ``<set_name>/<kind>-NNN``."""
+    are ``<set_name>/<kind>-NNN`` (word-answer tasks ``<set_name>/<kind>-words-NNN``)."""
     tokenize = lambda t: _offsets(tokenizer, t)  # noqa: E731
     tasks: list[dict] = []
     pages = list(pages)
-    plan = [("needle", n_needle), ("multifact", n_multifact), ("continuation", n_continuation)]
+    plan = [("needle", n_needle), ("multifact", n_multifact), ("continuation", n_continuation),
+            ("needle-words", n_word_needle), ("multifact-words", n_word_fact)]
     for kind, count in plan:
         made = 0
         while made < count:
@@ -227,7 +340,11 @@ def build_set(pages: list[Page], tokenizer, *, n_needle: int, n_multifact: int, 
             page = pages.pop(0)
             length = rng.randint(min_tokens, max_tokens)
             task_id = f"{set_name}/{kind}-{made:03d}"
-            if kind == "needle":
+            if kind == "needle-words":
+                task = word_needle_task(task_id, page, rng, tokenize, length, min_tokens)
+            elif kind == "multifact-words":
+                task = word_fact_task(task_id, page, rng, tokenize, length, min_tokens)
+            elif kind == "needle":
                 task = needle_task(task_id, page, rng, tokenize, length, min_tokens)
             elif kind == "multifact":
                 task = multifact_task(task_id, page, rng, tokenize, length, min_tokens)

@@ -5,12 +5,23 @@ task a line; its ``text`` is the context that is ingested and compressed, and th
 after it, unknown at compress time. For every version label each task is answered from the
 stored KV through the real loader (``load_document`` + ``generate``):
 
-* needle / multifact: greedy answer (up to ``max_new_tokens``); correct when the planted number
-  appears in it as a whole number (thousands separators ignored); a multi-fact answer that holds
-  another planted number of the same task counts as distracted. ``answer_nll`` is the mean
-  -log p of the number's tokens teacher-forced after the question (a steadier signal);
+* needle / multifact: greedy answer (up to ``max_new_tokens``; where the task names an
+  ``answer_lead``, the reply is given that lead first); correct when the planted answer
+  appears in it: a number as a whole number (thousands separators ignored), a word or phrase as
+  whole words in any case; a multi-fact answer that holds another planted answer of the same
+  task counts as distracted. ``answer_nll`` is the mean -log p of the answer's tokens
+  teacher-forced after the question (a steadier signal) and the lead, if any. Word tasks
+  carry a lead ("The mascot of this program is a"): a 135M model's free replies to them miss
+  on form ("The document above contains the answer ...") in about a quarter of the tasks
+  whatever the cache holds, and an answer NLL scored at the reply's first token measures how
+  the model opens a reply, not which word the context names;
 * continuation: the real text after the context is fed directly (no question); the first token
   is fed and the next CONTINUATION_TOKENS are scored: mean NLL per token.
+
+Every task has an answer kind (``digits``, ``words``, ``continuation``) and a half (``split``:
+``tune`` for choosing a method, ``report`` for judging it); both are read from the task file or,
+where a file predates them, derived by the rules in ``realtext``. Scores are reported per kind
+and per answer kind, each paired against the full cache on the same tasks.
 
 Bytes per version: everything stored (``bytes_per_token``) and the K/V payload (every ``layers.*``
 tensor: codes, scales, zero points, positions) as a fraction of fp16 K/V (2 bytes per element of
@@ -38,14 +49,16 @@ from ..bundle import decode_bundle
 from ..engine.hf import forward_suffix, generate, load_document
 from ..errors import InputError, NotFoundError, UsageError
 from ..prompting import PromptFormat
-from .paired import paired_vs_full
-from .realtext import CONTINUATION_TOKENS
+from .paired import answer_kind_vs_full, paired_vs_full
+from .realtext import ANSWER_KINDS, CONTINUATION_TOKENS, answer_kind, assign_splits
 
 KINDS = ("needle", "multifact", "continuation")
+SPLITS = ("tune", "report")
 _EVAL_DIR = Path(__file__).resolve().parents[2] / "examples" / "eval"
 # realtext: the 130-task set (60 needle, 40 multi-fact, 30 continuation); realtext-multifact: 160
-# more multi-fact tasks over other man pages, to tell versions apart where 40 cannot
-NAMED_SETS = {name: _EVAL_DIR / f"{name}.jsonl" for name in ("realtext", "realtext-multifact")}
+# more multi-fact tasks over other man pages, to tell versions apart where 40 cannot;
+# realtext-words: 60 needle and 60 multi-fact tasks whose answers are words, over other pages again
+NAMED_SETS = {name: _EVAL_DIR / f"{name}.jsonl" for name in ("realtext", "realtext-multifact", "realtext-words")}
 
 
 @dataclass
@@ -59,6 +72,13 @@ class Task:
     continuation: str | None = None
     context_tokens: int = 0
     source: str = ""
+    answer_kind: str = ""
+    answer_lead: str = ""
+    split: str = ""
+
+    def __post_init__(self):
+        if not self.answer_kind:
+            self.answer_kind = answer_kind(self.kind, self.answer)
 
 
 def resolve_task_file(spec: str | Path) -> Path:
@@ -70,17 +90,23 @@ def resolve_task_file(spec: str | Path) -> Path:
     return path
 
 
-def load_tasks(path: str | Path, *, kinds: list[str] | None = None, limit: int | None = None) -> list[Task]:
-    """Tasks of ``kinds`` (default all), the first ``limit`` of each kind (default all)."""
+def load_tasks(path: str | Path, *, kinds: list[str] | None = None, limit: int | None = None,
+               split: str | None = None, answer_kinds: list[str] | None = None) -> list[Task]:
+    """Tasks of ``kinds`` (default all) and ``answer_kinds`` (default all) in half ``split``
+    (default both), the first ``limit`` of each kind (default all)."""
     path = resolve_task_file(path)
     kinds = list(kinds or KINDS)
     bad = [k for k in kinds if k not in KINDS]
     if bad:
         raise UsageError(f"unknown task kind(s) {', '.join(bad)}", hint=f"kinds: {', '.join(KINDS)}")
+    bad = [k for k in answer_kinds or [] if k not in ANSWER_KINDS]
+    if bad:
+        raise UsageError(f"unknown answer kind(s) {', '.join(bad)}", hint=f"answer kinds: {', '.join(ANSWER_KINDS)}")
+    if split is not None and split not in SPLITS:
+        raise UsageError(f"unknown split {split!r}", hint=f"splits: {', '.join(SPLITS)}")
     if limit is not None and limit < 1:
         raise UsageError(f"--limit must be >= 1, got {limit}")
-    tasks: list[Task] = []
-    seen: dict[str, int] = {}
+    every: list[tuple[int, Task]] = []
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
@@ -88,14 +114,27 @@ def load_tasks(path: str | Path, *, kinds: list[str] | None = None, limit: int |
             obj = json.loads(line)
             task = Task(obj["id"], obj["kind"], obj["text"], obj.get("question"), obj.get("answer"),
                         list(obj.get("distractors") or []), obj.get("continuation"),
-                        int(obj.get("context_tokens", 0)), obj.get("source", ""))
+                        int(obj.get("context_tokens", 0)), obj.get("source", ""), obj.get("answer_kind") or "",
+                        obj.get("answer_lead") or "", obj.get("split") or "")
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise InputError(f"{path}:{n}: bad task line ({exc})", hint='each line: {"id", "kind", "text", ...}') from None
         if task.kind not in KINDS:
             raise InputError(f"{path}:{n}: unknown task kind {task.kind!r}")
         if (task.kind == "continuation") != (task.continuation is not None) or (task.kind != "continuation") != bool(task.question and task.answer):
             raise InputError(f"{path}:{n}: a {task.kind} task needs " + ("a continuation" if task.kind == "continuation" else "a question and an answer"))
-        if task.kind in kinds and (limit is None or seen.get(task.kind, 0) < limit):
+        if task.split and task.split not in SPLITS:
+            raise InputError(f"{path}:{n}: unknown split {task.split!r}", hint=f"splits: {', '.join(SPLITS)}")
+        every.append((n, task))
+    if any(not t.split for _, t in every):  # a file that predates the halves: the generator's rule
+        halves = assign_splits([{"kind": t.kind, "answer_kind": t.answer_kind} for _, t in every])
+        for (_, t), h in zip(every, halves):
+            t.split = t.split or h["split"]
+    tasks: list[Task] = []
+    seen: dict[str, int] = {}
+    for _, task in every:
+        if task.kind not in kinds or (split and task.split != split) or (answer_kinds and task.answer_kind not in answer_kinds):
+            continue
+        if limit is None or seen.get(task.kind, 0) < limit:
             seen[task.kind] = seen.get(task.kind, 0) + 1
             tasks.append(task)
     return tasks
@@ -106,6 +145,22 @@ def number_in(answer: str, value: str) -> bool:
     ("48,213", "48 213") are ignored, a longer number containing it ("148213") does not count."""
     squashed = re.sub(r"(?<=\d)[,\s'](?=\d)", "", answer)
     return re.search(rf"(?<!\d){re.escape(value)}(?!\d)", squashed) is not None
+
+
+def words_in(answer: str, value: str) -> bool:
+    """``value`` (a word or phrase) occurs in ``answer`` as whole words, in any case, with any
+    run of spaces or punctuation between its words ("New  York" or "new_york" for "New York";
+    neither "Parisian" nor "snake_case" holds a word "Paris" or "case")."""
+    words = re.findall(r"[^\W_]+", value.lower())
+    if not words:
+        return False
+    pattern = r"(?<!\w)" + r"[\W_]+".join(map(re.escape, words)) + r"(?!\w)"
+    return re.search(pattern, answer.lower()) is not None
+
+
+def answer_in(answer: str, value: str, kind: str) -> bool:
+    """Whether the generated ``answer`` holds the planted ``value`` of answer kind ``kind``."""
+    return number_in(answer, value) if kind == "digits" else words_in(answer, value)
 
 
 def missing_documents(store, tasks: list[Task]) -> list[Task]:
@@ -172,14 +227,18 @@ def run_task(lm: LoadedModel, ctx, task: Task, fmt: PromptFormat, max_new_tokens
         nll = -logp.gather(1, torch.tensor(ids[1:], device=logp.device)[:, None]).mean().item()
         return {"nll": round(nll, 5), "n_scored": len(ids) - 1}
     suffix = fmt.question_ids(tok, task.question)
+    if task.answer_lead:  # the reply opens with the planted sentence's lead; the answer follows it
+        suffix = suffix + tok(task.answer_lead, add_special_tokens=False).input_ids
+        target = tok(" " + task.answer, add_special_tokens=False).input_ids
+    else:
+        target = tok(task.answer, add_special_tokens=False).input_ids
     answer = generate(lm, ctx, suffix, max_new_tokens=max_new_tokens).answer
-    target = tok(task.answer, add_special_tokens=False).input_ids
     logits, _ = forward_suffix(lm, ctx, suffix + target)
     start = len(suffix) - 1
     logp = torch.log_softmax(logits[start : start + len(target)], dim=-1)
     nll = -logp.gather(1, torch.tensor(target, device=logp.device)[:, None]).mean().item()
-    return {"answer": answer, "correct": number_in(answer, task.answer),
-            "distracted": any(number_in(answer, d) for d in task.distractors), "nll": round(nll, 5)}
+    return {"answer": answer, "correct": answer_in(answer, task.answer, task.answer_kind),
+            "distracted": any(answer_in(answer, d, task.answer_kind) for d in task.distractors), "nll": round(nll, 5)}
 
 
 def evaluate_tasks(lm: LoadedModel, store, labels: list[str], tasks: list[Task], *, max_new_tokens: int = 24,
@@ -224,7 +283,7 @@ def _result(labels, results, sizes, tasks: list[Task], per_token_fp16: int) -> d
     versions = [summarise(l, results[l], results["full"], tasks, sizes[l], per_token_fp16)
                 for l in labels if results[l]]
     return {"versions": versions, "n_tasks": len(tasks), "fp16_bytes_per_token": per_token_fp16,
-            "tasks": [{"id": t.id, "kind": t.kind, "answer": t.answer,
+            "tasks": [{"id": t.id, "kind": t.kind, "answer_kind": t.answer_kind, "split": t.split, "answer": t.answer,
                        "by_version": {l: results[l][t.id] for l in labels if t.id in results[l]}} for t in tasks]}
 
 
@@ -259,6 +318,8 @@ def summarise(label: str, res: dict, full: dict, tasks: list[Task], size: dict, 
             paired[kind] = paired_vs_full(res, full, [t.id for t in tasks if t.kind == kind], kind)
     out["ratio_vs_full"] = ratios
     out["paired_vs_full"] = paired
+    out["by_answer_kind"] = {k: answer_kind_vs_full(res, full, [t.id for t in tasks if t.answer_kind == k], k)
+                             for k in ANSWER_KINDS if label != "full" and any(t.answer_kind == k for t in tasks)}
     tokens = size["tokens"]
     out["bytes_per_token"] = round(size["stored"] / tokens, 1) if tokens else None
     out["kv_bytes_per_token"] = round(size["kv"] / tokens, 1) if tokens else None
@@ -283,7 +344,8 @@ def merge_results(parts: list[dict], order: list[str] | None = None) -> dict:
         for t in p["tasks"]:
             if t["id"] in tasks:
                 raise ValueError(f"task {t['id']} is in more than one part")
-            tasks[t["id"]] = Task(id=t["id"], kind=t["kind"], text="", answer=t["answer"])
+            tasks[t["id"]] = Task(id=t["id"], kind=t["kind"], text="", answer=t["answer"],
+                                  answer_kind=t.get("answer_kind") or "", split=t.get("split") or "")
             for l, rec in t["by_version"].items():
                 results[l][t["id"]] = rec
         for v in p["versions"]:
