@@ -1,4 +1,4 @@
-"""Memory reused across loads: cache buffers, read buffers, downloads (issue 15).
+"""Memory reused across loads: cache buffers, read buffers, downloads.
 
 A load writes every K/V byte of a context into freshly allocated cache buffers. Fresh memory
 from the OS costs a page fault (and the kernel zeroing the page) on first touch: measured here

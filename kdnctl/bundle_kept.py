@@ -4,7 +4,7 @@
 An evicting ec version keeps one token set for all its pruned layers and heads
 (kdnctl/compress_ec.py), so every pruned layer stored ``layers.{i}.positions [H_kv, T_k]``, the
 same row H_kv x L times: 59 bytes per document token at ``--budget 0.083``, 3.1% of the cap
-(``bench/bundle_bytes.py``), plus a header entry per layer. Since 1.9 the file holds
+(``research/probes/bundle_bytes.py``), plus a header entry per layer. Since 1.9 the file holds
 ``kept_layers`` (uint8 ``[L]``, 1 = layer i's positions are ``positions[kept]`` in every head)
 in their place. Only the file: the decoder rebuilds those positions in memory before any check
 or reader sees the bundle, so a decoded 1.9 bundle looks exactly like the same bundle in 1.8,

@@ -1,4 +1,4 @@
-"""Bundle headers parsed and checked once per distinct tensor index (issue 15).
+"""Bundle headers parsed and checked once per distinct tensor index.
 
 A document's chunks share one tensor index: the same names, dtypes, shapes and offsets, chunk
 after chunk (a quantized 30-layer chunk holds 242 small tensors). Turning that index into

@@ -79,7 +79,7 @@ class RemoteStore:
         self.stats = {"requests": 0, "retries": 0, "resumed": 0, "bytes": 0, "cache_hits": 0}
         # sha256 -> BLAKE3 recorded by the server's catalog (ChunkRef.blake3), learnt from the
         # version listings that name the objects (same trust as the names): objects with one
-        # are verified at BLAKE3 speed (issue 15); others by their sha256 name.
+        # are verified at BLAKE3 speed; others by their sha256 name.
         self._blake3: dict[str, str] = {}
         # sha256 -> size from the same listings: a server announcing another length is refused
         # before anything is allocated for it

@@ -244,7 +244,7 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     # a backfilled layer's steps are those of its kept tokens: 2**shift x the level-0 step. A key
     # error weighted key_weight x a value error's: a uniform step's error grows as its square, so
     # at equal slope the keys' steps are 1/sqrt(key_weight) x theirs (choosing among similar
-    # records is a key matter: bench/precision_probe.py)
+    # records is a key matter: research/probes/precision_probe.py)
     roles = ((kw, recipe.key_weight ** -0.5), (vw, 1.0))
     base = [tuple(relative_steps(x[:, rows] if i in backfill else x, w[i]) * m * (2.0 ** s if i in backfill else 1)
                   for x, (w, m), s in zip(xs[i], roles, shifts)) for i in range(n_layers)]

@@ -1,4 +1,4 @@
-"""Reading stored objects at memory speed with every byte still checked (issue 15).
+"""Reading stored objects at memory speed with every byte still checked.
 
 An object is read once into one writable buffer (``readinto``, no intermediate copies) and
 hashed from that same buffer. Three checks, fastest first, each over every byte:

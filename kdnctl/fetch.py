@@ -1,4 +1,4 @@
-"""Object downloads at the speed the network delivers, every byte checked (issue 15).
+"""Object downloads at the speed the network delivers, every byte checked.
 
 The verifying client's hot path (``RemoteStore.read_object``) does not go through httpx: its
 per-block machinery (h11 events, a 64 KB ``iter_bytes`` loop, ``buf += block`` reallocation

@@ -4,7 +4,7 @@ The values users ask for verbatim (ports, codes, versions, prices, dates) are nu
 model copies them digit by digit: each generated digit is read back through the key and value of
 one stored token, so at a coarse step a near tie between two digits flips the answer. The
 model's own surprisal does not find them (a random digit costs about log 10 nats, around the
-median of a kept set's tokens: ``bench/kept_answers.py --rank-by surprisal``). This scorer ranks
+median of a kept set's tokens: ``research/probes/kept_answers.py --rank-by surprisal``). This scorer ranks
 them by what they are: every token holding a digit first, then the other tokens of a sentence
 that holds one (the words a question matches to pick the value), then the rest; inside each
 class by the token's surprisal. It is query-agnostic (only the document's text) and meant as an

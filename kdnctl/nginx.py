@@ -1,4 +1,4 @@
-"""nginx in front of ``kdnctl serve-files``: kdnctl decides, nginx sends the bytes (issue 15).
+"""nginx in front of ``kdnctl serve-files``: kdnctl decides, nginx sends the bytes.
 
 Objects are immutable files named by their hash, exactly what nginx serves best (sendfile,
 ranges, keep-alive, thousands of connections). The standard hand-off is ``X-Accel-Redirect``:

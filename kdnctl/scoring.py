@@ -17,7 +17,7 @@ At compress time the question is unknown. Each scorer returns ``[L, H_kv, T]`` (
                   document (``sentences``) and given only the 64 tokens before it (one extra
                   batched forward): facts stated in a repeated template ("the locker code of
                   the X group is N") are predictable given the document, not where they stand.
-                  On the 130 real-text tasks (``bench/results/gpu-h100/sentence_window_probe.txt``)
+                  On the 130 real-text tasks (``research/results/gpu-h100/sentence_window_probe.txt``)
                   the whole-document ranking keeps 10% of multi-fact answers at a 27% token
                   budget, the 64-token one 92% (but 79% of needles, vs 97%).
 * ``sentences-gap`` as ``sentences-local``, but the local surprisal is ranked with half the gap

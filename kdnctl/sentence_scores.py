@@ -7,7 +7,7 @@ tool is 36964.") the topic words are in the top 1-3% of the document's surprisal
 only around the 60th percentile, and a question needs both the words it matches and the value
 it copies. Scored per sentence (a run of tokens ending at a newline or at ``.``/``?``/``!``),
 the whole fact is kept or dropped together; the mean (not the sum) prefers short dense
-sentences over long ordinary ones (``bench/lowbit_probe.py``, docs/compression.md).
+sentences over long ordinary ones (``research/probes/lowbit_probe.py``, docs/compression.md).
 
 The score is the same for every layer and KV head (a kept sentence is whole in every head);
 ties inside a sentence break by the token's own surprisal.
@@ -132,7 +132,7 @@ def two_rank_scores(surprisal: torch.Tensor, bounds: list[tuple[int, int]], loca
     """``[T]`` scores from per-token ``surprisal`` (given the whole document) and each sentence's
     ``local`` surprisal: per sentence the better of the ranks of its whole-document mean and of
     ``local + gap_weight x (local - whole)``; ties break by the token's own surprisal. The model-
-    free half of ``local_sentence_scores`` (``bench/sentence_gap_probe.py`` reuses it on dumps)."""
+    free half of ``local_sentence_scores`` (``research/probes/sentence_gap_probe.py`` reuses it on dumps)."""
     s = surprisal.float().reshape(-1)
     t = s.shape[0]
     whole = torch.tensor([float(s[a:b].mean()) for a, b in bounds])

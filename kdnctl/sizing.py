@@ -73,35 +73,28 @@ def uniform_tier(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[
 
 
 FLOOR_PROTECT = 64  # the auto recipe never evicts the last 64 tokens (nor the prompt header)
-# below EC_FROM the forced tail is 32 tokens: a third of a 650-token document's kept third was the
-# tail at 64, and the room 32 leaves holds more of the asked facts (docs/compression.md, session 26)
+# below EC_FROM the forced tail is 32 tokens: at 64 the tail took a third of a 650-token document's
+# kept third, and the room 32 leaves holds more of the asked facts
 EVICT_PROTECT = 32
 LOSSLESS_TIER = "int8"  # from where this tier holds every token, auto stores it (lossless); below, ec
 EVICT_SCORER = "sentences-gap"  # below EC_FROM: whole sentences, ranked given the document and their window
 EC_FROM = 0.25  # ec's per-token share: below it, the auto recipe evicts first
 # below EC_FROM the kept share at the measured point: at 0.083 half of the tokens, steps 1.5x coarser
-# than ec's at 0.25. Session 38 (bench/results/quality-cpu-keep-cont-083, -k50-mf160-083, -k50-083): at
-# 0.083 half of the tokens against a third at 0.25's steps: continuation 108.0% against 110.3% of the
-# full cache (lower on 19 of 30 tasks), needles 57/60 against 55/60, facts 19/40 + 53/143 against
-# 20/40 + 54/143 (within a run's noise). Between it and EC_FROM (every token) the share is
-# interpolated, below it proportional to the budget: measured at 0.083 only
+# than ec's at 0.25 (on the 130 tasks it kept more needles and a lower continuation NLL than a third
+# of the tokens at 0.25's steps). Between it and EC_FROM (every token) the share is interpolated,
+# below it proportional to the budget: measured at 0.083 only
 EVICT_KEEP_AT = (0.083, 0.5)
 
 # ec's auto lift: the top 30% of the kept tokens by `literals` (the digits, then their sentences) get
 # keys 4x finer, the values keep their steps (format 1.10). The records' keys decide which of several
-# alike facts a question reads (docs/compression.md, session 34: bench/results/quality-cpu-keylift-083;
-# at 0.083 it answered 20/40 facts against the unlifted kept set's 14/40, from session 35 the default there too)
+# alike facts a question reads (at 0.083: 20/40 facts against the unlifted kept set's 14/40)
 AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role": "keys"}
 
 # below EC_FROM the kept tokens' values are refitted to the full attention of the document's own
-# queries (kdnctl.value_refit, ridge 0.01), the lifted tokens' values held (unheld, the fit moved the
-# planted numbers: 4 needles and 5 facts lost, session 24). At 0.083 with half of the tokens (sessions
-# 38-39, docs/compression.md "The held refit becomes the 0.083 default"): 56/60 needles, 21/40 facts,
-# continuation 105.8% of the full cache against 57/60, 19/40, 108.0% without it; 60% of the tokens
-# with it lost 2 needles and 2 facts against it for 0.5 points of continuation. Since session 40 the
-# fit reads the kept keys as the loader decodes them and the fitted values are rounded with feedback
-# through the fit's normal matrix (--refit-decoded --refit-feedback, kdnctl.value_feedback):
-# continuation 104.8% (n=30) against 105.8%. Compressing takes ~1.9x the held refit's time
+# queries (kdnctl.value_refit, ridge 0.01) and the lifted tokens' values are held (an unheld fit moves
+# the planted answers). The fit reads the kept keys as the loader decodes them and the fitted values
+# are rounded with feedback through the fit's normal matrix (kdnctl.value_feedback). The measured
+# table and how each choice was made: docs/compression.md and research/history-2026-11.md
 AUTO_REFIT = 0.01
 
 
@@ -127,44 +120,21 @@ class AutoRecipe:
 
 
 def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
-    """``--quant auto`` (the default with a budget), from what was measured (docs/compression.md;
-    ``bench/results/quality-cpu-ec`` and ``quality-cpu-ec-keep``: all 130 real-text tasks, one
-    run each):
+    """``--quant auto`` (the default with a budget), from what was measured on the 130 real-text
+    tasks (docs/compression.md has the table; research/history-2026-11.md how each choice was made):
 
     * from 0.25 to where int8 holds every token (~0.54): ``ec``, every token kept with
-      attention-weighted, entropy-coded steps, the prompt header and the last 64 tokens finer.
-      At 0.25 it kept 60/60 needles, 18/40 facts (fact answer NLL +2.6%) and continuation NLL
-      +0.2% (full 60/60, 21/40); int4 + sentence eviction kept 58/60, 20/40 (fact NLL +27%),
-      +1.5%. Since session 34 the keys of the top 30% of the tokens by ``literals`` (the digits,
-      then their sentences) are 4x finer (AUTO_LIFT; ``--lift none`` turns it off). Between
-      int4's and int8's bytes ``uniform`` stored int4 for every token (0.30 of fp16 whatever
-      the budget), which is not lossless (continuation NLL +0.3%, fact answer
-      NLL above the full cache's); ``ec`` fills the budget and is lossless within the paired
-      intervals from ~0.35 (``bench/results/quality-cpu-ecbudget*``);
-    * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``evict_keep(budget)`` of the
-      tokens kept (half at 0.083 since session 38, a third before; whole sentences, each by the better of two ranks, its mean surprisal given the
-      whole document and given its preceding window plus half of what the rest of the document
-      explains, the ``sentences-gap`` scorer: a planted fact in a list of alike facts is
-      unsurprising given the document but not given its window; at 0.083 on all 130 tasks
-      55/60 needles, 19/40 facts, continuation NLL +10.5% against 56/60, 17/40, +10.6% for the
-      window's surprisal alone, ``sentences-local``, bench/results/quality-cpu-gap-083/; the
-      prompt header and the last 32 tokens always kept: 56/60, 17/40, +10.6% against 53/60,
-      17/40, +9.3% with the last 64, bench/results/quality-cpu-p32-083/), so the kept tokens get the steps
-      ``ec`` has at 0.25. At 0.083 (a third of the tokens) ranking by mean surprisal alone
-      beat int4 + sentence eviction (a quarter of the tokens) in one run, and the local ranks
-      beat it on facts (numbers in docs/compression.md); keeping more tokens at coarser steps
-      does not pay (at 0.083, keep 0.33: 28/30 needles, 11/40 facts; keep 0.42: 27/30, 11/40;
-      keep 0.5: 21/30, 14/40; keep 0.6: 1/14 facts; bench/results/quality-cpu-083-keep/; with
-      the key basis and the lift below it does: see EVICT_KEEP_AT), and the
-      same kept set at near-lossless steps answers only 15/40 (full 21/40): what 0.083 loses is
-      mostly the evicted context. ``ec`` for every token at 0.083 (steps ~7x coarser than at
-      0.25) kept 1/60 needles. Since session 35 the kept set's records' keys are 4x finer here
-      too (AUTO_LIFT: 55/60 needles, 20/40 facts, continuation +10.3% against the unlifted
-      56/60, 14/40, +10.3%, bench/results/quality-cpu-keylift-083). Since session 38 half of
-      the tokens at steps 1.5x coarser (EVICT_KEEP_AT; docs/compression.md, "The keep curve
-      through the real path"); since session 39 the kept tokens' values refitted to the
-      document's own queries, the lifted tokens' held (AUTO_REFIT; ``--refit 0`` turns it off),
-      since session 40 fitted to the keys as decoded and rounded with feedback;
+      attention-weighted, entropy-coded steps, the prompt header and the last 64 tokens finer,
+      the keys of the top 30% of the tokens by ``literals`` 4x finer (AUTO_LIFT; option
+      ``lift=none`` turns it off). At 0.25: 60/60 needles, 21/40 facts, continuation NLL 100.1%
+      of the full cache's (full 60/60, 21/40);
+    * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``evict_keep(budget)`` of the tokens
+      kept, whole sentences ranked by the ``sentences-gap`` scorer (a planted fact in a list of
+      alike facts is unsurprising given the document but not given its window), the prompt header
+      and the last 32 tokens always kept, the kept tokens' values refitted to the document's own
+      queries with the lifted tokens' held (AUTO_REFIT; option ``refit=0`` turns it off). At
+      0.083: 54/60 needles, 21/40 facts, continuation NLL 104.8%. What 0.083 loses is mostly the
+      evicted context: the same kept set at near-lossless steps answers about as few facts;
     * from ~0.54 ``uniform``: the most precise single tier that holds every token (int8,
       lossless on every check)."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}

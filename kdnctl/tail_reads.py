@@ -5,7 +5,7 @@ surprising, out of place, records of a template). The text that follows the docu
 different reader: man pages continue by reusing what they already said (GRANT's grammar repeats
 every four lines, an option list names options described earlier), and what it copies is not
 what surprisal ranks high. The document's own last queries are the best offline view of that
-reader: in the middle layers (where session 17 found that eviction costs the continuation) they
+reader: in the middle layers (where eviction costs the continuation most) they
 attend to the sources the next lines will copy. ``compress --tail-reads R`` fills a share R of
 the kept tokens (beyond the header and the forced tail) with whole sentences in the order of
 the mean attention their tokens get from the last ``TAIL_WINDOW`` queries of the document, the

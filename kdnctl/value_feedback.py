@@ -9,7 +9,7 @@ whose minimum V* it returns; ec then rounds V* to its grid token by token. Since
 f(Q) = f(V*) + sum over channels of (q - v*)^T H (q - v*) with H = A_S^T A_S + lam I, so rounding
 errors cost through H, and tokens the same queries read together can cancel each other's. On the
 real model the values' rounding is most of what a stored 0.083 version's attention output misses
-(docs/compression.md, session 40), so the rounding is done as optimal brain quantization does for
+(research/history-2026-11.md), so the rounding is done as optimal brain quantization does for
 weights: round one token, move the not-yet-rounded ones to the optimum given it (the
 Cholesky-factor form of that update), within a chunk (the chunk is what is stored together and
 shares one mean; it also bounds H to the chunk's kept tokens, so the cost stays linear in the

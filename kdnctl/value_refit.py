@@ -15,7 +15,7 @@ fit is solved in whichever of the kept tokens or the queries is the smaller spac
 push-through identity), so its cost grows linearly with the document beyond ``MAX_QUERY_TOKENS``.
 Measured in docs/compression.md ("Values refitted to the full attention"): at 0.083 it lowers
 continuation NLL but loses needles and facts; with the lifted tokens' values held (``hold``,
-``--refit-hold``) it keeps them, and since session 39 the auto recipe below 0.25 refits that way.
+``--refit-hold``) it keeps them, and the auto recipe below 0.25 refits that way.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``kdnctl.allocate.rate`` gives every head of every layer the same weighted error relative to its
 own energy. What that error costs the model differs by orders of magnitude between layers
-(``bench/layer_probe.py`` on SmolLM2: quantizing layer 18's keys alone moves the model's
+(``research/probes/layer_probe.py`` on SmolLM2: quantizing layer 18's keys alone moves the model's
 predictions ~1000x more than layer 11's at the same relative error; the pattern correlates 0.96
 between documents). Measured by a query-agnostic probe, KVzip's task: repeat the document's
 first ``PROBE_TOKENS`` tokens after ``REPEAT_PROMPT`` over its cache.
@@ -19,7 +19,7 @@ layer and role alone (60 forward passes) with a log correlation of 0.94-0.96 in 
 The steps of layer ``l`` and role ``r`` are then scaled by ``(gmean(m) / m_lr) ** EXPONENT``,
 clipped to ``[1 / CLIP, CLIP]``, where ``m_lr`` is the estimated KL of that layer and role at
 the even allocation. ``EXPONENT = 0.5`` would be the high-rate optimum for the probe's KL; the
-probe is a proxy for the questions, so half of that is taken (``bench/results/layer-probe``, 4
+probe is a proxy for the questions, so half of that is taken (``research/results/layer-probe``, 4
 documents at equal bytes: the probe's KL fell 3-18x with either exponent; the answer NLL of
 every planted fact moved by +0.017 nats on average with 0.25 and +0.062 with 0.5, against
 +0.073 for the even split: noise at 4 documents, which the 160-task run settles).

@@ -1,4 +1,4 @@
-"""Dequantize stored KV straight into a preallocated cache slice (issue 15).
+"""Dequantize stored KV straight into a preallocated cache slice.
 
 The general decoder (``kdnctl.kernels.quant.reference.dequantize``) builds a per-element group
 index and gathers scale/zero through it, then transposes and casts: several full-size

@@ -1,4 +1,4 @@
-"""A transformers cache layer over preallocated K/V buffers (issue 15).
+"""A transformers cache layer over preallocated K/V buffers.
 
 ``DynamicCache`` copies a loaded context once when it is built (``torch.cat`` onto an empty
 tensor) and again at every forward (``torch.cat`` of the whole cache with the new tokens): at

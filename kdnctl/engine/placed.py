@@ -1,4 +1,4 @@
-"""Reading dense chunk bundles straight into their slots in the cache (issue 15).
+"""Reading dense chunk bundles straight into their slots in the cache.
 
 The general local path reads an object into a buffer, checks it, decodes views into that
 buffer and then copies every layer's K/V into the preallocated cache: the bytes cross memory

@@ -5,7 +5,7 @@ so an entropy coder spends bits on redundancy that a rotation into principal axe
 energy piles into a few axes and the rest code to nearly all zeros. ``ec`` rotates each head's
 keys in its step-normalised space ``u = (x - mean) / step`` (every channel one step wide, steps
 ``~ 1/sqrt(query energy)``), so an orthonormal basis leaves ec's attention-weighted error as it
-is and changes only the rate. Measured on stored bytes (``bench/basis_probe.py``, the library's
+is and changes only the rate. Measured on stored bytes (``research/probes/basis_probe.py``, the library's
 own frames): axes calibrated on *other* documents cut the keys' code bytes by ~16%; a document's
 or chunk's own axes cost more to store than they save, so a basis is a per-model asset, made
 once from real text (``scripts/calibrate_key_basis.py``) and named by the sha256 of its file.

@@ -10,9 +10,9 @@ per-group scale), and an entropy coder stores them: raw deflate with Huffman cod
 (zlib's ``Z_HUFFMAN_ONLY``, ``meta["quant"]["coding"] = "deflate"``, format 1.6): the codes are
 noise to a string matcher, and zstd (the coder before 1.6, still read) spends more on the same
 frames: whole objects are 3.6% smaller at the 0.25 default and 6.8% at 0.083, and decode as fast
-(``bench/ec_coders.py``, ``bench/results/ec-bits/coders.md``).
+(``research/probes/ec_coders.py``, ``research/results/ec-bits/coders.md``).
 Channels the weights make irrelevant cost almost nothing (their codes are nearly all 0).
-``bench/ec_probe.py`` measured on real K/V (zstd frames): at the query-weighted logit error of
+``research/probes/ec_probe.py`` measured on real K/V (zstd frames): at the query-weighted logit error of
 int4, keys take ~3.0 bits per element instead of int4's 5.0; values at int4's W_o-weighted
 output error ~3.9 instead of 5.0.
 
@@ -58,7 +58,7 @@ from .grid import dequantize_codes, quantize_codes, roundtrip_role, stored_step_
 
 ROLES = ("keys", "values")
 ZSTD_LEVEL = 3  # how bundles before format 1.6 were written
-CODINGS = ("deflate", "zstd")  # "deflate" is written; "zstd" is read (and written for bench/ec_coders.py)
+CODINGS = ("deflate", "zstd")  # "deflate" is written; "zstd" is read (and written for research/probes/ec_coders.py)
 DEFAULT_CODING = "deflate"
 DEFLATE_LEVEL = 6  # zlib's default; with Huffman coding only nothing is matched, so it hardly matters
 MAX_LEVEL = 6  # finest token level (step / 64)
@@ -195,7 +195,7 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, codin
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
     ``compress`` (bytes -> bytes) replaces the coder of the code frames, for measuring
-    other coders on the same frames (``bench/rate_probe.py``); bundles use ``coding``.
+    other coders on the same frames (``research/probes/rate_probe.py``); bundles use ``coding``.
     ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`). ``stored`` (bool ``[H, T]``):
     only these rows are coded (the others decode to the mean). ``mean [H, D]``: the grid's
     centre, default ``x``'s mean (``kdnctl.value_feedback`` rounds to a grid of its own first)."""
@@ -224,7 +224,7 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
 
     The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
     one frame: one Huffman table over channels whose steps differ by orders of magnitude
-    spends ~0.9 bits per element more than their entropy (``bench/ec_probe.py``)."""
+    spends ~0.9 bits per element more than their entropy (``research/probes/ec_probe.py``)."""
     h, t, d = codes.shape
     lim = float(codes.abs().max()) if codes.numel() else 0.0
     width, dtype = (1, torch.int8) if lim <= 127 else (2, torch.int16)
@@ -327,7 +327,7 @@ def integer_codes(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, lev
                   coding: str = DEFAULT_CODING, basis: torch.Tensor | None = None,
                   stored: torch.Tensor | None = None) -> torch.Tensor:
     """The integer codes ``[H, T, D]`` (as float) of one stored role, recovered from its decoded
-    values (for re-framing the same codes: ``bench/ec_bits.py``, ``bench/ec_coders.py``)."""
+    values (for re-framing the same codes: ``research/probes/ec_bits.py``, ``research/probes/ec_coders.py``)."""
     x = decode_role(codes, params, h, d, levels, what, coding, basis, stored)
     step, mean, _ = decode_params(params, h, d, what, coding)
     return quantize_codes(x, step, mean, levels, basis)

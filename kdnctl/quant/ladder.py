@@ -18,11 +18,11 @@ a chunk's header is part of what the size budget pays for. Every slice's size fo
 tier counts, so a bundle whose tensors do not add up is refused (BundleFormatError).
 
 With ``coding="zlib"`` each ``.codes`` blob is zlib-coded (lossless; ~20% smaller for int2
-codes, ~7% for int3, measured by ``bench/tiers.py``); with ``coding="zlib+params"`` (the default
+codes, ~7% for int3, measured by ``research/probes/tiers.py``); with ``coding="zlib+params"`` (the default
 of a size budget) the ``.params`` blob too, stored as uint8 (fp16 scales and zeros: ~17% smaller,
 which is 0.17 bits per element at groups of 32).
 
-Transforms (measured by ``bench/tiers.py``, see docs/compression.md), recorded in the meta and
+Transforms (measured by ``research/probes/tiers.py``, see docs/compression.md), recorded in the meta and
 undone after decoding: keys are quantized before RoPE (``key_rope_theta``; the positions are in
 the bundle) and values after an orthonormal Hadamard rotation of the head dimension
 (``value_hadamard``). Both lower the reconstruction error at every bit width.
@@ -42,7 +42,7 @@ from . import transforms as tf
 from .base import Quantizer, check_kv, encode_tensor, group_size_of, need
 
 TIERS = ("fp16", "int8", "int4", "int3", "int2")
-# stored/raw bytes of zlib-coded codes per 256-token chunk, measured on real K/V (bench/coding.py,
+# stored/raw bytes of zlib-coded codes per 256-token chunk, measured on real K/V (research/probes/coding.py,
 # stored bundles): the planner's first guess; compress measures the encoded bundles and corrects the plan
 CODED = {"fp16": 0.93, "int8": 0.95, "int4": 0.95, "int3": 0.98, "int2": 0.85}
 PARAMS_CODED = 0.88  # zlib-coded fp16 scales + zeros / raw (0.81 on a whole document, 0.85-0.90 per 256-token chunk)

@@ -66,7 +66,7 @@ class ChunkRef:
     token_end: int
     chain_hash: str
     nbytes: int
-    # BLAKE3 of the object's bytes, recorded at write time beside its sha256 name (issue 15): a
+    # BLAKE3 of the object's bytes, recorded at write time beside its sha256 name: a
     # reader that has it checks every byte at BLAKE3 speed; older catalogs simply lack it.
     blake3: str | None = None
     # XXH3-128 of the object's bytes (32 hex), recorded at write time: the at-rest check of LOCAL

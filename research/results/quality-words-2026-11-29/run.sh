@@ -5,7 +5,7 @@
 # must agree task for task).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-D=bench/results/quality-words-2026-11-29
+D=research/results/quality-words-2026-11-29
 DEADLINE=${DEADLINE:-10:40}
 STORE=${STORE:-.bench-quality-words}
 common=(--tasks realtext-words --split report --no-default-recipes --per-task --interleave --threads 1 --store "$STORE")
