@@ -213,17 +213,14 @@ class KVBundle:
 def make_meta(**fields: Any) -> dict[str, Any]:
     """A meta dict with format_version, created and tool_version filled; fields override.
 
-    `created` honours SOURCE_DATE_EPOCH so that reproducible builds (and tests) produce
-    byte-identical bundles, hence identical content addresses in the store.
+    `created` (whole seconds) honours SOURCE_DATE_EPOCH: reproducible builds write identical bundles.
     """
     from kdnctl import __version__
 
     sde = os.environ.get("SOURCE_DATE_EPOCH")
     meta: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
-        # whole seconds: the stamp's printed length stays fixed, and the byte cap a version is
-        # fitted to counts it, so what a recipe stores does not depend on the clock
-        "created": float(sde) if sde else float(int(time.time())),
+        "created": float(sde) if sde else float(int(time.time())),  # fixed length: byte caps count it
         "tool_version": __version__,
     }
     meta.update(fields)
