@@ -54,7 +54,7 @@ def narrow_heads(recipe, n_layers: int, n_heads: int) -> dict[int, list[int]]:
         if wide is None or i >= n_layers:
             continue
         if max(wide) >= n_heads:
-            raise UsageError(f"--backfill names KV head {max(wide)} of layer {i}; the model has {n_heads} KV heads",
+            raise UsageError(f"option backfill names KV head {max(wide)} of layer {i}; the model has {n_heads} KV heads",
                              hint=f"heads are 0 to {n_heads - 1}", param="backfill")
         out[i] = [h for h in range(n_heads) if h not in wide]
     return out
@@ -77,8 +77,8 @@ def key_basis_for(recipe, lm) -> str | None:
         return None
     sha = basis_for_model(lm.fingerprint)
     if sha is None and recipe.key_basis == "model":
-        raise UsageError("--key-basis model: no key basis is registered for this model",
-                         hint="calibrate one with scripts/calibrate_key_basis.py, or pass --key-basis none")
+        raise UsageError("option key_basis=model: no key basis is registered for this model",
+                         hint="calibrate one with scripts/calibrate_key_basis.py, or pass --option key_basis=none")
     return sha
 
 

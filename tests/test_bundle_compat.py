@@ -101,5 +101,7 @@ def test_todays_code_writes_the_same_tensors(tiny_lm, tmp_path, monkeypatch):
                     assert x.shape == y.shape and (x != y).sum().item() <= 0.05 * x.numel(), (label, name)
                 else:
                     assert torch.equal(x, y), (label, name)
-            drop = {"tool_version", "recipe", "format_version"}  # 1.1 readers read 1.0 (test above)
+            # 1.1 readers read 1.0 (test above); today's bundles also name their text (rebuild-catalog reads it)
+            drop = {"tool_version", "recipe", "format_version", "content_sha256", "text_object"}
+            assert a.meta["text_object"] == a.meta["content_sha256"] and len(a.meta["text_object"]) == 64
             assert {k: x for k, x in a.meta.items() if k not in drop} == {k: x for k, x in b.meta.items() if k not in drop}

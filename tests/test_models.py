@@ -327,14 +327,14 @@ def test_key_basis_registered_for_a_new_model(built, tmp_path, monkeypatch):
 
     path, mlm, store = ingested("qwen3", built, tmp_path)
     with use_loaded_models(mlm):
-        refused = run_cli("compress", DOC.name, "--budget", "0.25", "--key-basis", "model", "--model", path,
+        refused = run_cli("compress", DOC.name, "--budget", "0.25", "--option", "key_basis=model", "--model", path,
                           store=store)
     assert refused.returncode != 0 and "no key basis" in refused.stderr
     other = mlm.tokenizer((EXAMPLES / "zephyr-x200-manual.md").read_text()).input_ids[:600]
     register(calibrate(key_samples(mlm, [other])), mlm.fingerprint, tmp_path / "bases")
     monkeypatch.setenv(ENV, str(tmp_path / "bases"))
     with use_loaded_models(mlm):
-        proc = run_cli("compress", DOC.name, "--budget", "0.25", "--key-basis", "model", "--model", path,
+        proc = run_cli("compress", DOC.name, "--budget", "0.25", "--option", "key_basis=model", "--model", path,
                        "--json", store=store)
     assert proc.returncode == 0, proc.stderr
     st = Store(store, create=False)

@@ -80,7 +80,7 @@ def read_document_kv(store, doc_id: str, label: str = "full", doc_version: str |
     if biased:  # an engine's cache holds keys and values only: dropping the bias would change the answers
         raise ExportError(
             f"{doc_id} [{label}] adds an attention bias in {len(biased)} layer(s) (a steering edit, or "
-            "KV heads masked off evicted tokens by --backfill L.H), which an engine's KV cache cannot hold",
+            "KV heads masked off evicted tokens by option backfill=L.H), which an engine's KV cache cannot hold",
             hint="export the version it was made from, or load it with kdnctl (transformers)",
         )
     keys, values, positions = [], [], []

@@ -1,4 +1,4 @@
-"""Key bases: per-model principal axes that ``ec`` codes keys in (``--key-basis model``, format 1.7).
+"""Key bases: per-model principal axes that ``ec`` codes keys in (option ``key_basis=model``, format 1.7).
 
 The channels of one head's keys are strongly correlated (a key is ``W_k`` times a hidden state),
 so an entropy coder spends bits on redundancy that a rotation into principal axes removes:
