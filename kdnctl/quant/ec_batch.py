@@ -238,11 +238,21 @@ def _rope_tables(tensors, prefixes: list[str], t: int, h: int, d: int, theta: fl
     return cos.astype(np.float32, copy=False), sin.astype(np.float32, copy=False), np.array(idx, np.int64)
 
 
-@functools.lru_cache(maxsize=4)
+_TRANSPOSED: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # sha -> (the basis read, its transpose)
+
+
 def _basis_t_cached(sha: str) -> torch.Tensor:
+    """The transposed basis, made again whenever ``load_basis`` reads the file again (its cache
+    cleared: a basis registered or removed since), so a removed basis is refused here too."""
     from .basis import load_basis
 
-    return load_basis(sha).transpose(-1, -2).contiguous()
+    basis = load_basis(sha)
+    hit = _TRANSPOSED.get(sha)
+    if hit is None or hit[0] is not basis:
+        if len(_TRANSPOSED) >= 4:
+            _TRANSPOSED.clear()
+        hit = _TRANSPOSED[sha] = (basis, basis.transpose(-1, -2).contiguous())
+    return hit[1]
 
 
 def _basis_t(sha: str | None, n_layers: int, h: int, d: int) -> torch.Tensor | None:
