@@ -219,7 +219,7 @@ def test_batched_commit_is_one_transaction(tmp_path):
         chunk = objects.put_object(b"chunk")
 
         def records(doc_id: str, obj: str):
-            doc = DocumentRecord(doc_id, "v1", "0" * 64, "src", 1, "fp", text, 0.0)
+            doc = DocumentRecord(doc_id, "v1", text, "src", 1, "fp", text, 0.0)  # its content hash names its text
             ver = VersionRecord(doc_id, "v1", "full", None, {"step": "ingest"}, "fp",
                                 [ChunkRef(0, obj, 0, 1, "ab" * 32, 5)], 0.0, 1)
             return doc, ver
