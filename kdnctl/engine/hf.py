@@ -32,6 +32,7 @@ import torch
 from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..models import adapter_for
+from ..quant.store_basis import basis_shas, provide_store_bases
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState
 from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into
@@ -353,6 +354,7 @@ def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full",
     else:
         bufs = None
         bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
+        provide_store_bases(store, basis_shas(b.meta for b in bundles))  # bases the store holds, not the package
     ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=1, profile=profile, bufs=bufs,
                                placed=direct is not None)
     ctx.load_s = time.perf_counter() - t

@@ -46,10 +46,12 @@ class RebuildReport:
     damaged_catalog: str | None = None
     dropped: list[str] = field(default_factory=list)  # versions the old catalog held that the new one lacks
     held: int = 0  # objects no rebuilt record uses, kept from gc until released
+    bases: int = 0  # key basis records recovered from the basis files (each names its model)
 
     def as_dict(self) -> dict:
         return {"documents": self.documents, "versions": self.versions, "skipped": self.skipped,
-                "damaged_catalog": self.damaged_catalog, "dropped": self.dropped, "held": self.held}
+                "damaged_catalog": self.damaged_catalog, "dropped": self.dropped, "held": self.held,
+                "bases": self.bases}
 
 
 def _scan(objects: Path, report: RebuildReport) -> tuple[dict, list[str]]:
@@ -211,5 +213,8 @@ def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = F
             report.versions += len(labels)
             if d.doc_id not in report.documents:
                 report.documents.append(d.doc_id)
+        from ..quant.store_basis import recover_basis_records
+
+        report.bases = recover_basis_records(st, [root / "objects" / s[:2] / s for s in others])
         report.held = st.hold_unreferenced("not recovered by rebuild-catalog")
     return report

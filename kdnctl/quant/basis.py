@@ -39,8 +39,21 @@ def registry_dirs() -> list[Path]:
     return extra + [PACKAGE_DIR]
 
 
+# Bases this process took from a store (kdnctl/quant/store_basis.py): sha256 -> file bytes, and
+# model fingerprint -> sha256. Directories win; a store only adds what they lack.
+_FROM_STORE: dict[str, bytes] = {}
+_STORE_FOR_MODEL: dict[str, str] = {}
+
+
 def basis_for_model(fingerprint: str) -> str | None:
-    """The sha256 of the key basis registered for ``fingerprint``, or None."""
+    """The sha256 of the key basis registered for ``fingerprint`` (a basis directory, else a store
+    basis this process was given), or None."""
+    found = shipped_basis_for_model(fingerprint)
+    return found if found is not None else _STORE_FOR_MODEL.get(fingerprint)
+
+
+def shipped_basis_for_model(fingerprint: str) -> str | None:
+    """The sha256 of the basis a basis directory (shipped, or ``$KDNCTL_KEY_BASES``) maps ``fingerprint`` to."""
     for d in registry_dirs():
         index = d / "index.json"
         if index.is_file():
@@ -54,10 +67,54 @@ def basis_for_model(fingerprint: str) -> str | None:
     return None
 
 
-def encode_basis(basis: torch.Tensor) -> bytes:
+def encode_basis(basis: torch.Tensor, fingerprint: str | None = None) -> bytes:
+    """The basis file's bytes; a store basis also names its model (``rebuild-catalog`` reads it back)."""
     from safetensors.torch import save
 
-    return save({"basis": basis.float().contiguous()}, metadata={"kdnctl": "key_basis"})
+    meta = {"kdnctl": "key_basis"} if fingerprint is None else {"kdnctl": "key_basis", "fingerprint": fingerprint}
+    return save({"basis": basis.float().contiguous()}, metadata=meta)
+
+
+def decode_basis(data: bytes, what: str) -> tuple[torch.Tensor, str | None]:
+    """(basis, the model fingerprint its file names or None) of a basis file's bytes, checked."""
+    from safetensors.torch import load
+
+    try:
+        basis = load(bytes(data))["basis"]
+        header_len = int.from_bytes(bytes(data[:8]), "little")
+        meta = json.loads(bytes(data[8:8 + header_len])).get("__metadata__") or {}
+    except Exception as exc:  # safetensors raises its own error types
+        raise BundleFormatError(f"{what} is not a readable key basis file: {str(exc)[:120]}") from None
+    if meta.get("kdnctl") != "key_basis":
+        raise BundleFormatError(f"{what} is not a key basis file")
+    check_basis(basis, what)
+    fp = meta.get("fingerprint")
+    return basis, fp if isinstance(fp, str) else None
+
+
+def provide(data: bytes, fingerprint: str | None = None) -> str:
+    """Make a store basis file known to this process (``load_basis`` and, with ``fingerprint``,
+    ``basis_for_model`` find it); checked first. Returns its sha256."""
+    data = bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    if sha not in _FROM_STORE:
+        decode_basis(data, f"key basis {sha[:12]}")
+        _FROM_STORE[sha] = data
+    if fingerprint is not None:
+        _STORE_FOR_MODEL[fingerprint] = sha
+    return sha
+
+
+def known(sha: str) -> bool:
+    """Whether ``load_basis(sha)`` finds a file without asking a store."""
+    return sha in _FROM_STORE or any((d / f"{sha}.safetensors").is_file() for d in registry_dirs())
+
+
+def forget_provided() -> None:
+    """Drop the store bases this process was given (tests: a fresh process)."""
+    _FROM_STORE.clear()
+    _STORE_FOR_MODEL.clear()
+    clear_caches()
 
 
 def register(basis: torch.Tensor, fingerprint: str, directory: Path) -> str:
@@ -119,8 +176,11 @@ def load_basis(sha: str) -> torch.Tensor:
                 raise BundleFormatError(f"key basis file {path} is not readable: {exc}") from None
             check_basis(basis, str(path))
             return basis
+    if sha in _FROM_STORE:
+        return decode_basis(_FROM_STORE[sha], f"key basis {sha[:12]}")[0]
     raise BundleFormatError(f"this bundle's keys are coded in key basis {sha[:12]}, which this kdnctl does not have",
-                            hint=f"use the kdnctl that wrote it, or add the basis file to a directory in ${ENV}")
+                            hint=f"load it from the store that holds the bundle, use the kdnctl that wrote it, "
+                                 f"or add the basis file to a directory in ${ENV}")
 
 
 def calibrate(samples) -> torch.Tensor:

@@ -53,9 +53,14 @@ class _State:
             for d in self.store.list_documents():
                 for h in self.store.document_history(d.doc_id):
                     owners.setdefault(h.text_object, set()).add(h.doc_id)
+            from ..store.bases import basis_records
+
+            model_basis = {b.fingerprint: b.object for b in basis_records(self.store)}
             for v in self.store.all_versions():
                 for c in v.chunks:
                     owners.setdefault(c.object, set()).add(v.doc_id)
+                if v.fingerprint in model_basis:  # whoever reads a model's documents may read its key basis
+                    owners.setdefault(model_basis[v.fingerprint], set()).add(v.doc_id)
             self._owners, self._owners_gen = owners, gen
         return self._owners
 

@@ -29,6 +29,7 @@ import lmdb
 
 from kdnctl.errors import BundleFormatError, KdnError, StoreCorruptError
 
+from . import bases
 from . import catalog as cat
 from .records import CATALOG_HINT, SHA_RE, VersionRecord, bundle_mismatch
 
@@ -69,17 +70,23 @@ def object_files(store) -> Iterator[Path]:
                 yield from sorted(p for p in sub.iterdir() if p.is_file())
 
 
-def _key_basis_problem(meta: dict, seen: dict[str, str | None]) -> str | None:
+def _key_basis_problem(meta: dict, seen: dict[str, str | None], store=None) -> str | None:
     """Why the key basis an ec bundle's keys are coded in (format 1.7) cannot be read here, or None:
-    the bundle itself is intact, but it would not load."""
+    the bundle itself is intact, but it would not load. A basis the store holds counts."""
     sha = (meta.get("quant") or {}).get("key_basis") if isinstance(meta.get("quant"), dict) else None
     if sha is None:
         return None
     if sha not in seen:
-        from kdnctl.quant.basis import load_basis
+        from kdnctl.quant.basis import decode_basis, known, load_basis
 
         try:
-            load_basis(sha)
+            if not known(sha) and store is not None and SHA_RE.match(str(sha)) and store.has_object(sha):
+                data = store.object_path(sha).read_bytes()
+                if hashlib.sha256(data).hexdigest() != sha:
+                    raise BundleFormatError(f"key basis object {sha[:12]} is corrupted (hash mismatch)")
+                decode_basis(data, f"key basis object {sha[:12]}")
+            else:
+                load_basis(sha)
             seen[sha] = None
         except BundleFormatError as e:
             seen[sha] = f"needs key basis {str(sha)[:12]}: {e.message}" + (f" ({e.hint})" if e.hint else "")
@@ -154,6 +161,7 @@ class Maintenance:
         docs: dict[tuple, Any] = {}
         versions: dict[tuple, VersionRecord] = {}
         n_held = 0
+        basis_recs: list[bases.BasisRecord] = []
         try:
             with self._env.begin() as txn:
                 for k, v in self._scan(txn, "docs"):
@@ -202,6 +210,8 @@ class Maintenance:
                         if kind in ("retired", "released", "held"):
                             _time_of(v)
                             n_held += kind == "held"
+                        elif kind == bases.KIND:
+                            basis_recs.append(bases.parse(cat.split(k), v))
                         elif kind not in META_KEYS:
                             bad(f"unknown catalog meta entry {_show(k)}")
                     except (KdnError, ValueError, UnicodeDecodeError):
@@ -217,6 +227,8 @@ class Maintenance:
         for r in versions.values():
             for c in r.chunks:
                 refs.setdefault(c.object, []).append(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}")
+        for b in basis_recs:
+            refs.setdefault(b.object, []).append(f"key basis of model {b.fingerprint[:12]}")
         present: set[str] = set()
         for p in object_files(self):
             if not SHA_RE.match(p.name) or p.parent.name != p.name[:2]:
@@ -234,8 +246,16 @@ class Maintenance:
             if sha not in present and not any(f"object {sha[:12]} is corrupted" in q for q in rep.problems):
                 bad(f"object {sha[:12]} is missing, used by {'; '.join(used[:3])}")
         if check_bundles:
+            for b in basis_recs:  # a recorded basis must be a basis file (its hash was checked above)
+                if b.object in present:
+                    from kdnctl.quant.basis import decode_basis
+
+                    try:
+                        decode_basis(self.object_path(b.object).read_bytes(), f"key basis object {b.object[:12]}")
+                    except (BundleFormatError, OSError) as e:
+                        bad(f"key basis of model {b.fingerprint[:12]}: {getattr(e, 'message', e)}")
             metas: dict[str, dict | str] = {}
-            bases: dict[str, str | None] = {}  # key basis sha -> why it cannot be read (None: fine)
+            seen_bases: dict[str, str | None] = {}  # key basis sha -> why it cannot be read (None: fine)
             for r in versions.values():
                 for c in r.chunks:
                     if c.object not in present:
@@ -253,7 +273,7 @@ class Maintenance:
                     why = bundle_mismatch(r, c, meta)
                     if why:
                         bad(why)
-                    elif (basis := _key_basis_problem(meta, bases)) is not None:
+                    elif (basis := _key_basis_problem(meta, seen_bases, self)) is not None:
                         bad(f"{r.doc_id}@{r.doc_version}/{r.label} chunk {c.index}: object {c.object[:12]} {basis}")
             for d in docs.values():  # bundles that name their text must name this record's
                 full = versions.get((d.doc_id, d.doc_version, "full"))
@@ -286,6 +306,7 @@ class Maintenance:
         self._require_writer("hold_unreferenced")
         refs = {d.text_object for d in self._all_documents()}
         refs.update(c.object for v in self.all_versions() for c in v.chunks)
+        refs.update(b.object for b in bases.basis_records(self))
         loose = [p.name for p in object_files(self) if SHA_RE.match(p.name) and p.name not in refs]
         with self._env.begin(write=True) as txn:
             for sha in loose:
@@ -342,6 +363,8 @@ class Maintenance:
                         elif parts[0] == "held" and len(parts) == 2:
                             held_keys.append(k)
                             held.add(parts[1])
+                        elif parts[0] == bases.KIND:  # a model's key basis is referenced while recorded
+                            refs.add(bases.parse(parts, v).object)
                     if release_held:
                         for k in held_keys:
                             drop("meta", k, None)

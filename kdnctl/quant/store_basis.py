@@ -1,0 +1,156 @@
+"""Key bases kept in a store: calibrated on a model's first compress, found again by every load.
+
+A model whose fingerprint no basis directory maps (kdnctl/quant/basis.py) gets a basis the first
+time ``ec`` compresses one of its documents: the same computation as the shipped ones
+(:func:`kdnctl.quant.basis.calibrate` over :func:`~kdnctl.quant.basis.key_samples`), on the
+store's own documents (up to ``CAL_DOCS`` texts, ``CAL_TOKENS`` tokens each, in document-id
+order, so the same store gives the same file). The file names its model and goes into the
+store as an object with a catalog record (kdnctl/store/bases.py); later compresses reuse it.
+
+A bundle names its basis by sha256, so a load needs no record: :func:`provide_store_bases`
+reads the object (local file or remote fetch, both verified) before decoding.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from kdnctl.errors import BundleFormatError, NotFoundError, StoreCorruptError, UsageError
+
+from . import basis as kb
+
+CAL_DOCS = 16  # documents a calibration reads at most
+CAL_TOKENS = 1500  # tokens of each (the shipped bases read 16 pages of up to 1500 tokens)
+
+
+def wants_basis(recipe) -> bool:
+    """Whether ``recipe`` codes keys with ``ec`` and may use a model's key basis."""
+    return bool(getattr(recipe, "sized", False)) and recipe.quant == "ec" and recipe.key_basis != "none"
+
+
+def calibration_tokens(store, lm, max_docs: int = CAL_DOCS, max_tokens: int = CAL_TOKENS) -> list[list[int]]:
+    """Token ids of the store's documents for ``lm`` (current versions, by document id)."""
+    out = []
+    docs = sorted((d for d in store.list_documents() if d.fingerprint == lm.fingerprint), key=lambda d: d.doc_id)
+    for d in docs[:max_docs]:
+        text = bytes(store.read_object(d.text_object)).decode("utf-8", "replace")
+        ids = list(lm.tokenizer(text)["input_ids"])[:max_tokens]
+        if len(ids) >= 2:
+            out.append(ids)
+    return out
+
+
+def calibrate_into_store(store, lm, token_lists: list[list[int]] | None = None, *, source: str | None = None,
+                         quiet: bool = False) -> str:
+    """Calibrate ``lm``'s key basis (on ``token_lists``, default the store's own documents), store
+    it and record it for the model; returns its sha256. Says so on stderr in one line."""
+    if token_lists is None:
+        token_lists = calibration_tokens(store, lm)
+        source = source or f"calibrated on {len(token_lists)} document(s) of this store"
+    if not token_lists:
+        raise UsageError("calibrating a key basis needs at least one document of this model in the store",
+                         hint="ingest a document first, or pass --option key_basis=none")
+    basis = kb.calibrate(kb.key_samples(lm, token_lists))
+    data = kb.encode_basis(basis, lm.fingerprint)
+    n_tokens = sum(map(len, token_lists))
+    source = f"{source or 'calibrated'} ({n_tokens} tokens)"
+    from kdnctl.store.bases import commit_basis
+
+    with store.writer():
+        sha = commit_basis(store, lm.fingerprint, data, source)
+    kb.provide(data, lm.fingerprint)
+    if not quiet:
+        print(f"key basis {sha[:12]} calibrated for model {lm.fingerprint[:12]} on {len(token_lists)} document(s), "
+              f"{n_tokens} tokens; stored in {getattr(store, 'root', 'the store')}", file=sys.stderr)
+    return sha
+
+
+def ensure_key_basis(store, lm, recipe) -> str | None:
+    """Before a compress: the sha256 of the key basis ``recipe`` will code keys in, made known to
+    this process (a basis directory's, else the store's, else calibrated now and stored), or None."""
+    if lm is None or not wants_basis(recipe):
+        return None
+    fp = lm.fingerprint
+    sha = kb.shipped_basis_for_model(fp)
+    if sha is not None:
+        return sha
+    from kdnctl.store.bases import basis_record
+
+    rec = basis_record(store, fp)
+    if rec is not None:
+        return kb.provide(store.read_object(rec.object), fp)
+    return calibrate_into_store(store, lm)
+
+
+def basis_shas(metas) -> list[str]:
+    """The key bases (sha256) that bundles with metadata ``metas`` are coded in."""
+    out = []
+    for m in metas:
+        q = m.get("quant") if isinstance(m, dict) else None
+        sha = q.get("key_basis") if isinstance(q, dict) else None
+        if isinstance(sha, str) and sha not in out:
+            out.append(sha)
+    return out
+
+
+def provide_store_bases(store, shas) -> None:
+    """Make the bases ``shas`` readable by this process's decoders: those no basis directory holds
+    come from ``store`` (a local object or a remote fetch, verified against the sha256)."""
+    for sha in shas:
+        if kb.known(sha):
+            continue
+        try:
+            if not store.has_object(sha):
+                continue  # the decoder names the missing basis
+            data = store.read_object(sha)
+        except (StoreCorruptError, NotFoundError) as e:
+            raise BundleFormatError(f"key basis {sha[:12]} cannot be read from the store: {e.message}",
+                                    hint="run `kdnctl verify`") from None
+        kb.provide(data)
+
+
+def recover_basis_records(store, paths: list[Path]) -> int:
+    """Record every key basis file among ``paths`` (objects no bundle names) for the model it names;
+    the newest file of a model wins. Returns how many records were written."""
+    import hashlib
+
+    newest: dict[str, tuple[float, bytes]] = {}
+    for p in paths:
+        try:
+            data = p.read_bytes()
+            if hashlib.sha256(data).hexdigest() != p.name:
+                continue
+            _, fp = kb.decode_basis(data, p.name)
+        except (OSError, BundleFormatError):
+            continue
+        if fp is not None and (fp not in newest or p.stat().st_mtime > newest[fp][0]):
+            newest[fp] = (p.stat().st_mtime, data)
+    from kdnctl.store.bases import commit_basis
+
+    with store.writer():
+        for fp, (_, data) in sorted(newest.items()):
+            commit_basis(store, fp, data, "recovered by rebuild-catalog")
+    return len(newest)
+
+
+def pull_bases(remote, store, chunk_objects: list[str]) -> int:
+    """Copy into ``store`` the key bases that the (already stored) bundles ``chunk_objects`` are
+    coded in and that neither a basis directory nor ``store`` holds, each with its model's record
+    where the store has none. Returns how many objects were copied."""
+    from kdnctl.store import read_bundle_meta
+    from kdnctl.store.bases import basis_record, commit_basis
+
+    shas = basis_shas(read_bundle_meta(store, sha) for sha in dict.fromkeys(chunk_objects))
+    n = 0
+    for sha in shas:
+        if kb.known(sha) or store.has_object(sha):
+            continue
+        data = remote.read_object(sha)  # verified against its sha256
+        _, fp = kb.decode_basis(data, f"key basis {sha[:12]} from {getattr(remote, 'url', 'the remote')}")
+        if fp is not None and basis_record(store, fp) is None:
+            commit_basis(store, fp, bytes(data), f"pulled from {getattr(remote, 'url', 'a remote store')}"[:200])
+        elif store.put_object(data) != sha:
+            raise StoreCorruptError(f"object {sha[:12]} changed while being stored")
+        n += 1
+    return n

@@ -1,0 +1,103 @@
+"""Key-basis records: which stored object is a model's key basis (kdnctl/quant/store_basis.py).
+
+A basis calibrated for a model that ships none is an ordinary content-addressed object
+(``objects/ab/<sha256>``, written temp + fsync + rename by ``put_object``) and one sealed entry
+in the catalog's ``meta`` database, ``basis/<model fingerprint>`` -> ``{"object", "created",
+"source"}``, committed in one txn after the object is durable. ``gc`` counts these objects as
+referenced; ``verify`` checks the record, the object's bytes and that it is a basis file;
+``rebuild-catalog`` recovers the record from the file, which names its model.
+
+The store layer only keeps bytes and records; what a basis is (decode, orthonormal axes)
+lives in kdnctl/quant/basis.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from kdnctl.errors import StoreCorruptError
+
+from . import catalog as cat
+from .reads import SUM_KEY, _unseal, dumps_json
+from .records import CATALOG_HINT
+
+KIND = "basis"  # meta key prefix
+
+
+@dataclass(frozen=True)
+class BasisRecord:
+    fingerprint: str
+    object: str  # sha256 of the basis file
+    created: float
+    source: str  # how it was made (one line)
+
+
+def _seal(d: dict) -> bytes:
+    import hashlib
+
+    d = dict(d)
+    d[SUM_KEY] = hashlib.sha256(dumps_json(d)).hexdigest()[:16]
+    return dumps_json(d)
+
+
+def parse(key_parts: list[str], raw: bytes) -> BasisRecord:
+    """A basis record from its meta entry; damage -> StoreCorruptError."""
+    from .records import is_sha
+
+    what = f"key basis record {'/'.join(key_parts)[:80]}"
+    try:
+        if b'"' + SUM_KEY.encode() + b'"' not in raw:  # every basis record is sealed
+            raise ValueError
+        d = _unseal(raw, what)
+    except (ValueError, UnicodeDecodeError):
+        raise StoreCorruptError(f"{what} is unreadable", hint=CATALOG_HINT) from None
+    if not isinstance(d, dict):
+        raise StoreCorruptError(f"{what} is not a record", hint=CATALOG_HINT)
+    obj, created, source = d.get("object"), d.get("created"), d.get("source", "")
+    if (len(key_parts) != 2 or not key_parts[1] or not isinstance(obj, str) or not is_sha(obj)
+            or not isinstance(created, (int, float)) or isinstance(created, bool) or not isinstance(source, str)):
+        raise StoreCorruptError(f"{what} is damaged", hint=CATALOG_HINT)
+    return BasisRecord(key_parts[1], obj, float(created), source)
+
+
+def basis_record(store, fingerprint: str) -> BasisRecord | None:
+    """The store's key basis record for ``fingerprint``, or None."""
+    k = cat.key(KIND, fingerprint)
+    with store._env.begin() as txn:
+        raw = txn.get(k, db=store._db["meta"])
+    return None if raw is None else parse([KIND, fingerprint], raw)
+
+
+def basis_records(store, txn=None) -> list[BasisRecord]:
+    """Every key basis record of the store (damage raises)."""
+    def scan(t):
+        out = []
+        for k, v in store._scan(t, "meta"):
+            parts = cat.split(k)
+            if parts[0] == KIND:
+                out.append(parse(parts, v))
+        return out
+
+    if txn is not None:
+        return scan(txn)
+    with store._env.begin() as t:
+        return scan(t)
+
+
+def commit_basis(store, fingerprint: str, data: bytes, source: str) -> str:
+    """Store a basis file (durable object first) and record it for ``fingerprint`` in one txn;
+    returns its sha256. Needs the writer lock."""
+    store._require_writer("commit_basis")
+    sha = store.put_object(data)
+    now = time.time()
+    with store._env.begin(write=True) as txn:
+        txn.put(cat.key(KIND, fingerprint), _seal({"object": sha, "created": now, "source": source[:200]}),
+                db=store._db["meta"])
+        store._stamp_commit(txn, now)
+    return sha
+
+
+def record_json(r: BasisRecord) -> str:
+    return json.dumps({"fingerprint": r.fingerprint, "object": r.object, "created": r.created, "source": r.source})
