@@ -319,17 +319,14 @@ def test_architecture_names_only_in_the_adapter():
 
 def test_key_basis_registered_for_a_new_model(built, tmp_path, monkeypatch):
     """A model without a shipped key basis: one calibrated for it (as scripts/calibrate_key_basis.py
-    does, here on another text) and registered makes ``--key-basis model`` compress and load."""
+    does, here on another text) and registered in a basis directory is used by ``key_basis=model``
+    (no store basis is calibrated), and the version loads."""
     from kdnctl.engine.hf import forward_suffix, load_document
     from kdnctl.model import use_loaded_models
     from kdnctl.quant.basis import ENV, calibrate, key_samples, register
     from kdnctl.store import Store
 
     path, mlm, store = ingested("qwen3", built, tmp_path)
-    with use_loaded_models(mlm):
-        refused = run_cli("compress", DOC.name, "--budget", "0.25", "--option", "key_basis=model", "--model", path,
-                          store=store)
-    assert refused.returncode != 0 and "no key basis" in refused.stderr
     other = mlm.tokenizer((EXAMPLES / "zephyr-x200-manual.md").read_text()).input_ids[:600]
     register(calibrate(key_samples(mlm, [other])), mlm.fingerprint, tmp_path / "bases")
     monkeypatch.setenv(ENV, str(tmp_path / "bases"))
@@ -337,7 +334,11 @@ def test_key_basis_registered_for_a_new_model(built, tmp_path, monkeypatch):
         proc = run_cli("compress", DOC.name, "--budget", "0.25", "--option", "key_basis=model", "--model", path,
                        "--json", store=store)
     assert proc.returncode == 0, proc.stderr
+    assert "calibrated" not in proc.stderr
     st = Store(store, create=False)
+    from kdnctl.store.bases import basis_records
+
+    assert basis_records(st) == []
     ctx = load_document(mlm, st, DOC.name, label=json_rows(proc.stdout)[0]["label"])
     got, _ = forward_suffix(mlm, ctx, mlm.tokenizer(SUFFIX, add_special_tokens=False).input_ids, last_only=True)
     assert torch.isfinite(got).all()
