@@ -31,6 +31,7 @@ from .kernels.kvcrush import gather_layers
 from .allocate import allocate
 from .presses.base import ScoreContext
 from .presses.document import select_document
+from .presses.window_layers import by_window
 from .quant import get_quantizer
 from .quant.ladder import LadderQuantizer
 from .scoring import compute_importance
@@ -173,6 +174,7 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
     else:
         importance = torch.zeros(n_layers, n_heads, len(token_ids))
     fp16 = sizing.fp16_bytes(len(token_ids), n_layers, n_heads, keys[0].shape[-1])
+    picks, window_meta = by_window(recipe, bundles[0].meta["model"], picks, local_bounds, n_layers, n_heads)
     if recipe.sized:
         # the cap is fitted with the longer of the version's name and its recipe spelled out: what a
         # recipe stores does not depend on the (shorter) name it is given, and any name fits the cap
@@ -192,7 +194,7 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
         tensors, qmeta = _chunk_tensors(b, dense[c], None if picks is None else picks[c], importance[:, :, ls:le]
                                         if picks is not None else None, quantizer)
         new_tensors.append(tensors)
-        metas.append({"quant": qmeta} if qmeta is not None else {})
+        metas.append({**({"quant": qmeta} if qmeta is not None else {}), **window_meta})
     record = write_derived(objects, src, label, step, bundles, new_tensors, meta=metas, indices=range(len(bundles)))
     return (record, score_s, (fp16, recipe.keep, None)) if with_sizes else (record, score_s)
 

@@ -129,6 +129,8 @@ OPTIONS: dict[str, Option] = {
                   "(bisection, about 14 encodings) or secant (3-4 encodings, within 0.2% under the cap)"),
     "tail_reads": Option(None, _share(False, 1, True), "tail_reads", "with keep < 1: the share of the kept tokens "
                          "chosen by what the document's last queries read (0: off)"),
+    "window_layers": Option("whole", _choice("whole", "window"), "window_layers", "sliding-window layers: whole "
+                            "(every token) or window (the document's last W tokens, all a following question reads)"),
 }
 
 
