@@ -171,3 +171,30 @@ def test_a_model_with_a_shipped_basis_uses_it_and_stores_none(lm, tmp_path):
 
         assert basis_records(st) == []
     assert not any((tmp_path / "s" / "objects").glob("*/*"))
+
+
+def test_remote_loads_and_pulls_find_the_store_basis(calibrated, tmp_path):
+    """Over HTTP (a token that sees only the document): a load straight from the server fetches
+    the basis object; a pull copies it with its record, and the pulled store loads and verifies."""
+    from httpkit import ThreadServer
+
+    from kdnctl.client import RemoteStore, mirror
+    from kdnctl.engine.hf import forward_suffix, load_document
+    from kdnctl.store import Store
+    from kdnctl.store.bases import basis_records
+
+    mlm, store, label = calibrated["lm"], calibrated["store"], _labels(calibrated["first"])
+    want = _next_logits(mlm, store, label)
+    sha = _records(store)[0].object
+    suffix = mlm.tokenizer(SUFFIX, add_special_tokens=False).input_ids
+    with ThreadServer(store, tokens={"t0k": [DOC.name]}) as srv, RemoteStore(srv.url, token="t0k") as remote:
+        kb.forget_provided()
+        got, _ = forward_suffix(mlm, load_document(mlm, remote, DOC.name, label=label), suffix, last_only=True)
+        assert torch.equal(got[-1], want)
+        kb.forget_provided()
+        with Store(tmp_path / "pulled") as local:
+            mirror(remote, local, [DOC.name])
+            assert [(r.fingerprint, r.object) for r in basis_records(local)] == [(mlm.fingerprint, sha)]
+            assert local.verify() == []
+    kb.forget_provided()
+    assert torch.equal(_next_logits(mlm, tmp_path / "pulled", label), want)
