@@ -400,7 +400,7 @@ def mirror(remote: RemoteStore, store, doc_ids: list[str] | None = None, label: 
                         raise StoreCorruptError(f"object {sha[:12]} changed while being stored")
                     report["objects"] += 1
                     report["bytes"] += len(data)
-            from .quant.store_basis import pull_bases
+            from kdnctl.store.bases import pull_bases
 
             report["objects"] += pull_bases(remote, store, [c.object for v in versions for c in v.chunks])
             from .store.maintenance import bundle_problems

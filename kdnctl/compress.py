@@ -23,7 +23,7 @@ import torch
 from .models import plain_rope_theta
 from . import sizing
 from .compress_ec import sized_ec
-from .quant.store_basis import ensure_key_basis
+from kdnctl.quant.store_basis import ensure_key_basis
 from .compress_recipe import CompressRecipe  # noqa: F401 (re-exported: callers import it from here)
 from .bundle import KVBundle, decode_bundle, derived_meta, encode_bundle, stats_of, tensor_name
 from .errors import UnsupportedError, UsageError
@@ -31,7 +31,7 @@ from .kernels.kvcrush import gather_layers
 from .allocate import allocate
 from .presses.base import ScoreContext
 from .presses.document import select_document
-from .presses.window_layers import by_window
+from kdnctl.presses.window_layers import by_window
 from .quant import get_quantizer
 from .quant.ladder import LadderQuantizer
 from .scoring import compute_importance

@@ -32,7 +32,7 @@ import torch
 from ..bundle import KVBundle, decode_bundle, tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..models import adapter_for
-from ..quant.store_basis import basis_shas, provide_store_bases
+from kdnctl.quant.store_basis import basis_shas, provide_store_bases
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState
 from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into

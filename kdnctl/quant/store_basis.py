@@ -133,24 +133,3 @@ def recover_basis_records(store, paths: list[Path]) -> int:
             commit_basis(store, fp, data, "recovered by rebuild-catalog")
     return len(newest)
 
-
-def pull_bases(remote, store, chunk_objects: list[str]) -> int:
-    """Copy into ``store`` the key bases that the (already stored) bundles ``chunk_objects`` are
-    coded in and that neither a basis directory nor ``store`` holds, each with its model's record
-    where the store has none. Returns how many objects were copied."""
-    from kdnctl.store import read_bundle_meta
-    from kdnctl.store.bases import basis_record, commit_basis
-
-    shas = basis_shas(read_bundle_meta(store, sha) for sha in dict.fromkeys(chunk_objects))
-    n = 0
-    for sha in shas:
-        if kb.known(sha) or store.has_object(sha):
-            continue
-        data = remote.read_object(sha)  # verified against its sha256
-        _, fp = kb.decode_basis(data, f"key basis {sha[:12]} from {getattr(remote, 'url', 'the remote')}")
-        if fp is not None and basis_record(store, fp) is None:
-            commit_basis(store, fp, bytes(data), f"pulled from {getattr(remote, 'url', 'a remote store')}"[:200])
-        elif store.put_object(data) != sha:
-            raise StoreCorruptError(f"object {sha[:12]} changed while being stored")
-        n += 1
-    return n

@@ -101,3 +101,47 @@ def commit_basis(store, fingerprint: str, data: bytes, source: str) -> str:
 
 def record_json(r: BasisRecord) -> str:
     return json.dumps({"fingerprint": r.fingerprint, "object": r.object, "created": r.created, "source": r.source})
+
+
+def file_fingerprint(data: bytes) -> tuple[bool, str | None]:
+    """(whether ``data`` is a key basis file, the model fingerprint it names or None), from its
+    safetensors header alone (what the axes hold is kdnctl/quant/basis.py's check)."""
+    try:
+        n = int.from_bytes(bytes(data[:8]), "little")
+        if not 2 <= n <= len(data) - 8:
+            return False, None
+        meta = json.loads(bytes(data[8:8 + n])).get("__metadata__") or {}
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return False, None
+    if not isinstance(meta, dict) or meta.get("kdnctl") != "key_basis":
+        return False, None
+    fp = meta.get("fingerprint")
+    return True, fp if isinstance(fp, str) else None
+
+
+def pull_bases(remote, store, chunk_objects: list[str]) -> int:
+    """Copy into ``store`` the key bases that the (already stored) bundles ``chunk_objects`` are
+    coded in, where ``remote`` holds them and ``store`` does not (a shipped basis is in neither),
+    each with its model's record where the store has none. Returns how many objects were copied."""
+    from .protocol import read_bundle_meta
+
+    shas = []
+    for obj in dict.fromkeys(chunk_objects):
+        q = read_bundle_meta(store, obj).get("quant")
+        sha = q.get("key_basis") if isinstance(q, dict) else None
+        if isinstance(sha, str) and sha not in shas:
+            shas.append(sha)
+    n = 0
+    for sha in shas:
+        if store.has_object(sha) or not remote.has_object(sha):
+            continue
+        data = bytes(remote.read_object(sha))  # verified against its sha256
+        is_basis, fp = file_fingerprint(data)
+        if not is_basis:
+            raise StoreCorruptError(f"object {sha[:12]}, named as a key basis by a pulled bundle, is not one")
+        if fp is not None and basis_record(store, fp) is None:
+            commit_basis(store, fp, data, "pulled from a remote store")
+        elif store.put_object(data) != sha:
+            raise StoreCorruptError(f"object {sha[:12]} changed while being stored")
+        n += 1
+    return n

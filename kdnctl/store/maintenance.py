@@ -246,14 +246,15 @@ class Maintenance:
             if sha not in present and not any(f"object {sha[:12]} is corrupted" in q for q in rep.problems):
                 bad(f"object {sha[:12]} is missing, used by {'; '.join(used[:3])}")
         if check_bundles:
-            for b in basis_recs:  # a recorded basis must be a basis file (its hash was checked above)
+            for b in basis_recs:  # a recorded basis is a basis file that names its model (hash checked above)
                 if b.object in present:
-                    from kdnctl.quant.basis import decode_basis
-
                     try:
-                        decode_basis(self.object_path(b.object).read_bytes(), f"key basis object {b.object[:12]}")
-                    except (BundleFormatError, OSError) as e:
-                        bad(f"key basis of model {b.fingerprint[:12]}: {getattr(e, 'message', e)}")
+                        is_basis, fp = bases.file_fingerprint(self.object_path(b.object).read_bytes())
+                    except OSError as e:
+                        is_basis, fp = False, str(e)
+                    if not is_basis or fp != b.fingerprint:
+                        bad(f"key basis of model {b.fingerprint[:12]}: object {b.object[:12]} is not that model's "
+                            "key basis file")
             metas: dict[str, dict | str] = {}
             seen_bases: dict[str, str | None] = {}  # key basis sha -> why it cannot be read (None: fine)
             for r in versions.values():
