@@ -107,7 +107,13 @@ def provide(data: bytes, fingerprint: str | None = None) -> str:
 
 def known(sha: str) -> bool:
     """Whether ``load_basis(sha)`` finds a file without asking a store."""
+    if not is_sha(sha):
+        return False
     return sha in _FROM_STORE or any((d / f"{sha}.safetensors").is_file() for d in registry_dirs())
+
+
+def is_sha(sha) -> bool:
+    return isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)
 
 
 def forget_provided() -> None:
@@ -161,7 +167,7 @@ def load_basis(sha: str) -> torch.Tensor:
     """The float32 ``[L, H, D, D]`` basis whose file has sha256 ``sha`` (checked on read)."""
     from safetensors.torch import load
 
-    if not (isinstance(sha, str) and len(sha) == 64 and all(c in "0123456789abcdef" for c in sha)):
+    if not is_sha(sha):
         raise BundleFormatError(f"key basis id {str(sha)[:70]!r} is not a sha256")
     for d in registry_dirs():
         path = d / f"{sha}.safetensors"

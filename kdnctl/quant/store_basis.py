@@ -98,7 +98,7 @@ def provide_store_bases(store, shas) -> None:
     """Make the bases ``shas`` readable by this process's decoders: those no basis directory holds
     come from ``store`` (a local object or a remote fetch, verified against the sha256)."""
     for sha in shas:
-        if kb.known(sha):
+        if kb.known(sha) or not kb.is_sha(sha):  # (a malformed id: the decoder refuses it)
             continue
         try:
             if not store.has_object(sha):

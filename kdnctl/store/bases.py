@@ -13,6 +13,7 @@ lives in kdnctl/quant/basis.py.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from kdnctl.errors import StoreCorruptError
 
 from . import catalog as cat
 from .reads import SUM_KEY, _unseal, dumps_json
-from .records import CATALOG_HINT
+from .records import CATALOG_HINT, is_sha
 
 KIND = "basis"  # meta key prefix
 
@@ -35,8 +36,6 @@ class BasisRecord:
 
 
 def _seal(d: dict) -> bytes:
-    import hashlib
-
     d = dict(d)
     d[SUM_KEY] = hashlib.sha256(dumps_json(d)).hexdigest()[:16]
     return dumps_json(d)
@@ -44,8 +43,6 @@ def _seal(d: dict) -> bytes:
 
 def parse(key_parts: list[str], raw: bytes) -> BasisRecord:
     """A basis record from its meta entry; damage -> StoreCorruptError."""
-    from .records import is_sha
-
     what = f"key basis record {'/'.join(key_parts)[:80]}"
     try:
         if b'"' + SUM_KEY.encode() + b'"' not in raw:  # every basis record is sealed
@@ -99,10 +96,6 @@ def commit_basis(store, fingerprint: str, data: bytes, source: str) -> str:
     return sha
 
 
-def record_json(r: BasisRecord) -> str:
-    return json.dumps({"fingerprint": r.fingerprint, "object": r.object, "created": r.created, "source": r.source})
-
-
 def file_fingerprint(data: bytes) -> tuple[bool, str | None]:
     """(whether ``data`` is a key basis file, the model fingerprint it names or None), from its
     safetensors header alone (what the axes hold is kdnctl/quant/basis.py's check)."""
@@ -129,7 +122,7 @@ def pull_bases(remote, store, chunk_objects: list[str]) -> int:
     for obj in dict.fromkeys(chunk_objects):
         q = read_bundle_meta(store, obj).get("quant")
         sha = q.get("key_basis") if isinstance(q, dict) else None
-        if isinstance(sha, str) and sha not in shas:
+        if isinstance(sha, str) and is_sha(sha) and sha not in shas:
             shas.append(sha)
     n = 0
     for sha in shas:
