@@ -198,3 +198,45 @@ def test_remote_loads_and_pulls_find_the_store_basis(calibrated, tmp_path):
             assert local.verify() == []
     kb.forget_provided()
     assert torch.equal(_next_logits(mlm, tmp_path / "pulled", label), want)
+
+
+def test_ray_workers_calibrate_once_and_code_with_the_store_basis(tmp_path, lm):
+    """``compress --ray``: workers cannot read the catalog; the driver has a worker calibrate the
+    basis, records it, and hands it to every task; a second run reuses it. The bytes equal a
+    single-process compress with the same basis."""
+    ray = pytest.importorskip("ray")
+    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.distributed.compress import compress_on_ray
+    from kdnctl.model import load_model, use_loaded_models
+    from kdnctl.store import Store
+
+    kb.forget_provided()
+    path = build_model_dir("qwen2", tmp_path / "model", lm.tokenizer)
+    mlm = load_model(path)
+    store = tmp_path / "s"
+    with use_loaded_models(mlm):
+        run_cli("ingest", DOC, "--model", path, store=store, check=True)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    try:
+        with Store(store, create=False) as st:
+            compress_on_ray(st, [DOC.name], CompressRecipe(budget=0.25), address="local", workers=1, model=str(path))
+            recs = _records(store)
+            assert [r.fingerprint for r in recs] == [mlm.fingerprint]
+            compress_on_ray(st, [DOC.name], CompressRecipe(budget=0.083), address="local", workers=1, model=str(path))
+            assert _records(store) == recs  # reused: no second calibration
+    finally:
+        ray.shutdown()
+    sha = recs[0].object
+    assert _basis_of(store, "b0.25") == sha and _basis_of(store, "b0.083") == sha
+    # the same recipe in this process, with the same basis: the same stored tensors
+    from kdnctl.bundle import decode_bundle
+
+    with Store(store, create=False) as st, st.writer():
+        compress_document(st, DOC.name, CompressRecipe(budget=0.25), lm=mlm, label="here")
+        here, there = ([decode_bundle(st.read_object(c.object)) for c in st.get_version(DOC.name, x).chunks]
+                       for x in ("here", "b0.25"))
+    for a, b in zip(here, there, strict=True):
+        assert a.meta["quant"]["key_basis"] == b.meta["quant"]["key_basis"] == sha
+        assert sorted(a.tensors) == sorted(b.tensors)
+        assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
+    kb.forget_provided()

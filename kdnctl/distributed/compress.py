@@ -39,6 +39,7 @@ def compress_on_ray(
         actors = [actor_cls.remote(*args) for _ in range(n)]
         try:
             start(ray, actors)
+            basis = basis_ref(ray, store, recipe, actors[0]) if recipe.needs_model else None
 
             def tasks() -> Iterator[tuple[str, tuple]]:
                 for doc_id in doc_ids:
@@ -48,7 +49,7 @@ def compress_on_ray(
                         if on_result:
                             on_result(done)
                         continue
-                    yield doc_id, (store.get_version(doc_id, source), recipe, label, source)
+                    yield doc_id, (store.get_version(doc_id, source), recipe, label, source, basis)
 
             def commit(batch: list[CompressOutcome]) -> None:
                 store.commit_versions([o.version for o in batch])
@@ -65,3 +66,15 @@ def compress_on_ray(
             for a in actors:
                 ray.kill(a)
     return [results[d] for d in doc_ids if d in results]
+
+
+def basis_ref(ray, store: Store, recipe: CompressRecipe, actor):
+    """The store's key basis for the workers' model (calibrated by ``actor`` first where the store
+    has none), put once into Ray's object store; None where the workers find one themselves."""
+    from kdnctl.quant.store_basis import basis_for_workers, wants_basis
+
+    if not wants_basis(recipe):
+        return None
+    fingerprint = ray.get(actor.describe.remote())["fingerprint"]
+    data = basis_for_workers(store, recipe, fingerprint, lambda texts: ray.get(actor.calibrate_basis.remote(texts)))
+    return None if data is None else ray.put(data)

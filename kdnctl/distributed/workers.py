@@ -113,10 +113,21 @@ class CompressWorker(_Worker):
         return {"fingerprint": self.lm.fingerprint if self.lm is not None else None, "pid": os.getpid(),
                 "host": socket.gethostname()}
 
-    def compress(self, src, recipe, label: str, source: str) -> CompressOutcome:
+    def calibrate_basis(self, texts: list[str]) -> tuple[bytes, int, int]:
+        """The model's key basis file calibrated on ``texts`` (kdnctl/quant/store_basis.py)."""
+        from kdnctl.quant.store_basis import basis_file
+
+        self._check()
+        return basis_file(self.lm, texts)
+
+    def compress(self, src, recipe, label: str, source: str, basis: bytes | None = None) -> CompressOutcome:
         from ..compress import build_compressed_version
 
         self._check()
+        if basis is not None and self.lm is not None:  # the store's key basis for this model (with every task:
+            from kdnctl.quant.basis import provide  # a restarted worker has it too)
+
+            provide(basis, self.lm.fingerprint)
         t0 = time.perf_counter()
         fingerprint = self.lm.fingerprint if self.lm is not None else None
         record, score_s = build_compressed_version(self.objects, src, recipe, label, source,

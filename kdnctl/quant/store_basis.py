@@ -29,16 +29,38 @@ def wants_basis(recipe) -> bool:
     return bool(getattr(recipe, "sized", False)) and recipe.quant == "ec" and recipe.key_basis != "none"
 
 
-def calibration_tokens(store, lm, max_docs: int = CAL_DOCS, max_tokens: int = CAL_TOKENS) -> list[list[int]]:
-    """Token ids of the store's documents for ``lm`` (current versions, by document id)."""
-    out = []
-    docs = sorted((d for d in store.list_documents() if d.fingerprint == lm.fingerprint), key=lambda d: d.doc_id)
-    for d in docs[:max_docs]:
-        text = bytes(store.read_object(d.text_object)).decode("utf-8", "replace")
-        ids = list(lm.tokenizer(text)["input_ids"])[:max_tokens]
-        if len(ids) >= 2:
-            out.append(ids)
-    return out
+def calibration_texts(store, fingerprint: str, max_docs: int = CAL_DOCS) -> list[str]:
+    """The texts of the store's documents made with model ``fingerprint`` (current versions, by
+    document id): what a basis is calibrated on."""
+    docs = sorted((d for d in store.list_documents() if d.fingerprint == fingerprint), key=lambda d: d.doc_id)
+    return [bytes(store.read_object(d.text_object)).decode("utf-8", "replace") for d in docs[:max_docs]]
+
+
+def basis_file(lm, texts: list[str], max_tokens: int = CAL_TOKENS) -> tuple[bytes, int, int]:
+    """(the basis file calibrated for ``lm`` on ``texts``, naming its model; documents; tokens)."""
+    token_lists = [ids for ids in (list(lm.tokenizer(t)["input_ids"])[:max_tokens] for t in texts) if len(ids) >= 2]
+    return file_from_tokens(lm, token_lists), len(token_lists), sum(map(len, token_lists))
+
+
+def file_from_tokens(lm, token_lists: list[list[int]]) -> bytes:
+    if not token_lists:
+        raise UsageError("calibrating a key basis needs at least one document of this model in the store",
+                         hint="ingest a document first, or pass --option key_basis=none")
+    return kb.encode_basis(kb.calibrate(kb.key_samples(lm, token_lists)), lm.fingerprint)
+
+
+def store_basis(store, fingerprint: str, data: bytes, source: str, *, quiet: bool = False) -> str:
+    """Record a calibrated basis file in ``store`` for ``fingerprint``, make it known to this
+    process and say so on stderr (one line); returns its sha256."""
+    from kdnctl.store.bases import commit_basis
+
+    with store.writer():
+        sha = commit_basis(store, fingerprint, data, source)
+    kb.provide(data, fingerprint)
+    if not quiet:
+        print(f"key basis {sha[:12]} {source} for model {fingerprint[:12]}; stored in "
+              f"{getattr(store, 'root', 'the store')}", file=sys.stderr)
+    return sha
 
 
 def calibrate_into_store(store, lm, token_lists: list[list[int]] | None = None, *, source: str | None = None,
@@ -46,24 +68,32 @@ def calibrate_into_store(store, lm, token_lists: list[list[int]] | None = None, 
     """Calibrate ``lm``'s key basis (on ``token_lists``, default the store's own documents), store
     it and record it for the model; returns its sha256. Says so on stderr in one line."""
     if token_lists is None:
-        token_lists = calibration_tokens(store, lm)
-        source = source or f"calibrated on {len(token_lists)} document(s) of this store"
-    if not token_lists:
+        data, n_docs, n_tokens = basis_file(lm, calibration_texts(store, lm.fingerprint))
+        source = source or f"calibrated on {n_docs} document(s) of this store"
+    else:
+        data, n_tokens = file_from_tokens(lm, token_lists), sum(map(len, token_lists))
+    return store_basis(store, lm.fingerprint, data, f"{source or 'calibrated'} ({n_tokens} tokens)", quiet=quiet)
+
+
+def basis_for_workers(store, recipe, fingerprint: str | None, calibrate) -> bytes | None:
+    """For a compress whose workers cannot read the catalog (kdnctl/distributed): the basis file
+    they code keys in where no basis directory has one for ``fingerprint``: the store's, else one
+    ``calibrate(texts) -> (file, documents, tokens)`` makes (on a worker) and the store records;
+    None where a basis directory has it or the recipe does not use one."""
+    if fingerprint is None or not wants_basis(recipe) or kb.shipped_basis_for_model(fingerprint) is not None:
+        return None
+    from kdnctl.store.bases import basis_record
+
+    rec = basis_record(store, fingerprint)
+    if rec is not None:
+        return bytes(store.read_object(rec.object))
+    texts = calibration_texts(store, fingerprint)
+    if not texts:
         raise UsageError("calibrating a key basis needs at least one document of this model in the store",
                          hint="ingest a document first, or pass --option key_basis=none")
-    basis = kb.calibrate(kb.key_samples(lm, token_lists))
-    data = kb.encode_basis(basis, lm.fingerprint)
-    n_tokens = sum(map(len, token_lists))
-    source = f"{source or 'calibrated'} ({n_tokens} tokens)"
-    from kdnctl.store.bases import commit_basis
-
-    with store.writer():
-        sha = commit_basis(store, lm.fingerprint, data, source)
-    kb.provide(data, lm.fingerprint)
-    if not quiet:
-        print(f"key basis {sha[:12]} calibrated for model {lm.fingerprint[:12]} on {len(token_lists)} document(s), "
-              f"{n_tokens} tokens; stored in {getattr(store, 'root', 'the store')}", file=sys.stderr)
-    return sha
+    data, n_docs, n_tokens = calibrate(texts)
+    store_basis(store, fingerprint, data, f"calibrated on {n_docs} document(s) of this store ({n_tokens} tokens)")
+    return data
 
 
 def ensure_key_basis(store, lm, recipe) -> str | None:
