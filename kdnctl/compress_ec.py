@@ -43,6 +43,7 @@ from .tail_reads import tail_read_scores
 from .value_feedback import feedback_values
 from .value_refit import QUESTION_OFFSET, document_queries, refit_values
 from .versions import child_recipe
+from kdnctl.presses.window_layers import ec_windows, first_row
 
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
@@ -233,6 +234,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
     xs = [q.forward(all_keys[i], all_values[i], all_positions.expand(n_heads, -1)) if i in backfill
           else q.forward(k, v, positions.expand(n_heads, -1)) for i, (k, v) in enumerate(zip(keys, values))]
     narrow = {i: h for i, h in narrow_heads(recipe, n_layers, n_heads).items() if i in backfill}
+    wins, win_meta = ec_windows(recipe, bundles[0].meta["model"], positions, int(all_positions[-1]) + 1,
+                                bool(backfill))  # window_layers=window: those layers' first kept row
     evicted = torch.ones(n_all, dtype=torch.bool)
     if rows is not None:
         evicted[rows] = False
@@ -278,6 +281,9 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             for i, (k, v) in enumerate(xs):
                 for role, x, s, fl, rl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels, levels_by_role):
                     a, b, lv = (ls, le, fl[ls:le]) if i in backfill else (ks, ke, rl[ks:ke])
+                    if i in wins:
+                        a = first_row(wins, i, ks, ke)
+                        lv = rl[a:ke]
                     axes = basis[i] if basis is not None and role == "keys" else None
                     rows_here = held_rows(~evicted[ls:le], narrow_mask[i]) if i in narrow else None
                     mean = None
@@ -346,22 +352,27 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
             local = None if rows is None else rows[ks:ke] - ls
             for i in range(n_layers):
                 kept_here = local if i not in backfill else None
+                if i in wins:  # a window layer: the chunk's kept tokens in the window, their own levels
+                    a = first_row(wins, i, ks, ke)
+                    kept_here = (torch.arange(a, ke) if rows is None else rows[a:ke]) - ls
+                    for role, lv in zip(("keys.", "values.") if split else ("",), levels_by_role):
+                        t[tensor_name(i, f"{role}levels")] = lv[a:ke].clone()
                 if kept_here is not None:  # the same kept tokens in every such layer and head (own tensors: safetensors refuses shared memory)
                     t[tensor_name(i, "positions")] = _chunk_positions(b.tensors["positions"], kept_here, n_heads)
                 bias = b.layer(i, "bias")
                 if bias is not None:
                     t[tensor_name(i, "bias")] = bias if kept_here is None else bias[..., kept_here].contiguous()
             n_rows = sum(n_heads * (le - ls) - len(narrow.get(i, ())) * (le - ls - ke + ks) if i in backfill
-                         else n_heads * (ke - ks) for i in range(n_layers))
+                         else n_heads * (ke - first_row(wins, i, ks, ke)) for i in range(n_layers))
             metas.append({"quant": {**qmeta, "alpha": round(alpha, 6),
-                                    "mix": {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}}})
+                                    "mix": {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}}, **win_meta})
             new_tensors.append(t)
         total = sum(len(encode_bundle(KVBundle(meta=derived_meta(b.meta, label=label, parent=src.label,
                                                                   recipe=recipe_meta, **m), tensors=t)))
                     for b, t, m in zip(bundles, new_tensors, metas)) + STAMP_BYTES * len(bundles)
         if total <= cap:
             n_rows = sum(n_heads * n_all - len(narrow.get(i, ())) * (n_all - n_tokens) if i in backfill
-                         else n_heads * n_tokens for i in range(n_layers))
+                         else n_heads * (n_tokens - first_row(wins, i, 0, n_tokens)) for i in range(n_layers))
             return new_tensors, metas, n_rows / (n_heads * n_layers * n_all), {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}
         overhead = total - payload(alpha) + 256
     raise UsageError(f"could not fit {recipe.budget:g} x the fp16 size with --quant ec", hint="raise --budget")

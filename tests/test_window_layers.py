@@ -101,7 +101,36 @@ def test_window_layers_with_a_press_keep_the_window_and_the_presss_picks(models,
             assert 0.4 * n < k.shape[2] < 0.6 * n, (i, k.shape, n)
 
 
-def test_window_layers_with_a_budget_are_refused_in_one_line(models, tmp_path):
-    *_, proc = _windowed("mistral", models, tmp_path, "--budget", "0.25")
+def test_window_layers_under_the_default_budget(models, tmp_path):
+    """``--budget 0.25`` (ec, every token kept): each window layer codes only its last W tokens,
+    and the bytes that frees go to the rest: nearer to the full version than stored whole."""
+    from kdnctl.engine.hf import forward_suffix, load_document
+    from kdnctl.model import use_loaded_models
+    from kdnctl.presses.window_layers import window_sizes
+    from kdnctl.store import Store, read_bundle_meta
+
+    path, mlm, store, proc = _windowed("gemma3", models, tmp_path, "--budget", "0.25")
+    assert proc.returncode == 0, proc.stderr
+    with use_loaded_models(mlm):
+        run_cli("compress", DOC.name, "--budget", "0.25", "--label", "whole", "--model", path, store=store, check=True)
+    suffix = mlm.tokenizer(SUFFIX, add_special_tokens=False).input_ids
+    with Store(store, create=False) as st:
+        windows = window_sizes(read_bundle_meta(st, st.get_version(DOC.name, "win").chunks[0].object)["model"])
+        nexts = {}
+        for label in ("full", "whole", "win"):
+            ctx = load_document(mlm, st, DOC.name, label=label)
+            nexts[label] = torch.softmax(forward_suffix(mlm, ctx, suffix, last_only=True)[0][-1], -1)
+            if label == "win":
+                n = ctx.n_tokens
+                assert [k.shape[2] for k in ctx.keys] == [windows.get(i, n) for i in range(len(ctx.keys))]
+        assert st.get_version(DOC.name, "win").nbytes <= 0.25 * 2 * sum(
+            k.numel() for k in load_document(mlm, st, DOC.name).keys) * 2
+    tv = {x: 0.5 * (nexts[x] - nexts["full"]).abs().sum().item() for x in ("whole", "win")}
+    assert tv["win"] <= tv["whole"] and tv["win"] < 0.05, tv
+
+
+def test_window_layers_with_another_budgeted_layout_are_refused_in_one_line(models, tmp_path):
+    *_, proc = _windowed("mistral", models, tmp_path, "--budget", "0.25", "--quant", "int4")
     assert proc.returncode == 2, proc.stderr
-    assert "window_layers" in proc.stderr.strip().splitlines()[0]
+    first = proc.stderr.strip().splitlines()[0]
+    assert "window_layers" in first and "int4" in first

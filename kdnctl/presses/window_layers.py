@@ -63,9 +63,34 @@ def by_window(recipe, model_meta: dict, picks, local_bounds, n_layers: int, n_he
     windows = window_sizes(model_meta) if recipe.options.get("window_layers", WHOLE) == WINDOW else {}
     if not windows:
         return picks, {}
+    if recipe.sized and recipe.quant == "ec":
+        return picks, {}  # the ec layout keeps each window layer's window itself (ec_windows)
     if recipe.sized:
-        raise UsageError("option window_layers=window selects the tokens of sliding-window layers, which the "
-                         "size-budgeted layouts do not take yet", hint="use it with --keep K and/or --quant Q "
-                         "(without --budget)", param="window_layers")
+        raise UsageError(f"option window_layers=window selects the tokens of sliding-window layers, which the "
+                         f"size-budgeted {recipe.quant} layout does not take", hint="use it with --quant ec (the "
+                         "default with --budget), or with --keep K and/or --quant Q without --budget",
+                         param="window_layers")
     return window_picks(picks, windows, local_bounds, n_layers, n_heads), {"model": windowed_model_meta(model_meta,
                                                                                                         windows)}
+
+
+def ec_windows(recipe, model_meta: dict, kept_positions: torch.Tensor, doc_end: int,
+               other_lengths: bool) -> tuple[dict[int, int], dict]:
+    """For the ``ec`` layout: ({window layer: index, in the kept sequence, of its first token},
+    extra bundle meta) under ``window_layers=window``; ({}, {}) otherwise. ``kept_positions``:
+    the kept tokens' positions, ascending; ``other_lengths``: the recipe gives some layers other
+    lengths already (backfill), which a window does not combine with."""
+    from kdnctl.errors import UsageError
+
+    windows = window_sizes(model_meta) if recipe.options.get("window_layers", WHOLE) == WINDOW else {}
+    if not windows:
+        return {}, {}
+    if other_lengths:
+        raise UsageError("option window_layers=window does not combine with backfill", param="window_layers")
+    starts = {i: int((kept_positions < doc_end - w).sum()) for i, w in windows.items()}
+    return starts, {"model": windowed_model_meta(model_meta, windows)}
+
+
+def first_row(starts: dict[int, int], i: int, ks: int, ke: int) -> int:
+    """The first row of the kept range ``[ks, ke)`` that layer ``i`` stores."""
+    return min(max(ks, starts[i]), ke) if i in starts else ks
