@@ -23,7 +23,7 @@ import torch
 from .models import plain_rope_theta
 from . import sizing
 from .compress_ec import sized_ec
-from kdnctl.quant.store_basis import ensure_key_basis
+from kdnctl.quant.store_basis import key_basis_scope
 from .compress_recipe import CompressRecipe  # noqa: F401 (re-exported: callers import it from here)
 from .bundle import KVBundle, decode_bundle, derived_meta, encode_bundle, stats_of, tensor_name
 from .errors import UnsupportedError, UsageError
@@ -102,9 +102,9 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     if done is not None:
         return done
     src = store.get_version(doc_id, source)
-    ensure_key_basis(store, lm, recipe)  # a model with no basis gets one now (kdnctl/quant/store_basis.py)
-    record, score_s, extra = build_compressed_version(store, src, recipe, label, source, lm=lm, fingerprint=fingerprint,
-                                                      with_sizes=True)
+    with key_basis_scope(store, lm, recipe):  # a model with no basis gets one now (kdnctl/quant/store_basis.py)
+        record, score_s, extra = build_compressed_version(store, src, recipe, label, source, lm=lm,
+                                                          fingerprint=fingerprint, with_sizes=True)
     commit(store, record)
     return CompressResult(doc_id, label, "compressed", src.nbytes, record.nbytes, time.perf_counter() - t0, score_s,
                           *extra)

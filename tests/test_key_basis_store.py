@@ -98,6 +98,12 @@ def test_a_fresh_process_loads_with_the_store_basis(calibrated):
     assert not kb.known(sha)
     after = _next_logits(mlm, store, label)
     assert torch.equal(before, after)
+    kb.forget_provided()  # exports read the version through the same basis
+    from kdnctl.export.base import read_document_kv
+    from kdnctl.store import Store
+
+    with Store(store, create=False) as st:
+        read_document_kv(st, DOC.name, label)
     # and the loader really took it from the store: with the object gone, the load names the basis
     kb.forget_provided()
     copy = store.parent / "no-basis"

@@ -124,14 +124,14 @@ class CompressWorker(_Worker):
         from ..compress import build_compressed_version
 
         self._check()
-        if basis is not None and self.lm is not None:  # the store's key basis for this model (with every task:
-            from kdnctl.quant.basis import provide  # a restarted worker has it too)
+        from kdnctl.quant.basis import model_basis, provide
 
-            provide(basis, self.lm.fingerprint)
         t0 = time.perf_counter()
         fingerprint = self.lm.fingerprint if self.lm is not None else None
-        record, score_s = build_compressed_version(self.objects, src, recipe, label, source,
-                                                   lm=self.lm, fingerprint=fingerprint)
+        # the store's key basis for this model comes with every task (a restarted worker has it too)
+        with model_basis(fingerprint, provide(basis) if basis is not None and fingerprint else None):
+            record, score_s = build_compressed_version(self.objects, src, recipe, label, source,
+                                                       lm=self.lm, fingerprint=fingerprint)
         self.objects.stamp_blake3(record.chunks)
         return CompressOutcome(src.doc_id, record, src.nbytes, record.nbytes, time.perf_counter() - t0, score_s,
                                f"{socket.gethostname()}:{os.getpid()}")

@@ -75,6 +75,9 @@ def read_document_kv(store, doc_id: str, label: str = "full", doc_version: str |
     ]
     if not bundles:
         raise ExportError(f"{doc_id} [{label}] has no chunks")
+    from kdnctl.quant.store_basis import basis_shas, provide_store_bases
+
+    provide_store_bases(store, basis_shas(b.meta for b in bundles))  # a key basis the store holds
     n_layers = bundles[0].n_layers
     biased = [i for i in range(n_layers) if any(b.layer_bias(i) is not None for b in bundles)]
     if biased:  # an engine's cache holds keys and values only: dropping the bias would change the answers

@@ -213,7 +213,7 @@ def rebuild_catalog(root: str | os.PathLike, lm: LoadedModel, *, force: bool = F
             report.versions += len(labels)
             if d.doc_id not in report.documents:
                 report.documents.append(d.doc_id)
-        from ..quant.store_basis import recover_basis_records
+        from kdnctl.quant.store_basis import recover_basis_records
 
         report.bases = recover_basis_records(st, [root / "objects" / s[:2] / s for s in others])
         report.held = st.hold_unreferenced("not recovered by rebuild-catalog")

@@ -19,6 +19,8 @@ package) and the directories in ``$KDNCTL_KEY_BASES`` (``os.pathsep``-separated)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -39,17 +41,18 @@ def registry_dirs() -> list[Path]:
     return extra + [PACKAGE_DIR]
 
 
-# Bases this process took from a store (kdnctl/quant/store_basis.py): sha256 -> file bytes, and
+# Bases this process took from a store (kdnctl/quant/store_basis.py): sha256 -> file bytes (content
+# addressed: harmless to keep), and, only while a compress for that store runs (``model_basis``),
 # model fingerprint -> sha256. Directories win; a store only adds what they lack.
 _FROM_STORE: dict[str, bytes] = {}
-_STORE_FOR_MODEL: dict[str, str] = {}
+_STORE_FOR_MODEL: contextvars.ContextVar[dict[str, str]] = contextvars.ContextVar("store_for_model", default={})
 
 
 def basis_for_model(fingerprint: str) -> str | None:
     """The sha256 of the key basis registered for ``fingerprint`` (a basis directory, else a store
     basis this process was given), or None."""
     found = shipped_basis_for_model(fingerprint)
-    return found if found is not None else _STORE_FOR_MODEL.get(fingerprint)
+    return found if found is not None else _STORE_FOR_MODEL.get().get(fingerprint)
 
 
 def shipped_basis_for_model(fingerprint: str) -> str | None:
@@ -92,17 +95,29 @@ def decode_basis(data: bytes, what: str) -> tuple[torch.Tensor, str | None]:
     return basis, fp if isinstance(fp, str) else None
 
 
-def provide(data: bytes, fingerprint: str | None = None) -> str:
-    """Make a store basis file known to this process (``load_basis`` and, with ``fingerprint``,
-    ``basis_for_model`` find it); checked first. Returns its sha256."""
+def provide(data: bytes) -> str:
+    """Make a store basis file known to this process (``load_basis`` finds it); checked first.
+    Returns its sha256."""
     data = bytes(data)
     sha = hashlib.sha256(data).hexdigest()
     if sha not in _FROM_STORE:
         decode_basis(data, f"key basis {sha[:12]}")
         _FROM_STORE[sha] = data
-    if fingerprint is not None:
-        _STORE_FOR_MODEL[fingerprint] = sha
     return sha
+
+
+@contextlib.contextmanager
+def model_basis(fingerprint: str, sha: str | None):
+    """Within the block, ``basis_for_model(fingerprint)`` is ``sha`` where no basis directory has
+    one (a compress for a store whose basis it is; nothing with ``sha`` None)."""
+    if sha is None:
+        yield
+        return
+    token = _STORE_FOR_MODEL.set({**_STORE_FOR_MODEL.get(), fingerprint: sha})
+    try:
+        yield
+    finally:
+        _STORE_FOR_MODEL.reset(token)
 
 
 def known(sha: str) -> bool:
@@ -119,7 +134,6 @@ def is_sha(sha) -> bool:
 def forget_provided() -> None:
     """Drop the store bases this process was given (tests: a fresh process)."""
     _FROM_STORE.clear()
-    _STORE_FOR_MODEL.clear()
     clear_caches()
 
 

@@ -13,6 +13,7 @@ reads the object (local file or remote fetch, both verified) before decoding.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def store_basis(store, fingerprint: str, data: bytes, source: str, *, quiet: boo
 
     with store.writer():
         sha = commit_basis(store, fingerprint, data, source)
-    kb.provide(data, fingerprint)
+    kb.provide(data)
     if not quiet:
         print(f"key basis {sha[:12]} {source} for model {fingerprint[:12]}; stored in "
               f"{getattr(store, 'root', 'the store')}", file=sys.stderr)
@@ -97,8 +98,9 @@ def basis_for_workers(store, recipe, fingerprint: str | None, calibrate) -> byte
 
 
 def ensure_key_basis(store, lm, recipe) -> str | None:
-    """Before a compress: the sha256 of the key basis ``recipe`` will code keys in, made known to
-    this process (a basis directory's, else the store's, else calibrated now and stored), or None."""
+    """Before a compress: the sha256 of the key basis ``recipe`` will code keys in, its file made
+    known to this process (a basis directory's, else the store's, else calibrated now and
+    stored), or None. Compress inside ``with kb.model_basis(lm.fingerprint, sha)``."""
     if lm is None or not wants_basis(recipe):
         return None
     fp = lm.fingerprint
@@ -109,8 +111,15 @@ def ensure_key_basis(store, lm, recipe) -> str | None:
 
     rec = basis_record(store, fp)
     if rec is not None:
-        return kb.provide(store.read_object(rec.object), fp)
+        return kb.provide(store.read_object(rec.object))
     return calibrate_into_store(store, lm)
+
+
+def key_basis_scope(store, lm, recipe):
+    """A context for one compress in ``store``: the model's key basis as :func:`ensure_key_basis`
+    finds or makes it is the one ``basis_for_model`` answers within it."""
+    sha = ensure_key_basis(store, lm, recipe)
+    return kb.model_basis(lm.fingerprint, sha) if sha is not None else contextlib.nullcontext()
 
 
 def basis_shas(metas) -> list[str]:
