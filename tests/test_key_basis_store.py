@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_cli
+from conftest import EXAMPLES, run_cli
 from test_models import DOC, SUFFIX, build_model_dir
 
 from kdnctl.quant import basis as kb
@@ -246,3 +246,24 @@ def test_ray_workers_calibrate_once_and_code_with_the_store_basis(tmp_path, lm):
         assert sorted(a.tensors) == sorted(b.tensors)
         assert all(torch.equal(a.tensors[n], b.tensors[n]) for n in a.tensors)
     kb.forget_provided()
+
+
+def test_another_store_gets_its_own_basis(calibrated, tmp_path):
+    """The same model in a second store (in the same process): that store calibrates and holds
+    its own basis, and its versions name it, never the first store's."""
+    from kdnctl.model import use_loaded_models
+
+    mlm, path = calibrated["lm"], calibrated["path"]
+    first = _records(calibrated["store"])[0].object
+    other = tmp_path / "other"
+    with use_loaded_models(mlm):
+        run_cli("ingest", EXAMPLES / "faq.md", "--model", path, store=other, check=True)
+        proc = run_cli("compress", "faq.md", "--budget", "0.25", "--model", path, "--json", store=other, check=True)
+    assert "calibrated" in proc.stderr
+    recs = _records(other)
+    assert len(recs) == 1 and recs[0].object != first
+    from kdnctl.store import Store, read_bundle_meta
+
+    with Store(other, create=False) as st:
+        v = st.get_version("faq.md", _labels(proc))
+        assert {read_bundle_meta(st, c.object)["quant"]["key_basis"] for c in v.chunks} == {recs[0].object}
