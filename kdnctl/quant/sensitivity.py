@@ -51,6 +51,11 @@ def key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_d
 _KEY_WEIGHTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(tokens, ...): weights}
 
 
+def forget_key_weights() -> None:
+    """Drop the key weights kept so far (a benchmark timing a first compress calls this)."""
+    _KEY_WEIGHTS.clear()
+
+
 def _key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_dim: int, rope: bool) -> torch.Tensor:
     model = lm.model
     adapter = adapter_for(model)
