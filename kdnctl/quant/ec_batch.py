@@ -17,6 +17,7 @@ with the reference.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -72,16 +73,27 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     if tuple(out[0].shape[1:2]) != (h,) or out[0].shape[3] != d:
         raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
     basis_t = _basis_t(quant_meta.get("key_basis"), n_layers, h, d)
-    jobs = [(c, role) for c in range(len(bundles)) for role in ROLES]
+    # the costlier keys first (a basis matmul and RoPE), so the last jobs left are short ones
+    jobs = [(c, role) for role in sorted(ROLES, key=lambda r: r != "keys") for c in range(len(bundles))]
 
-    def run(part):
+    pending = iter(jobs)
+    lock = threading.Lock()
+
+    def run():
         with torch.inference_mode():  # (thread-local: a worker does not inherit the caller's)
-            run_part(part)
+            run_jobs()
 
-    def run_part(part):
+    def run_jobs():
+        # each worker takes the next (chunk, role) when it is free: a keys job costs several
+        # values jobs, and on a shared machine one core may be slower than the other
         scratch = zs8 = zs16 = zbuf = None
         state = cpu.new_state()
-        for c, role in part:
+        while True:
+            with lock:
+                job = next(pending, None)
+            if job is None:
+                return
+            c, role = job
             b = bundles[c]
             t = b.layer_len(0)
             if scratch is None or scratch.shape[0] < 2 * h * d * t:
@@ -95,15 +107,14 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
                                (zs8, zs16), state, n_layers, zbuf)
 
     if workers <= 1 or len(bundles) <= 1:
-        run(jobs)
+        run()
         return
-    parts = [jobs[i::workers] for i in range(workers)]
     # the chunks are the parallel work: the key basis's matmuls run on one torch thread each
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(workers) as pool:
-            for f in [pool.submit(run, p) for p in parts]:
+            for f in [pool.submit(run) for _ in range(workers)]:
                 f.result()
     finally:
         torch.set_num_threads(threads)
