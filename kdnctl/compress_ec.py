@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -45,6 +46,7 @@ from .value_refit import QUESTION_OFFSET, document_queries, refit_values
 from .versions import child_recipe
 from kdnctl.presses.window_layers import ec_windows, first_row
 
+ENCODE_WORKERS = 2  # threads over chunks while encoding
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
 
@@ -275,8 +277,8 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
         fed = [feedback_values(fit_queries[0][i], kept_keys[i] if kept_keys else keys[i], xs[i][1],
                                fit_queries[1][i], recipe.refit, steps_at(alpha, i)[1], levels_by_role[1],
                                kept_bounds, hold) for i in range(n_layers)] if feedback else None
-        out = []
-        for (ks, ke), (ls, le) in zip(kept_bounds, local_bounds):
+        def one_chunk(bounds):
+            (ks, ke), (ls, le) = bounds
             chunk = {}
             for i, (k, v) in enumerate(xs):
                 for role, x, s, fl, rl in zip(("keys", "values"), (k, v), steps_at(alpha, i), full_levels, levels_by_role):
@@ -291,8 +293,11 @@ def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys:
                         x, mean = fed[i], x[:, a:b].mean(1)
                     chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
                         encode_role(x[:, a:b], s, lv, q.coding, basis=axes, stored=rows_here, mean=mean)
-            out.append(chunk)
-        return out
+            return chunk
+
+        # chunks on both cores: deflate and torch's kernels release the GIL (the same bytes, in order)
+        with ThreadPoolExecutor(ENCODE_WORKERS) as pool:
+            return list(pool.map(one_chunk, zip(kept_bounds, local_bounds)))
 
     @functools.lru_cache(maxsize=None)  # sizes only: a long document's blobs are tens of MB per scale
     def payload(alpha: float) -> int:

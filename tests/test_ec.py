@@ -364,6 +364,30 @@ def test_channel_weights_match_naive_references(tiny_lm):
     assert torch.equal(pair_mean(torch.tensor([1.0, 3.0])), torch.tensor([2.0, 2.0]))
 
 
+def test_key_weights_are_computed_once_per_model_and_document(tiny_lm):
+    """A second budget of the same document reuses the key weights (no second forward pass);
+    another document, or the weights without RoPE's pairing, are computed afresh; callers get
+    their own copy."""
+    model = tiny_lm.model
+    cfg = model.config
+    n_layers, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    calls = []
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: calls.append(1))
+    try:
+        ids = list(range(200, 223))
+        first = key_weights(tiny_lm, ids, n_layers, hkv, d, rope=True)
+        n = len(calls)
+        assert n == 1
+        first.zero_()  # (the caller's copy)
+        again = key_weights(tiny_lm, ids, n_layers, hkv, d, rope=True)
+        assert len(calls) == n and again.abs().sum() > 0
+        key_weights(tiny_lm, ids[:-1], n_layers, hkv, d, rope=True)
+        key_weights(tiny_lm, ids, n_layers, hkv, d, rope=False)
+        assert len(calls) == n + 2
+    finally:
+        hook.remove()
+
+
 def test_token_levels_protect_and_lift():
     from kdnctl.compress_ec import LIFT_LEVEL, PROTECT_LEVEL, token_levels
 

@@ -49,6 +49,19 @@ def test_channel_fisher_is_seeded(tiny_lm):
     assert not all(torch.equal(x[0], y[0]) for x, y in zip(a, c))
 
 
+def test_one_pass_fisher_equals_draws_then_backward(tiny_lm):
+    """channel_fisher draws from the forward its backward runs through: bit for bit what a
+    separate no-grad draw followed by signed_fisher gives (the stored steps depend on it)."""
+    ids, keys, values = _prefill(tiny_lm, 41, seed=7)
+    probe = lf.probe_ids(tiny_lm, ids, 2)
+    w = torch.rand(len(ids), generator=torch.Generator().manual_seed(2)) + 0.1
+    for seed in (0, 11):
+        y, sign = lf._draws(tiny_lm, keys, values, probe, len(ids), seed)
+        want = lf.signed_fisher(tiny_lm, keys, values, probe, len(ids), w, y, sign)
+        got = lf.channel_fisher(tiny_lm, keys, values, probe, len(ids), w, seed=seed)
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
+
+
 def test_damage_and_multipliers_match_loops():
     g = torch.Generator().manual_seed(0)
     fisher = [(torch.rand(3, 5, generator=g) * 10 ** i, torch.rand(3, 5, generator=g)) for i in range(-3, 3)]

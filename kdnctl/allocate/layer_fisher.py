@@ -77,9 +77,19 @@ def _grads(lm, keys, values, probe: list[int], start: int, y: torch.Tensor, weig
 
 def channel_fisher(lm, keys, values, probe: list[int], start: int, token_weight: torch.Tensor, seed: int = 0):
     """Per layer ``(F_keys, F_values)``, each ``[H, D]``, from one seeded draw of ``y`` and the
-    signs (:func:`signed_fisher`)."""
-    y, sign = _draws(lm, keys, values, probe, start, seed)
-    return signed_fisher(lm, keys, values, probe, start, token_weight, y, sign)
+    signs: :func:`signed_fisher` after :func:`_draws`, in one forward pass (the draw is taken
+    from the log-probabilities the backward then runs through: the same values the separate
+    no-grad pass computes, tested)."""
+    with torch.inference_mode(False), torch.enable_grad():  # compress may run under inference mode
+        ks = [k.detach().float().clone().requires_grad_(True) for k in keys]
+        vs = [v.detach().float().clone().requires_grad_(True) for v in values]
+        lp = _log_probs(lm, ks, vs, probe, start)
+        g = torch.Generator().manual_seed(seed)
+        y = torch.multinomial(lp.detach().exp().cpu(), 1, generator=g)[:, 0]
+        sign = torch.randint(0, 2, (len(probe),), generator=g).float() * 2 - 1
+        (lp.gather(1, y.to(lp.device)[:, None])[:, 0] * sign.to(lp.device)).sum().backward()
+    w = token_weight.float()[None, :, None]
+    return [((k.grad.cpu().pow(2) * w).sum(1), (v.grad.cpu().pow(2) * w).sum(1)) for k, v in zip(ks, vs)]
 
 
 def signed_fisher(lm, keys, values, probe: list[int], start: int, token_weight: torch.Tensor,

@@ -17,6 +17,7 @@ with the reference.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -72,47 +73,62 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     if tuple(out[0].shape[1:2]) != (h,) or out[0].shape[3] != d:
         raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
     basis_t = _basis_t(quant_meta.get("key_basis"), n_layers, h, d)
-    jobs = [(c, role) for c in range(len(bundles)) for role in ROLES]
+    # the costlier keys first (a basis matmul and RoPE), so the last jobs left are short ones
+    jobs = [(c, role) for role in sorted(ROLES, key=lambda r: r != "keys") for c in range(len(bundles))]
 
-    def run(part):
+    pending = iter(jobs)
+    lock = threading.Lock()
+
+    def run():
         with torch.inference_mode():  # (thread-local: a worker does not inherit the caller's)
-            run_part(part)
+            run_jobs()
 
-    def run_part(part):
-        scratch, state, zbuf = None, cpu.new_state(), None
-        for c, role in part:
+    def run_jobs():
+        # each worker takes the next (chunk, role) when it is free: a keys job costs several
+        # values jobs, and on a shared machine one core may be slower than the other
+        scratch = zs8 = zs16 = zbuf = None
+        state = cpu.new_state()
+        while True:
+            with lock:
+                job = next(pending, None)
+            if job is None:
+                return
+            c, role = job
             b = bundles[c]
             t = b.layer_len(0)
-            need = 2 * h * d * t
-            if scratch is None or scratch.shape[0] < need:
-                scratch = np.empty(max(need, 1), np.uint8)
+            if scratch is None or scratch.shape[0] < 2 * h * d * t:
+                scratch = np.empty(max(2 * h * d * t, 1), np.uint8)
+                # codes in rows (+8: packed digits may run past a frame's end)
+                zs8, zs16 = np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16)
             basis = basis_t if role == "keys" else None
-            if basis is not None and (zbuf is None or zbuf.shape[2] < t):
-                zbuf = torch.empty(n_layers, h, t, d)
+            if basis is not None and (zbuf is None or zbuf.numel() < 2 * n_layers * h * t * d):
+                zbuf = torch.empty(2 * n_layers * h * t * d)  # the scaled codes, then the rotated keys
             _decode_chunk_role(b, role, t, starts[c], out[ROLES.index(role)], quant_meta, h, d, basis, scratch,
-                               state, n_layers, zbuf)
+                               (zs8, zs16), state, n_layers, zbuf)
 
     if workers <= 1 or len(bundles) <= 1:
-        run(jobs)
+        run()
         return
-    parts = [jobs[i::workers] for i in range(workers)]
     # the chunks are the parallel work: the key basis's matmuls run on one torch thread each
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(workers) as pool:
-            for f in [pool.submit(run, p) for p in parts]:
+            for f in [pool.submit(run) for _ in range(workers)]:
                 f.result()
     finally:
         torch.set_num_threads(threads)
 
 
 def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_meta: dict, h: int, d: int,
-                       basis_t: torch.Tensor | None, scratch: np.ndarray, state: np.ndarray, n_layers: int,
-                       zbuf: torch.Tensor | None = None) -> None:
-    """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``. In a key basis the kernel writes
-    the scaled codes to ``zbuf``; one batched matmul with the basis (its columns scaled by the
-    steps) and the mean rotates them into the cache, and RoPE follows in place."""
+                       basis_t: torch.Tensor | None, scratch: np.ndarray, zs: tuple[np.ndarray, np.ndarray], state: np.ndarray,
+                       n_layers: int, zbuf: torch.Tensor | None = None) -> None:
+    """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``, every layer in one kernel call
+    that writes each token row once, dequantized and RoPE'd. In a key basis the kernel writes
+    the scaled codes to the first half of ``zbuf`` (flat, room for ``2 L H t D``); one batched
+    matmul with the basis (its columns scaled by the steps) and the mean rotates them into its
+    second half (a BLAS matmul: several times the speed of a loop in the kernel), and a last
+    pass RoPEs them into the cache."""
     from kdnctl.kernels.ec import cpu
 
     inflate_frames, decode_blobs, rope_blobs = cpu.kernels()
@@ -151,22 +167,22 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
         cos, sin, cs_idx = _rope_tables(tensors, prefixes, t, h, d, float(theta))
     err = np.zeros(n_layers, np.int32)
     layers = np.arange(n_layers, dtype=np.int64)
+    tables = cpu.digit_tables()
     if basis_t is None:
         decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out.numpy(), layers, tok, True,
-                     cos, sin, cs_idx, cpu.digit_tables(), scratch, state, err)
+                     cos, sin, cs_idx, tables, scratch, *zs, state, err)
     else:
-        z = zbuf[:, :, :t]
+        z, y = zbuf[:2 * n_layers * h * t * d].view(2, n_layers, h, t, d)
         decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, z.numpy(), layers, 0, False,
-                     cos, sin, np.full(n_layers, -1, np.int64), cpu.digit_tables(), scratch, state, err)
+                     cos, sin, cs_idx, tables, scratch, *zs, state, err)
     if err.any():
         i = int(np.flatnonzero(err)[0])
         raise BundleFormatError(f"{prefixes[i]}.{cpu.MESSAGES[int(err[i])]}")
     if basis_t is not None and t:
         m = basis_t[:n_layers] * torch.from_numpy(step).view(n_layers, h, 1, d)
-        slot = out[:, :, tok:tok + t].view(n_layers * h, t, d)  # (a view: the matmul writes the cache)
         torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, t, d),
-                      m.view(n_layers * h, d, d), out=slot)
-        rope_blobs(out.numpy(), layers, tok, t, cos, sin, cs_idx)
+                      m.view(n_layers * h, d, d), out=y.view(n_layers * h, t, d))
+        rope_blobs(y.numpy(), out.numpy(), layers, tok, t, cos, sin, cs_idx)  # (the cache written once)
 
 
 def _span(blobs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:

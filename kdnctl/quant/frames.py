@@ -12,17 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-
-def codes_per_byte(peak: int) -> int:
-    """How many codes in ``[-peak, peak]`` one byte holds as base-``2 peak + 1`` digits (1: none;
-    0: every code is 0 and nothing is stored). Huffman coding spends at least one bit per
-    symbol: grouping codes lets channels whose codes are nearly all 0 cost less than a bit."""
-    if peak == 0:
-        return 0
-    radix, per = 2 * peak + 1, 1
-    while radix ** (per + 1) <= 256:
-        per += 1
-    return per
+from kdnctl.kernels.ec.digits import codes_per_byte  # noqa: F401  (re-exported: the encoder's name for it)
 
 
 def frame_payloads(codes: torch.Tensor, bins: torch.Tensor, width: int) -> tuple[list[bytes], list[int]]:

@@ -19,6 +19,8 @@ import zlib
 
 import numpy as np
 
+from . import digits
+
 STATE_BYTES = 1 << 18  # > sizeof(struct inflate_state) (~80 KB in ISA-L 2.31), a margin for others
 
 # error codes of decode_blobs, per blob (0: decoded)
@@ -71,50 +73,98 @@ def _build(numba, init, stateless):
         for f in range(s_off.shape[0]):
             ok[f] = inflate_one(state, sp + s_off[f], s_len[f], dp + d_off[f], d_len[f])
 
-    @njit
-    def codes_per_byte(peak):
-        if peak == 0:
-            return 0
-        radix, per = 2 * peak + 1, 1
-        while radix ** (per + 1) <= 256:
-            per += 1
-        return per
+    codes_per_byte = njit(digits.codes_per_byte)
 
     @njit
-    def rope_rows(out, lay, tok, t, cos, sin, ci):
-        """RoPE in place on ``out[lay, :, tok:tok + t]`` (rotate-half), as ``transforms.rope``
-        computes it: ``x * cos + rotate_half(x) * sin``, each product rounded, then the sum."""
-        d = out.shape[3]
+    def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> bool:
+        """A frame's ``m`` codes (rows of ``t``, already inflated into ``scratch``) as int16 at
+        ``zs[base:base + m]``; packed digits may write up to ``per - 1`` codes past the end (the
+        next frame overwrites them; ``zs`` has room). False: a byte holds digits out of range."""
+        if per == 1 and width == 1:
+            for i in range(m):
+                v = np.int16(scratch[i])
+                zs[base + i] = v - 256 if v >= 128 else v
+        elif per == 1:
+            for i in range(m):
+                v = np.int32(scratch[2 * i]) | (np.int32(scratch[2 * i + 1]) << 8)
+                zs[base + i] = v - 65536 if v >= 32768 else v
+        else:
+            radix, lim = 2 * peak + 1, 1
+            for _ in range(per):
+                lim *= radix
+            top = 0
+            for i in range(n_bytes):
+                if scratch[i] > top:
+                    top = scratch[i]
+            if top >= lim:
+                return False
+            tab = tables[peak]
+            for i in range(n_bytes):
+                row = tab[scratch[i]]
+                k = base + i * per
+                for e in range(per):
+                    zs[k + e] = row[e]
+        return True
+
+    @njit
+    def dequant_rows(zs, slot, t, step, mean, lv, plain, out, lay, tok, cos, sin, ci, z, y):
+        """``out[lay, h, tok + j] = zs[slot[h*D + c] + j] * lv[j] * step + mean`` (then RoPE'd
+        where ``ci >= 0``), or ``plain`` False: the scaled codes alone."""
+        h_n, d = out.shape[1], out.shape[3]
         half = d // 2
-        y = np.zeros(d, np.float32)
-        for h in range(out.shape[1]):
+        for h in range(h_n):
+            rb = slot[h * d:(h + 1) * d]
+            st = step[h * d:(h + 1) * d]
+            mu = mean[h * d:(h + 1) * d]
             hc = h if cos.shape[1] > 1 else 0
             for j in range(t):
+                sc = lv[j]
+                for c in range(d):
+                    z[c] = np.float32(zs[rb[c] + j]) * sc
                 row = out[lay, h, tok + j]
-                cr, sr = cos[ci, hc, j], sin[ci, hc, j]
-                for i in range(half):
-                    a, c2 = row[i], row[i + half]
-                    y[i] = a * cr[i] + (-c2) * sr[i]
-                    y[i + half] = c2 * cr[i + half] + a * sr[i + half]
-                for i in range(d):
-                    row[i] = y[i]
+                if not plain:
+                    for c in range(d):
+                        row[c] = z[c]
+                    continue
+                for c in range(d):
+                    y[c] = z[c] * st[c] + mu[c]
+                if ci >= 0:
+                    rope_row(row, y, cos[ci, hc, j], sin[ci, hc, j], half)
+                else:
+                    for c in range(d):
+                        row[c] = y[c]
 
     @njit
-    def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, plain,
-                     cos, sin, cs_idx, tables, scratch, state, err):
+    def rope_row(row, y, cr, sr, half):
+        """``row = y * cos + rotate_half(y) * sin``, as ``transforms.rope`` computes it: each
+        product rounded, then the sum."""
+        for i in range(half):
+            a, c2 = y[i], y[i + half]
+            row[i] = a * cr[i] + (-c2) * sr[i]
+            row[i + half] = c2 * cr[i + half] + a * sr[i + half]
+
+    @njit
+    def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, plain, cos, sin, cs_idx,
+                     tables, scratch, zs8, zs16, state, err):
         """Blob b (one layer of one role of a chunk): its codes at ``raw[c_off[b]:+c_len[b]]``,
         ``step``/``mean``/``bins`` ``[n, H*D]`` from its params, ``lsc [n, t]`` = 2**-level,
         written to ``out[layer[b], :, tok:tok + t, :]``: ``code * 2**-level * step + mean``
         where ``plain``, else ``code * 2**-level`` (the caller rotates those out of a key
-        basis); ``cs_idx[b] >= 0``: RoPE by ``cos``/``sin[cs_idx[b]]`` (``[Hc, t, D]``, Hc 1 or H)
-        after dequantizing. ``err[b]``: 0 or an error code."""
+        basis); ``cs_idx[b] >= 0`` (and ``plain``): then RoPE by ``cos``/``sin[cs_idx[b]]``
+        (``[Hc, t, D]``, Hc 1 or H). Two passes per blob: every frame inflated and unpacked to
+        rows of codes in bin order (``zs8``, or ``zs16`` for two-byte codes; a frame of one
+        code per byte inflates straight there), then the token rows of each head dequantized,
+        RoPE'd and written once, in order.
+        ``err[b]``: 0 or an error code (nothing of that blob is written)."""
         init(state.ctypes.data)
-        d = out.shape[3]
-        hd = out.shape[1] * d
+        h_n, d = out.shape[1], out.shape[3]
+        hd = h_n * d
         counts = np.zeros(256, np.int64)
         start = np.zeros(256, np.int64)
-        order = np.zeros(hd, np.int64)
-        sp, scr = raw.ctypes.data, scratch.ctypes.data
+        slot = np.zeros(hd, np.int64)  # channel -> its row in bin order
+        z = np.zeros(d, np.float32)
+        y = np.zeros(d, np.float32)
+        sp, scr, z8 = raw.ctypes.data, scratch.ctypes.data, zs8.ctypes.data
         for b in range(c_off.shape[0]):
             p, n_raw, lay = c_off[b], c_len[b], layer[b]
             width, n_frames = raw[p], raw[p + 1]
@@ -149,82 +199,75 @@ def _build(numba, init, stateless):
                 continue
             for c in range(hd):  # channels in bin order, ascending within a bin (a stable sort)
                 v = bins[b, c]
-                order[start[v]] = c
+                slot[c] = start[v]
                 start[v] += 1
-            lv = lsc[b]
-            o, pos = 0, p + head
+            o, pos, fb = 0, p + head, 0
             for f in range(n_frames):
                 q = p + 2 + 4 * f
                 size = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8) | (np.int64(raw[q + 2]) << 16) | (np.int64(raw[q + 3]) << 24)
                 q = p + 2 + 4 * n_frames + 2 * f
                 peak = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8)
-                n = counts[bins[b, order[o]]]  # the f-th bin that has channels
+                while counts[fb] == 0:  # the f-th bin that has channels
+                    fb += 1
+                n = counts[fb]
+                fb += 1
                 per = codes_per_byte(peak)
                 m = n * t
                 if per == 0:
                     if size:
                         err[b] = ERR_ZERO
                         break
+                    if width == 1:
+                        zs8[o * t:(o + n) * t] = 0
+                    else:
+                        zs16[o * t:(o + n) * t] = 0
                 elif m > 0:
                     n_bytes = (m + per - 1) // per if per > 1 else width * m
-                    if n_bytes > scratch.shape[0] or not inflate_one(state, sp + pos, size, scr, n_bytes):
-                        err[b] = ERR_INFLATE
-                        break
-                    if per > 1:
-                        radix, lim = 2 * peak + 1, 1
-                        for _ in range(per):
-                            lim *= radix
-                        top = 0
-                        for i in range(n_bytes):
-                            if scratch[i] > top:
-                                top = scratch[i]
-                        if top >= lim:
+                    if per == 1 and width == 1:  # one code per byte: inflated straight into its rows
+                        if not inflate_one(state, sp + pos, size, z8 + o * t, n_bytes):
+                            err[b] = ERR_INFLATE
+                            break
+                    else:
+                        if n_bytes > scratch.shape[0] or not inflate_one(state, sp + pos, size, scr, n_bytes):
+                            err[b] = ERR_INFLATE
+                            break
+                        if width == 1:
+                            good = unpack_frame(scratch, n_bytes, width, per, peak, tables, zs8, o * t, m)
+                        else:
+                            good = unpack_frame(scratch, n_bytes, width, per, peak, tables, zs16, o * t, m)
+                        if not good:
                             err[b] = ERR_RANGE
                             break
-                for r in range(n):
-                    ch = order[o + r]
-                    col = out[lay, ch // d, tok:tok + t, ch % d]
-                    st, mu = step[b, ch], mean[b, ch]
-                    if not plain:
-                        st, mu = np.float32(1.0), np.float32(0.0)
-                    if per == 0 or m == 0:
-                        for j in range(t):
-                            z = np.float32(0.0) * lv[j]
-                            col[j] = z * st + mu if plain else z
-                    elif per == 1 and width == 1:
-                        k = r * t
-                        for j in range(t):
-                            v = np.int32(scratch[k + j])
-                            z = np.float32(v - 256 if v >= 128 else v) * lv[j]
-                            col[j] = z * st + mu if plain else z
-                    elif per == 1:
-                        k = 2 * r * t
-                        for j in range(t):
-                            v = np.int32(scratch[k + 2 * j]) | (np.int32(scratch[k + 2 * j + 1]) << 8)
-                            z = np.float32(v - 65536 if v >= 32768 else v) * lv[j]
-                            col[j] = z * st + mu if plain else z
-                    else:
-                        tab = tables[peak]
-                        k0 = r * t
-                        bi = k0 // per
-                        di = k0 - bi * per
-                        for j in range(t):
-                            z = np.float32(tab[scratch[bi], di]) * lv[j]
-                            col[j] = z * st + mu if plain else z
-                            di += 1
-                            if di == per:
-                                di = 0
-                                bi += 1
                 o += n
                 pos += size
-            if err[b] == 0 and cs_idx[b] >= 0:
-                rope_rows(out, lay, tok, t, cos, sin, cs_idx[b])
+            if err[b] != 0:
+                continue
+            for c in range(hd):
+                slot[c] *= t  # (row -> its first code)
+            if width == 1:
+                dequant_rows(zs8, slot, t, step[b], mean[b], lsc[b], plain, out, lay, tok, cos, sin, cs_idx[b], z, y)
+            else:
+                dequant_rows(zs16, slot, t, step[b], mean[b], lsc[b], plain, out, lay, tok, cos, sin, cs_idx[b], z, y)
 
     @njit
-    def rope_blobs(out, layer, tok, t, cos, sin, cs_idx):
+    def rope_blobs(src, out, layer, tok, t, cos, sin, cs_idx):
+        """``out[layer[b], :, tok:tok + t] = src[layer[b], :, :t]`` RoPE'd by ``cos``/``sin[cs_idx[b]]``
+        (copied as they are where ``cs_idx[b] < 0``): each row of the cache written once."""
+        d = out.shape[3]
+        y = np.zeros(d, np.float32)
         for b in range(layer.shape[0]):
-            if cs_idx[b] >= 0:
-                rope_rows(out, layer[b], tok, t, cos, sin, cs_idx[b])
+            ci, lay = cs_idx[b], layer[b]
+            for h in range(out.shape[1]):
+                hc = h if cos.shape[1] > 1 else 0
+                for j in range(t):
+                    row, s_row = out[lay, h, tok + j], src[lay, h, j]
+                    if ci < 0:
+                        for c in range(d):
+                            row[c] = s_row[c]
+                        continue
+                    for c in range(d):
+                        y[c] = s_row[c]
+                    rope_row(row, y, cos[ci, hc, j], sin[ci, hc, j], d // 2)
 
     return inflate_frames, decode_blobs, rope_blobs
 
