@@ -4,8 +4,9 @@ What :func:`kdnctl.quant.entropy.decode_role` does one layer at a time (the refe
 spec), :func:`decode_into` does for a whole version: per chunk and role, the params frames of
 every layer inflated in one call, converted with numpy, then one kernel
 (``kdnctl.kernels.ec.cpu.decode_blobs``) inflates every code frame, unpacks its digits,
-dequantizes, applies the inverse key basis and RoPE, and writes each element once into the
-cache. Chunks run on two threads (the kernels hold no GIL). The bytes were checked against their
+dequantizes and RoPEs, writing each element once into the cache (keys in a key basis: scaled
+codes, one batched matmul, then one RoPE pass into the cache). Two threads take (chunk, role)
+jobs as they free up (the kernels hold no GIL). The bytes were checked against their
 digests before this runs (the loader reads, checks, then decodes); each frame is still parsed
 as untrusted: a malformed one raises BundleFormatError, never garbage in the cache.
 

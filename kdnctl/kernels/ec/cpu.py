@@ -1,6 +1,6 @@
 """Compiled (numba) kernels that decode ec roles on the CPU; ``reference`` is the spec.
 
-Both kernels release the GIL, so a loader runs chunks on both cores with plain threads (no
+The kernels release the GIL, so a loader runs chunks on both cores with plain threads (no
 second thread pool beside torch's). The frames are inflated by ISA-L's stateless inflate,
 called straight from the compiled loop (the library python-isal ships; bound by name once per
 process): no Python per frame. A frame must decode to exactly the bytes its header implies and
