@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kdnctl.evaluation.realtext import find_pages, page_family  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant.basis import PACKAGE_DIR, calibrate, key_samples, register  # noqa: E402
 
 

@@ -186,7 +186,7 @@ def test_a_load_decodes_like_the_reference(lm, tmp_path_factory, monkeypatch):
     reference give the same cache, and the same next token."""
     from budgetkit import trimmed_store
 
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.engine.hf import forward_suffix, load_document
 
     st = trimmed_store(tmp_path_factory, lm, {"faq.md": 300})

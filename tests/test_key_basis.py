@@ -161,7 +161,7 @@ def test_quantizer_decodes_keys_in_the_registered_basis_and_values_in_channels(r
 
 
 def test_recipe_validation_and_label():
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
 
     r = CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="model")
     assert r.default_label() == "ec-b0.25-p64-kbm" and r.as_dict()["key_basis"] == "model"
@@ -180,8 +180,8 @@ def test_recipe_validation_and_label():
 
 
 def test_which_basis_a_recipe_gets(registry, tiny_lm):
-    from kdnctl.compress import CompressRecipe
-    from kdnctl.compress_ec import key_basis_for
+    from kdnctl.compress.document import CompressRecipe
+    from kdnctl.compress.ec import key_basis_for
 
     def asks(kind):
         return CompressRecipe(budget=0.25, quant="ec", key_basis=kind)
@@ -202,8 +202,8 @@ def test_default_compress_uses_a_registered_basis_end_to_end(registry, tiny_lm, 
     too, `verify` is clean, and once the basis file is gone `verify` names it and loading refuses."""
     from budgetkit import trimmed_store
 
-    from kdnctl.bundle import decode_bundle
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.engine.hf import load_document
     from kdnctl.quant.entropy import decode_role_ints, dequantize_ints
     from kdnctl.quant.transforms import rope

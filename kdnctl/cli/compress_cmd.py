@@ -30,7 +30,7 @@ def compress(
     as_json: bool = JsonOpt,
 ) -> None:
     """Compress stored KV into a new version: a size budget filled by precision first (default), or token eviction (--keep)."""
-    from ..compress import CompressRecipe, compress_document
+    from ..compress.document import CompressRecipe, compress_document
 
     workers, batch = None, 16
     if recipe_file is not None:
@@ -102,7 +102,7 @@ def compress(
 def parse_options(pairs: list[str]) -> dict:
     """``--option KEY=VALUE`` pairs -> {KEY: value}; the recipe checks each key and value
     (``CompressRecipe.from_dict``); ``workers`` and ``batch`` set how ``--ray`` runs."""
-    from ..compress_options import parse_value
+    from ..compress.options import parse_value
     from ..errors import UsageError
 
     out = {}
@@ -123,7 +123,7 @@ def methods() -> None:
     from ..allocate import ALLOCATORS
     from ..presses import PRESSES
     from ..quant import QUANTIZERS
-    from ..scoring import SCORERS
+    from ..scorers.scoring import SCORERS
 
     print("methods:    " + " ".join(PRESSES))
     print("allocators: " + " ".join(ALLOCATORS))

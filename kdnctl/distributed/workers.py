@@ -47,8 +47,8 @@ class IngestWorker(_Worker):
         _setup(env)
         from ..errors import KdnError
         from ..ingest import IngestOptions
-        from ..model import load_model
-        from ..prompting import PromptFormat
+        from ..models.load import load_model
+        from ..ingest.prompting import PromptFormat
         from ..store import ObjectDir
 
         try:
@@ -99,7 +99,7 @@ class CompressWorker(_Worker):
                  env: dict[str, str]):
         _setup(env)
         from ..errors import KdnError
-        from ..model import load_model
+        from ..models.load import load_model
         from ..store import ObjectDir
 
         try:
@@ -114,7 +114,7 @@ class CompressWorker(_Worker):
                 "host": socket.gethostname()}
 
     def compress(self, src, recipe, label: str, source: str) -> CompressOutcome:
-        from ..compress import build_compressed_version
+        from ..compress.document import build_compressed_version
 
         self._check()
         t0 = time.perf_counter()

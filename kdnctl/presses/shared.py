@@ -28,7 +28,7 @@ from torch import Tensor
 
 from kdnctl.errors import UsageError
 from kdnctl.presses.base import Press, ScoreContext, sanitize, select_top
-from kdnctl.presses.spans import rank01
+from kdnctl.scorers.rank import rank01
 
 
 @dataclass
@@ -55,7 +55,7 @@ class SharedPress(Press):
 
     def token_scores(self, ctx: ScoreContext) -> Tensor:
         """``[T]``: the mean over layers and heads of each row's rank of the wrapped scores."""
-        return rank01(sanitize(self.inner.score(ctx))).mean(dim=(0, 1))
+        return rank01(sanitize(self.inner.score(ctx)), stable=True).mean(dim=(0, 1))
 
     def forced_indices(self, n_tokens: int, k: int, *, keep_sinks: bool = True,
                        keep_recent: bool = True) -> Tensor:

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kdnctl.bundle import role_levels, tensor_name
+from kdnctl.format.bundle import role_levels, tensor_name
 from kdnctl.errors import BundleFormatError
 
 from . import transforms as tf

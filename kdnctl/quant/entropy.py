@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdnctl.bundle import role_levels, stored_rows
+from kdnctl.format.bundle import role_levels, stored_rows
 from kdnctl.errors import BundleFormatError, InputError
 
 from . import transforms as tf
@@ -198,7 +198,7 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, codin
     other coders on the same frames (``research/probes/rate_probe.py``); bundles use ``coding``.
     ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`). ``stored`` (bool ``[H, T]``):
     only these rows are coded (the others decode to the mean). ``mean [H, D]``: the grid's
-    centre, default ``x``'s mean (``kdnctl.value_feedback`` rounds to a grid of its own first)."""
+    centre, default ``x``'s mean (``kdnctl.compress.feedback`` rounds to a grid of its own first)."""
     step, mean = stored_step_mean(x, step, mean)
     codes = quantize_codes(x, step, mean, levels, basis)
     lim = float(codes.abs().max()) if codes.numel() else 0.0

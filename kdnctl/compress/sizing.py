@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocate.tiers import solve_greedy
-from .errors import UsageError
-from .quant.ladder import TIERS, LadderQuantizer, row_bytes, tier_errors
+from ..allocate.tiers import solve_greedy
+from ..errors import UsageError
+from ..scorers.rank import rank01
+from ..quant.ladder import TIERS, LadderQuantizer, row_bytes, tier_errors
 
 # --quant name -> the tiers the solver may use with a size budget (uniform ones have one tier)
 LADDERS: dict[str, tuple[str, ...]] = {
@@ -91,9 +92,9 @@ EVICT_KEEP_AT = (0.083, 0.5)
 AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role": "keys"}
 
 # below EC_FROM the kept tokens' values are refitted to the full attention of the document's own
-# queries (kdnctl.value_refit, ridge 0.01) and the lifted tokens' values are held (an unheld fit moves
+# queries (kdnctl.compress.refit, ridge 0.01) and the lifted tokens' values are held (an unheld fit moves
 # the planted answers). The fit reads the kept keys as the loader decodes them and the fitted values
-# are rounded with feedback through the fit's normal matrix (kdnctl.value_feedback). The measured
+# are rounded with feedback through the fit's normal matrix (kdnctl.compress.feedback). The measured
 # table and how each choice was made: docs/compression.md and research/history-2026-11.md
 AUTO_REFIT = 0.01
 
@@ -156,11 +157,6 @@ def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[s
 
 def fp16_bytes(n_tokens: int, n_layers: int, n_heads: int, head_dim: int) -> int:
     return 2 * 2 * n_tokens * n_layers * n_heads * head_dim
-
-
-def rank01(x: torch.Tensor) -> torch.Tensor:
-    t = x.shape[-1]
-    return x.float().argsort(-1).argsort(-1).float() / max(t - 1, 1)
 
 
 def weights(importance: torch.Tensor) -> torch.Tensor:

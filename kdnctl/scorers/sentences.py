@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from .models import adapter_for
-from .sizing import rank01
+from ..models import adapter_for
+from .rank import rank01
 
 ENDS = (".", "?", "!")
 

@@ -8,7 +8,7 @@ hashed from that same buffer. Three checks, fastest first, each over every byte:
   corruption (a flipped bit, a torn or truncated file), which a 128-bit checksum catches with
   probability 1 - 2^-128; tampering with a local object needs write access to the catalog that
   holds the checksum anyway. Used for LOCAL objects only: a remote client checks a
-  cryptographic digest (BLAKE3, else the sha256 name; kdnctl/fetch.py).
+  cryptographic digest (BLAKE3, else the sha256 name; kdnctl/store/fetch.py).
 * ``blake3``: the object's BLAKE3, recorded beside its sha256 name (several GB/s per core).
 * the sha256 name itself (~1-2 GB/s): objects written before either digest existed.
 
@@ -22,7 +22,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from .errors import StoreCorruptError
+from ..errors import StoreCorruptError
 
 _MISSING = object()
 _blake3_mod = _MISSING

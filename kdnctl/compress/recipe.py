@@ -9,16 +9,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import sizing
-from .allocate import ALLOCATORS, DEFAULT_ALLOCATOR, Allocator, get_allocator
-from .compress_options import (BACKFILL_SHIFT, KEY_BASES, LIFT_LEVEL, LIFT_SHARE, MAX_BACKFILL_SHIFT,  # noqa: F401
+from ..allocate import ALLOCATORS, DEFAULT_ALLOCATOR, Allocator, get_allocator
+from .options import (BACKFILL_SHIFT, KEY_BASES, LIFT_LEVEL, LIFT_SHARE, MAX_BACKFILL_SHIFT,  # noqa: F401
                                MAX_LIFT_LEVEL, OPTIONS, PROTECT_LEVEL, check_option)
-from .errors import UsageError
-from .presses import get_press, press_class
-from .presses.base import Press, validate_budget
-from .quant.base import DEFAULT_GROUP_SIZE
-from .quant.entropy import MAX_LEVEL
-from .registry import method_fields
-from .scoring import DEFAULT_SCORER, NEEDS_MODEL
+from ..errors import UsageError
+from ..presses import get_press, press_class
+from ..presses.base import Press, validate_budget
+from ..quant.base import DEFAULT_GROUP_SIZE
+from ..quant.entropy import MAX_LEVEL
+from ..registry import method_fields
+from ..scorers.scoring import DEFAULT_SCORER, NEEDS_MODEL
 
 # Old spellings of the per-layer allocators, once presses wrapping a press ("pyramid:kvcrush", ...).
 _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}
@@ -36,7 +36,7 @@ class CompressRecipe:
     quantizer of every kept token; ``scorer`` ranks the tokens; ``press`` selects the kept tokens
     (``press_options`` its settings); ``allocator`` splits the kept share across layers;
     ``protect``: the prompt header and the last N tokens are never evicted and get precision
-    first; ``options``: the experimental settings (``kdnctl.compress_options.OPTIONS``)."""
+    first; ``options``: the experimental settings (``kdnctl.compress.options.OPTIONS``)."""
 
     budget: float | None = 0.25
     keep: float = 1.0

@@ -1,7 +1,7 @@
 """Value feedback: the refitted values quantized one token at a time, each token's rounding error
 carried into the tokens of its chunk not yet rounded (``--refit-feedback``).
 
-The value refit (``kdnctl.value_refit``) minimises, per layer and KV head,
+The value refit (``kdnctl.compress.refit``) minimises, per layer and KV head,
 
     f(V) = || A_S V - A V ||^2 + lam || V - V_S ||^2
 
@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .quant.grid import stored_step_mean
-from .value_refit import read_together
+from ..quant.grid import stored_step_mean
+from .refit import read_together
 
 
 def round_with_feedback(x: torch.Tensor, h: torch.Tensor, mean: torch.Tensor, div: torch.Tensor,

@@ -28,11 +28,11 @@ from urllib.parse import quote
 
 import httpx
 
-from . import __version__
-from .errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
+from .. import __version__
+from ..errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
 from .fastread import blake3_hasher, check_bytes, read_into
 from .fetch import ConnectionPool, Partial, Refused, Retry, WrongSize, fetch_once
-from .store import ChunkRef, DocumentRecord, VersionRecord, check_sha
+from . import ChunkRef, DocumentRecord, VersionRecord, check_sha
 _LINK = re.compile(r"^e=(\d{1,12})&s=[A-Za-z0-9_-]{1,64}$")
 TOKEN_HINT = ("pass --token-file with a token from the server's token file, and check that it grants "
               "the document's namespace")
@@ -73,7 +73,7 @@ class RemoteStore:
             headers["authorization"] = f"Bearer {token.strip()}"
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                     limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
-        self._headers = headers  # object downloads: raw keep-alive connections (kdnctl/fetch.py)
+        self._headers = headers  # object downloads: raw keep-alive connections (kdnctl/store/fetch.py)
         self._pool = ConnectionPool(self.url, timeout)
         self._lock = threading.Lock()
         self.stats = {"requests": 0, "retries": 0, "resumed": 0, "bytes": 0, "cache_hits": 0}
@@ -266,7 +266,7 @@ class RemoteStore:
         """Fetch an object, resuming after breaks; returns (bytes, their sha256, stitched?).
 
         The body lands in one preallocated buffer and each slice is hashed as it arrives
-        (kdnctl/fetch.py): BLAKE3 when the version listing recorded one, else sha256."""
+        (kdnctl/store/fetch.py): BLAKE3 when the version listing recorded one, else sha256."""
         b3 = self._blake3.get(sha)
         new_hasher = blake3_hasher if b3 and blake3_hasher() is not None else hashlib.sha256
         part = Partial(new_hasher, expect=self._nbytes.get(sha))
@@ -400,7 +400,7 @@ def mirror(remote: RemoteStore, store, doc_ids: list[str] | None = None, label: 
                         raise StoreCorruptError(f"object {sha[:12]} changed while being stored")
                     report["objects"] += 1
                     report["bytes"] += len(data)
-            from .store.maintenance import bundle_problems
+            from .maintenance import bundle_problems
 
             for v in todo:  # the server's records are checked against the (verified) bundles
                 problems = bundle_problems(store, v)

@@ -10,7 +10,7 @@ arrived, from the same buffer (BLAKE3 when the catalog recorded it, else sha256)
 of its own (``HashLane``) while the next slice is received; the buffer is handed back only after
 the last slice is hashed. The caller
 gets that buffer: no copy between the socket and the decoder. Buffers come from a pool
-(kdnctl/arena.py) of exact-size bytearrays that nothing references any more: writing into fresh
+(kdnctl/store/arena.py) of exact-size bytearrays that nothing references any more: writing into fresh
 memory (first-touch page faults) bounded downloads at ~0.7 GB/s here, into memory a previous
 load used they run at the transport's speed.
 

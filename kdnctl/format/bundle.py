@@ -20,12 +20,12 @@ from typing import Any
 import torch
 
 from kdnctl.errors import BundleFormatError, ModelMismatchError
-from .bundle_header import (  # noqa: F401  (re-exported: the header format's names live there)
+from .header import (  # noqa: F401  (re-exported: the header format's names live there)
     ALLOWED_METADATA_KEYS as _ALLOWED_METADATA_KEYS, DIGEST_KEY, MAX_HEADER as _MAX_HEADER, META_KEY, SUPPORTED_MAJOR,
     check_version as _check_version, header_size, load_meta as _load_meta, parse_header as _parse_header, read_meta,
 )
-from .bundle_kept import fold_kept_positions, unfold_kept_positions
-from .bundle_layout import layout_views, parse_head_cached
+from .kept import fold_kept_positions, unfold_kept_positions
+from .layout import layout_views, parse_head_cached
 from .tensor_views import tensor_index, tensor_views
 
 FORMAT_VERSION = "1.10"  # each version's tensors: docs/bundle-format.md, section 2; in short
@@ -191,24 +191,6 @@ class KVBundle:
         h = int(self.meta["model"]["n_kv_heads"])
         return self.tensors["positions"].unsqueeze(0).expand(h, -1)
 
-    def layer_kv(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense (keys, values) of layer i, each [H_kv, T_i, D]; dequantizes if needed."""
-        if not 0 <= i < self.n_layers:
-            raise IndexError(f"layer {i} out of range (bundle has {self.n_layers} layers)")
-        if not self.is_quantized(i):
-            return self.tensors[tensor_name(i, "keys")], self.tensors[tensor_name(i, "values")]
-        # Imported lazily: kdnctl.quant is optional for readers of dense bundles and must not
-        # be a hard import-time dependency of the bundle module.
-        from kdnctl.quant import dequantize_tensors
-
-        q = self.meta["quant"]
-        k = dequantize_tensors(self.tensors, tensor_name(i, "keys"), q)
-        v = dequantize_tensors(self.tensors, tensor_name(i, "values"), q)
-        dt = getattr(torch, str(self.meta.get("dtype", "")), None)
-        if isinstance(dt, torch.dtype) and dt.is_floating_point:
-            k, v = k.to(dt), v.to(dt)
-        return k, v
-
 
 def make_meta(**fields: Any) -> dict[str, Any]:
     """A meta dict with format_version, created and tool_version filled; fields override.
@@ -325,7 +307,7 @@ def parse_head(head, total: int) -> tuple[dict[str, Any], str, str | None, int, 
 def finish_decode(meta: dict[str, Any], meta_json: str, digest: str | None, tensors: dict[str, torch.Tensor],
                   expect_fingerprint: str | None = None, layout=None) -> KVBundle:
     """The checks of ``decode_bundle`` after the tensors exist: header digest, structure, model
-    (with ``layout``, kdnctl/bundle_layout.py, the same checks with their index-only parts cached)."""
+    (with ``layout``, kdnctl/format/layout.py, the same checks with their index-only parts cached)."""
     try:
         computed = None if digest is None else layout.digest(meta_json) if layout is not None \
             else header_digest(meta_json, tensors)

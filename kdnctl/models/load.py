@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from .durable import write_atomic
-from .errors import ModelLoadError
+from ..store.durable import write_atomic
+from ..errors import ModelLoadError
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -166,7 +166,7 @@ def model_summary(model) -> dict[str, Any]:
         "rope": _rope_record(rope),
         "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
-    from .models import adapter_for
+    from . import adapter_for
 
     attention = adapter_for(model).attention_meta()
     if attention is not None:  # sliding windows or soft-capping: recorded per layer (plain models: absent)
@@ -258,7 +258,7 @@ def check_architecture(hf_dir: Path) -> None:
     from its config alone, before any weight is read."""
     from transformers import AutoConfig
 
-    from .models import check_supported
+    from . import check_supported
 
     try:
         config = AutoConfig.from_pretrained(hf_dir)

@@ -10,8 +10,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .errors import UsageError
-from .quant.entropy import MAX_LEVEL
+from ..errors import UsageError
+from ..quant.entropy import MAX_LEVEL
 
 BACKFILL_SHIFT = 3  # the first backfill's shift: its records and labels still match
 MAX_BACKFILL_SHIFT = 4  # the protected tokens sit 2 levels up and ec's finest level is 6
@@ -74,7 +74,7 @@ def _choice(*choices: str) -> Callable[[str, Any], str]:
 
 
 def _scorer(name: str, value: Any) -> str | None:
-    from .scoring import SCORERS
+    from ..scorers.scoring import SCORERS
 
     if value == "none":
         return "none"  # opts out of the auto recipe's lift (resolved by the recipe)

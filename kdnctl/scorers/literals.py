@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .sentence_scores import sentence_bounds
-from .sizing import rank01
+from .sentences import sentence_bounds
+from .rank import rank01
 
 DIGIT, SENTENCE = 2.0, 1.0  # class scores; the surprisal rank (0 to 1) only orders tokens inside a class
 

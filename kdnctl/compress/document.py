@@ -1,7 +1,7 @@
 """``kdnctl compress``: a stored version -> a size-budgeted, pruned and/or quantized new version.
 
 Two budgets. ``budget`` (size, the default 0.25): the stored bytes of each document are at most
-``budget`` x its fp16 K/V size, everything included; precision fills it (``kdnctl.sizing``'s
+``budget`` x its fp16 K/V size, everything included; precision fills it (``kdnctl.compress.sizing``'s
 tiers, evicting only what the cap forces, or ``quant="ec"``: ``compress_ec``, every token kept).
 ``keep`` (token eviction, the meaning ``budget`` had before): the fraction of tokens kept per
 layer and KV head.
@@ -20,24 +20,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .models import plain_rope_theta
+from ..models import plain_rope_theta
 from . import sizing
-from .compress_ec import sized_ec
-from .compress_recipe import CompressRecipe  # noqa: F401 (re-exported: callers import it from here)
-from .bundle import KVBundle, decode_bundle, derived_meta, encode_bundle, stats_of, tensor_name
-from .errors import UnsupportedError, UsageError
-from .kernels.kvcrush import gather_layers
-from .allocate import allocate
-from .presses.base import ScoreContext
-from .presses.document import select_document
-from .quant import get_quantizer
-from .quant.ladder import LadderQuantizer
-from .scoring import compute_importance
-from .store import Store
-from .versions import child_recipe, commit, existing_version, write_derived
+from .ec import sized_ec
+from .recipe import CompressRecipe  # noqa: F401 (re-exported: callers import it from here)
+from ..format.bundle import KVBundle, decode_bundle, derived_meta, encode_bundle, stats_of, tensor_name
+from ..errors import UnsupportedError, UsageError
+from ..kernels.kvcrush import gather_layers
+from ..allocate import allocate
+from ..presses.base import ScoreContext
+from ..presses.document import select_document
+from ..quant import get_quantizer
+from ..quant.ladder import LadderQuantizer
+from ..scorers.rank import rank01
+from ..scorers.scoring import compute_importance
+from ..store import Store
+from ..versions import child_recipe, commit, existing_version, write_derived
+from ..quant import layer_kv
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 
 @dataclass
@@ -70,7 +72,7 @@ def _cat_stats(bundles: list[KVBundle]) -> dict[str, torch.Tensor]:
 
 def _attention_stats(lm: LoadedModel, token_ids: list[int], ingest_recipe: dict) -> dict[str, torch.Tensor]:
     """``window`` and ``accum`` of a document computed after the fact (one prefill)."""
-    from .prefill import prefill
+    from ..engine.prefill import prefill
 
     steps = ingest_recipe.get("steps", [ingest_recipe])
     window = int(steps[0].get("window", 32)) if steps else 32
@@ -127,7 +129,7 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
     if any("positions" not in b.tensors for b in bundles) and (recipe.keep < 1 or recipe.sized):
         raise UnsupportedError(f"{doc_id} [{source}] is already pruned", hint="compress from an unpruned version (e.g. full)", param="source")
     n_layers = bundles[0].n_layers
-    dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]
+    dense = [[layer_kv(b, i) for i in range(n_layers)] for b in bundles]
     keys = [torch.cat([d[i][0] for d in dense], dim=1).float() for i in range(n_layers)]
     values = [torch.cat([d[i][1] for d in dense], dim=1).float() for i in range(n_layers)]
     token_ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
@@ -153,8 +155,8 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
             lifted = importance if recipe.lift == recipe.scorer and recipe.uses_scorer else \
                 compute_importance(recipe.lift, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
                                    n_layers=n_layers, n_heads=n_heads)  # the same scorer: one model pass
-            lift_w = sizing.rank01(lifted) if recipe.quant == "ec" else torch.maximum(sizing.rank01(importance),
-                                                                                       sizing.rank01(lifted))
+            lift_w = rank01(lifted) if recipe.quant == "ec" else torch.maximum(rank01(importance),
+                                                                                       rank01(lifted))
         score_s = time.perf_counter() - t_score
         ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
         try:

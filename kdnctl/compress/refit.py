@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from .models import adapter_for
-from .quant.transforms import rotate_half
+from ..models import adapter_for
+from ..quant.transforms import rotate_half
 
 QUESTION_OFFSET = 16  # the queries' position: this many tokens after the document (a prompt's question)
 MAX_QUERY_TOKENS = 1024  # document tokens whose queries are used (evenly spaced); x the group's query heads
@@ -61,7 +61,7 @@ def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
 
 def read_together(queries: torch.Tensor, kept_keys: torch.Tensor, scale: float, rho: float) -> tuple[torch.Tensor, float]:
     """``(A_S [N, S], lam)`` of one KV head: the attention of its group's ``queries [g, N, D]``
-    over ``kept_keys [S, D]``, and the ridge weight ``lam`` of the fit (also the feedback's, ``kdnctl.value_feedback``)."""
+    over ``kept_keys [S, D]``, and the ridge weight ``lam`` of the fit (also the feedback's, ``kdnctl.compress.feedback``)."""
     a = torch.softmax(queries.reshape(-1, kept_keys.shape[-1]).float() @ kept_keys.float().T * scale, -1)
     return a, rho * float(a.pow(2).sum()) / max(kept_keys.shape[0], 1)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import math
 import re
@@ -23,10 +23,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .bundle import KVBundle, decode_bundle
-from .errors import ModelMismatchError, NotFoundError, UsageError
-from .ingest.independent import HEADER_INDEX, LABEL
-from .store import ReadStore, read_bundle_meta
+from ..format.bundle import KVBundle, decode_bundle
+from ..errors import ModelMismatchError, NotFoundError, UsageError
+from ..ingest.independent import HEADER_INDEX, LABEL
+from ..store import ReadStore, read_bundle_meta
 
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
 _STOP = frozenset(
@@ -198,7 +198,7 @@ def load_chunk_bundles(lm: LoadedModel, store: ReadStore, chunks: list[ChunkInfo
 def compose_chunks(lm: LoadedModel, store: ReadStore, chunks: list[ChunkInfo], suffix_ids: list[int], recompute: float, *, info: dict | None = None):
     """Load ``chunks`` from ``store`` and compose them (kdnctl.engine.independent). Returns a
     LoadedContext with ``load_s`` and ``nbytes`` set."""
-    from .engine.independent import compose
+    from .independent import compose
 
     t = time.perf_counter()
     header, bundles, nbytes = load_chunk_bundles(lm, store, chunks)

@@ -41,8 +41,8 @@ def sentence_reads(window: torch.Tensor, bounds: list[tuple[int, int]]) -> torch
 
 def tail_read_scores(lm, token_ids: list[int], window: int = TAIL_WINDOW) -> torch.Tensor:
     """``[T]`` scores: ``sentence_reads`` of one prefill of the document (attention only)."""
-    from .prefill import prefill
-    from .sentence_scores import sentence_bounds, token_texts
+    from ..engine.prefill import prefill
+    from .sentences import sentence_bounds, token_texts
 
     stats = prefill(lm.model, token_ids, stats=("window",), window=window).stats["window"]
     return sentence_reads(stats, sentence_bounds(token_texts(lm.tokenizer, token_ids)))

@@ -26,7 +26,7 @@ import os
 import secrets
 from pathlib import Path
 
-from .durable import write_atomic
+from ..store.durable import write_atomic
 
 ACCEL_PREFIX = "/_kdn_objects/"
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import torch
 
-from .bundle_header import MAX_HEADER, check_version, load_meta
-from .errors import BundleFormatError
+from .header import MAX_HEADER, check_version, load_meta
+from ..errors import BundleFormatError
 from .tensor_views import tensor_index
 
 _PREFIX = '{"__metadata__":'

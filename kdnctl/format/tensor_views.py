@@ -1,5 +1,5 @@
 """Zero-copy tensor views over a safetensors buffer, validated as strictly as the safetensors
-reader (kdnctl.bundle decodes bundles through it)."""
+reader (kdnctl.format.bundle decodes bundles through it)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .errors import BundleFormatError
+from ..errors import BundleFormatError
 
 
 def _int(v: Any) -> bool:

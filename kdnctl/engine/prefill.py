@@ -22,8 +22,8 @@ from typing import Callable
 
 import torch
 
-from .engine.attention import AttentionState, kdn_attention
-from .models import adapter_for
+from .attention import AttentionState, kdn_attention
+from ..models import adapter_for
 
 QUERY_TILE = 256
 # Queries per forward block. One sdpa call over a whole block is the fastest attention (a later
@@ -142,7 +142,7 @@ def stat_names(stats) -> frozenset[str]:
     names = frozenset(stats)
     unknown = sorted(names - set(ALL_STATS))
     if unknown:
-        from .errors import UsageError
+        from ..errors import UsageError
 
         raise UsageError(f"unknown statistic(s) {unknown}", hint=f"choose from {', '.join(ALL_STATS)}")
     return names

@@ -27,22 +27,22 @@ import math
 
 import torch
 
-from .models import plain_rope_theta
-from .allocate import layer_fisher as lf
-from .allocate.rate import clamp_steps, fit_near, fit_scale, relative_steps, step_floor
-from .bundle import KVBundle, derived_meta, encode_bundle, held_rows, tensor_name
-from .bundle_kept import kept_positions_dtype
-from .compress_recipe import LIFT_LEVEL, LIFT_SHARE, PROTECT_LEVEL
-from .errors import UsageError
-from .quant.basis import basis_for_model, load_basis
-from .quant import transforms as tf
-from .quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
-from .quant.grid import roundtrip_role
-from .quant.sensitivity import key_weights, value_weights
-from .tail_reads import tail_read_scores
-from .value_feedback import feedback_values
-from .value_refit import QUESTION_OFFSET, document_queries, refit_values
-from .versions import child_recipe
+from ..models import plain_rope_theta
+from ..allocate import layer_fisher as lf
+from ..allocate.rate import clamp_steps, fit_near, fit_scale, relative_steps, step_floor
+from ..format.bundle import KVBundle, derived_meta, encode_bundle, held_rows, tensor_name
+from ..format.kept import kept_positions_dtype
+from .recipe import LIFT_LEVEL, LIFT_SHARE, PROTECT_LEVEL
+from ..errors import UsageError
+from ..quant.basis import basis_for_model, load_basis
+from ..quant import transforms as tf
+from ..quant.entropy import MAX_LEVEL, EntropyQuantizer, encode_role
+from ..quant.grid import roundtrip_role
+from ..quant.sensitivity import key_weights, value_weights
+from ..scorers.tail_reads import tail_read_scores
+from .feedback import feedback_values
+from .refit import QUESTION_OFFSET, document_queries, refit_values
+from ..versions import child_recipe
 
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
@@ -129,7 +129,7 @@ def shared_keep(importance: torch.Tensor, keep: float, header: int, protect: int
 
 def refit_queries(lm, token_ids: list[int], bundles: list[KVBundle], n_layers: int):
     """(queries per layer, attention scale per layer) the value refit fits to: the document's
-    own, placed after it (``kdnctl.value_refit.document_queries``)."""
+    own, placed after it (``kdnctl.compress.refit.document_queries``)."""
     last = max(int(b.layer_positions(0).max()) for b in bundles)
     return document_queries(lm, token_ids, n_layers, last + 1 + QUESTION_OFFSET)
 
@@ -137,7 +137,7 @@ def refit_queries(lm, token_ids: list[int], bundles: list[KVBundle], n_layers: i
 def refitted(rho: float, queries: list[torch.Tensor], scales: list[float], keys: list[torch.Tensor],
              values: list[torch.Tensor], rows: torch.Tensor, hold: torch.Tensor | None = None,
              kept_keys: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-    """The kept ``rows``' values per layer, refitted to the full attention (``kdnctl.value_refit``);
+    """The kept ``rows``' values per layer, refitted to the full attention (``kdnctl.compress.refit``);
     the kept tokens ``hold`` marks keep theirs; ``kept_keys`` per layer: the keys they are read
     with (default: ``keys``' rows)."""
     kept_keys = kept_keys or [None] * len(keys)

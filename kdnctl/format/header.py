@@ -2,7 +2,7 @@
 
 Split from ``bundle.py`` (which re-exports these names): parsing and checking the header is
 shared by the general decoder, the header-only readers and the cached-layout reader
-(kdnctl/bundle_layout.py)."""
+(kdnctl/format/layout.py)."""
 
 from __future__ import annotations
 

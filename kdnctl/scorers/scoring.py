@@ -42,26 +42,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 from typing import Callable
 
 import torch
 
-from .errors import UsageError
+from ..errors import UsageError
+from .rank import rank01
 
 REPEAT_PROMPT = "\n\nRepeat the document above exactly, word for word.\n"
 SCORERS = ("window", "accum", "surprisal", "reconstruct", "hybrid", "sentences", "sentences-local", "sentences-gap",
            "literals")
 DEFAULT_SCORER = "hybrid"
 NEEDS_MODEL = {"reconstruct", "hybrid", "sentences", "sentences-local", "sentences-gap", "literals"}  # sentences, literals: the tokenizer only
-
-
-def _rank01(x: torch.Tensor) -> torch.Tensor:
-    """Per (layer, head) ranks scaled to [0, 1] along tokens: makes scorers comparable."""
-    t = x.shape[-1]
-    ranks = x.float().argsort(dim=-1).argsort(dim=-1).float()
-    return ranks / max(t - 1, 1)
 
 
 def accum_normalised(accum: torch.Tensor) -> torch.Tensor:
@@ -76,9 +70,9 @@ def reconstruct_scores(lm: LoadedModel, keys: list[torch.Tensor], values: list[t
     """KVzip-style reconstruction attention, chunked: for each chunk of the document, run
     ``repeat prompt + chunk`` over the document's cache and keep, per key, the max attention
     from those queries. The cache is cropped back after each chunk, so cost ~ one prefill."""
-    from .engine.attention import AttentionState, kdn_attention
-    from .models import adapter_for
-    from .prefill import grouped_probs
+    from ..engine.attention import AttentionState, kdn_attention
+    from ..models import adapter_for
+    from ..engine.prefill import grouped_probs
 
     model = lm.model
     device = lm.device
@@ -156,18 +150,18 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
     if name == "surprisal":
         return stats["surprisal"].float().expand(n_layers, n_heads, -1).clone()
     if name == "sentences" and lm is not None:
-        from .sentence_scores import sentence_surprisal, token_texts
+        from .sentences import sentence_surprisal, token_texts
 
         score = sentence_surprisal(stats["surprisal"], token_texts(lm.tokenizer, token_ids))
         return score.expand(n_layers, n_heads, -1).clone()
     if name == "literals" and lm is not None:
-        from .literal_scores import literal_scores
-        from .sentence_scores import token_texts
+        from .literals import literal_scores
+        from .sentences import token_texts
 
         score = literal_scores(stats["surprisal"], token_texts(lm.tokenizer, token_ids))
         return score.expand(n_layers, n_heads, -1).clone()
     if name in ("sentences-local", "sentences-gap") and lm is not None:
-        from .sentence_scores import GAP_WEIGHT, local_sentence_scores
+        from .sentences import GAP_WEIGHT, local_sentence_scores
 
         gap_weight = GAP_WEIGHT if name == "sentences-gap" else 0.0
         score = local_sentence_scores(lm, stats["surprisal"], list(token_ids), gap_weight=gap_weight)
@@ -178,5 +172,5 @@ def compute_importance(name: str, stats: dict[str, torch.Tensor], *, lm=None, ke
     recon = reconstruct_scores(lm, keys, values, token_ids)
     if name == "reconstruct":
         return recon
-    surprisal = _rank01(stats["surprisal"].float()).expand(n_layers, n_heads, -1)
-    return 0.5 * _rank01(recon) + 0.5 * surprisal
+    surprisal = rank01(stats["surprisal"].float()).expand(n_layers, n_heads, -1)
+    return 0.5 * rank01(recon) + 0.5 * surprisal

@@ -1,0 +1,1 @@
+"""Query-agnostic token scorers: each ranks a document's tokens for the presses."""
