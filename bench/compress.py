@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.scorers import scoring  # noqa: E402
+from kdnctl.scorers import reconstruct as scoring  # noqa: E402
 from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.ingest.corpus import read_corpus  # noqa: E402
 from kdnctl.evaluation.plot import plot_quality  # noqa: E402

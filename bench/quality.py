@@ -81,7 +81,7 @@ def cache_reconstruct_scores(cache_dir: Path) -> dict:
     the source K/V (deterministic per document); returns counters (hits, misses, seconds)."""
     import torch
 
-    from kdnctl.scorers import scoring
+    from kdnctl.scorers import reconstruct as scoring
 
     real = scoring.reconstruct_scores
     stats = {"hits": 0, "misses": 0, "seconds": 0.0}

@@ -58,7 +58,7 @@ def test_literal_scores_refuse_a_length_mismatch():
 
 
 def test_literals_on_the_real_tokenizer(lm):
-    from kdnctl.scorers.scoring import compute_importance
+    from kdnctl.scorers import compute_importance
     from kdnctl.scorers.sentences import token_texts
 
     text = "NAME\nls - list directory contents\n\nThe port for the marlin service is 8784.\nls lists files."
@@ -123,7 +123,7 @@ def test_compress_with_a_literal_lift_end_to_end(tiny_lm, tmp_path_factory):
 
     from kdnctl.format.bundle import decode_bundle
     from kdnctl.compress.document import CompressRecipe, _cat_stats, compress_document
-    from kdnctl.scorers.scoring import compute_importance
+    from kdnctl.scorers import compute_importance
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
     doc = "meeting-notes-2026-03.txt"

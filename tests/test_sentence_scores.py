@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kdnctl.scorers.scoring import compute_importance
+from kdnctl.scorers import compute_importance
 from kdnctl.scorers.sentences import sentence_bounds, sentence_surprisal, token_texts
 
 

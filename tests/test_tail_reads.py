@@ -97,7 +97,7 @@ def test_compress_with_tail_reads_end_to_end(tiny_lm, tmp_path_factory):
     from kdnctl.format.bundle import decode_bundle
     from kdnctl.compress.document import CompressRecipe, _cat_stats, compress_document
     from kdnctl.engine.prefill import prefill
-    from kdnctl.scorers.scoring import compute_importance
+    from kdnctl.scorers import compute_importance
     from kdnctl.scorers.sentences import sentence_bounds, token_texts
     from kdnctl.scorers.tail_reads import TAIL_WINDOW
 

@@ -123,7 +123,7 @@ def methods() -> None:
     from ..allocate import ALLOCATORS
     from ..presses import PRESSES
     from ..quant import QUANTIZERS
-    from ..scorers.scoring import SCORERS
+    from ..scorers import SCORERS
 
     print("methods:    " + " ".join(PRESSES))
     print("allocators: " + " ".join(ALLOCATORS))

@@ -33,7 +33,7 @@ from ..presses.document import select_document
 from ..quant import get_quantizer
 from ..quant.ladder import LadderQuantizer
 from ..scorers.rank import rank01
-from ..scorers.scoring import compute_importance
+from ..scorers import compute_importance
 from ..store import Store
 from ..versions import child_recipe, commit, existing_version, write_derived
 from ..quant import layer_kv

@@ -74,7 +74,7 @@ def _choice(*choices: str) -> Callable[[str, Any], str]:
 
 
 def _scorer(name: str, value: Any) -> str | None:
-    from ..scorers.scoring import SCORERS
+    from ..scorers import SCORERS
 
     if value == "none":
         return "none"  # opts out of the auto recipe's lift (resolved by the recipe)

@@ -18,7 +18,7 @@ from ..presses.base import Press, validate_budget
 from ..quant.base import DEFAULT_GROUP_SIZE
 from ..quant.entropy import MAX_LEVEL
 from ..registry import method_fields
-from ..scorers.scoring import DEFAULT_SCORER, NEEDS_MODEL
+from ..scorers import DEFAULT_SCORER, NEEDS_MODEL
 
 # Old spellings of the per-layer allocators, once presses wrapping a press ("pyramid:kvcrush", ...).
 _LEGACY_WRAPPED = {"pyramid": "snapkv", "adaptive": "kvcrush"}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..models import adapter_for
+from .base import Scorer, ScorerInput
 from .rank import rank01
 
 ENDS = (".", "?", "!")
@@ -145,3 +146,42 @@ def two_rank_scores(surprisal: torch.Tensor, bounds: list[tuple[int, int]], loca
         out += 1e-3 * s.argsort().argsort().float() / (t - 1)
     return out
 
+
+
+class SentencesScorer(Scorer):
+    """``sentences``: every token scores the mean surprisal of its sentence; a planted fact is
+    kept whole, its value with the words a question matches."""
+
+    name = "sentences"
+    stats = ("surprisal",)
+    needs_model = True
+    needs = "the tokenizer (sentence bounds)"
+
+    def score(self, inputs: ScorerInput) -> torch.Tensor:
+        texts = token_texts(inputs.lm.tokenizer, inputs.token_ids)
+        return inputs.per_token(sentence_surprisal(inputs.stats["surprisal"], texts))
+
+
+class LocalSentencesScorer(Scorer):
+    """``sentences-local``: per sentence the better of two ranks, its mean surprisal given the
+    whole document and given only the ``LOCAL_WINDOW`` tokens before it (one extra batched
+    forward): facts stated in a repeated template are predictable given the document, not where
+    they stand."""
+
+    name = "sentences-local"
+    stats = ("surprisal",)
+    needs_model = True
+    gap_weight: float = 0.0
+
+    def score(self, inputs: ScorerInput) -> torch.Tensor:
+        return inputs.per_token(local_sentence_scores(inputs.lm, inputs.stats["surprisal"], list(inputs.token_ids),
+                                                      gap_weight=self.gap_weight))
+
+
+class GapSentencesScorer(LocalSentencesScorer):
+    """``sentences-gap``: as ``sentences-local``, the local surprisal ranked with ``GAP_WEIGHT``
+    of the gap between the two surprisals added: large for a record in a template the document
+    set up earlier (a table row), small for prose."""
+
+    name = "sentences-gap"
+    gap_weight = GAP_WEIGHT

@@ -1,7 +1,7 @@
 """Probe: does the planted answer survive eviction? (the kept set of ``--quant ec --keep``)
 
 For every needle and multi-fact task: ingest its document (unchanged ones are skipped), score it
-with each ``--scorers`` entry (``kdnctl.scorers.scoring.compute_importance``), take the kept set that
+with each ``--scorers`` entry (``kdnctl.scorers.compute_importance``), take the kept set that
 ``compress --quant ec --keep K --protect P`` stores (``kdnctl.compress.ec.shared_keep``) for each
 ``--protect`` value, and report whether every token of the answer (and of each distractor: the
 other planted facts of a multi-fact task) is in it. An answer that is not kept cannot be read
@@ -59,7 +59,7 @@ def main() -> None:
     from kdnctl.compress.ec import shared_keep
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks
     from kdnctl.models.load import load_model
-    from kdnctl.scorers.scoring import compute_importance
+    from kdnctl.scorers import compute_importance
     from kdnctl.ingest.prompting import PromptFormat
     from kdnctl.steer.highlight import find_highlight
     from kdnctl.store import Store

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.scorers import scoring  # noqa: E402
+from kdnctl.scorers import reconstruct as scoring  # noqa: E402
 
 
 def install_recon_cache(directory: Path) -> None:

@@ -32,7 +32,7 @@ from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
 from kdnctl.quant.entropy import EntropyQuantizer, dequantize_codes, encode_role, quantize_codes  # noqa: E402
 from kdnctl.quant.sensitivity import key_weights, value_weights  # noqa: E402
-from kdnctl.scorers.scoring import REPEAT_PROMPT  # noqa: E402
+from kdnctl.scorers.reconstruct import REPEAT_PROMPT  # noqa: E402
 
 PROBE_TOKENS = 192
 

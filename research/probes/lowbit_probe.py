@@ -164,7 +164,7 @@ def main() -> None:
     from kdnctl.evaluation.tasks import load_tasks, run_task
     from kdnctl.models.load import load_model
     from kdnctl.ingest.prompting import PromptFormat
-    from kdnctl.scorers.scoring import compute_importance
+    from kdnctl.scorers import compute_importance
     from kdnctl.store import Store
 
     tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit + args.skip)[args.skip:]

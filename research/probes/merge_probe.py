@@ -183,7 +183,7 @@ def main() -> None:
     from kdnctl.models.load import load_model
     from kdnctl.ingest.prompting import PromptFormat
     from kdnctl.quant.sensitivity import key_weights, value_weights
-    from kdnctl.scorers.scoring import compute_importance
+    from kdnctl.scorers import compute_importance
     from kdnctl.store import Store
 
     tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit + args.skip)[args.skip:]

@@ -39,7 +39,7 @@ def main() -> None:
     from kdnctl.evaluation.tasks import load_tasks
     from kdnctl.models.load import load_model
     from kdnctl.scorers.rank import rank01 as _rank01
-    from kdnctl.scorers.scoring import compute_importance
+    from kdnctl.scorers import compute_importance
     from kdnctl.scorers.sentences import local_sentence_scores, sentence_bounds, sentence_surprisal, token_texts
     from kdnctl.store import Store
 

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import kdnctl.compress.document as compress_mod  # noqa: E402
-from kdnctl.scorers import scoring  # noqa: E402
+from kdnctl.scorers import reconstruct as scoring  # noqa: E402
 from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.ingest.corpus import read_corpus  # noqa: E402
 from kdnctl.evaluation.qa import evaluate, load_qa  # noqa: E402
@@ -73,7 +73,7 @@ def main() -> None:
     for i, (name, v) in enumerate((n, VARIANTS[n]) for n in chosen):
         label = f"variant-{i}"
         recipe = CompressRecipe(budget=None, keep=args.budget, method=v.get("method", "kvcrush"),
-                                scorer=v.get("scorer", scoring.DEFAULT_SCORER), method_options=v.get("options", {}),
+                                scorer=v.get("scorer", "hybrid"), method_options=v.get("options", {}),
                                 allocator=v.get("allocator", "uniform"))
         t = time.perf_counter()
         with store.writer():
