@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.compress import ec as compress_ec  # noqa: E402
+from kdnctl.compress.stages import encode as ec_encode, quantize as ec_quantize  # noqa: E402
 from kdnctl.allocate import rate  # noqa: E402
 from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.ingest.corpus import read_corpus  # noqa: E402
@@ -46,17 +46,17 @@ from kdnctl.store import Store  # noqa: E402
 @contextlib.contextmanager
 def variant(name: str):
     """The scale fit (and encoder) of ``name`` inside the block."""
-    saved = compress_ec.fit_near, compress_ec.one_torch_thread, entropy.encode_codes
+    saved = ec_encode.fit_near, ec_quantize.one_torch_thread, entropy.encode_codes
     if name in ("search", "before"):
-        compress_ec.fit_near = lambda size_at, cap, guess=0.5: rate.fit_scale(size_at, cap)
+        ec_encode.fit_near = lambda size_at, cap, guess=0.5: rate.fit_scale(size_at, cap)
     if name == "before":
-        compress_ec.one_torch_thread = contextlib.nullcontext
+        ec_quantize.one_torch_thread = contextlib.nullcontext
         enc = saved[2]
         entropy.encode_codes = lambda *a, **k: enc(*a, **{**k, "reference": True})
     try:
         yield
     finally:
-        compress_ec.fit_near, compress_ec.one_torch_thread, entropy.encode_codes = saved
+        ec_encode.fit_near, ec_quantize.one_torch_thread, entropy.encode_codes = saved
 
 
 def main() -> None:

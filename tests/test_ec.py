@@ -365,7 +365,8 @@ def test_channel_weights_match_naive_references(tiny_lm):
 
 
 def test_token_levels_protect_and_lift():
-    from kdnctl.compress.ec import LIFT_LEVEL, PROTECT_LEVEL, token_levels
+    from kdnctl.compress.options import LIFT_LEVEL, PROTECT_LEVEL
+    from kdnctl.compress.stages.precision import token_levels
 
     lift = torch.zeros(2, 3, 20)
     lift[:, :, 7:12] = 1.0  # five tokens every layer and head ranks first
@@ -380,7 +381,7 @@ def test_token_levels_protect_and_lift():
 def test_shared_keep_matches_naive(n, keep, header, protect):
     """The kept tokens are the top of the layer/head-averaged importance (ties to the earlier
     token), the header and the last ``protect`` always among them, ascending."""
-    from kdnctl.compress.ec import shared_keep
+    from kdnctl.compress.stages.select import shared_keep
 
     g = torch.Generator().manual_seed(n)
     imp = torch.randint(0, 4, (2, 3, n), generator=g).float()  # many ties, as whole sentences give

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdnctl.compress.ec import token_levels
+from kdnctl.compress.stages.precision import token_levels
 from kdnctl.errors import UsageError
 from kdnctl.scorers.literals import DIGIT, SENTENCE, literal_scores
 from kdnctl.scorers.sentences import sentence_bounds

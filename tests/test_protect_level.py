@@ -9,7 +9,8 @@ from kdnctl.errors import UsageError
 
 
 def test_token_levels_take_the_protect_level():
-    from kdnctl.compress.ec import PROTECT_LEVEL, token_levels
+    from kdnctl.compress.options import PROTECT_LEVEL
+    from kdnctl.compress.stages.precision import token_levels
 
     assert token_levels(10, header=2, protect=3).tolist() == [PROTECT_LEVEL] * 2 + [0] * 5 + [PROTECT_LEVEL] * 3
     for level in (0, 1):

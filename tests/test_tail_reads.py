@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdnctl.compress.ec import shared_keep
+from kdnctl.compress.stages.select import shared_keep
 from kdnctl.errors import UsageError
 from kdnctl.scorers.tail_reads import middle_layers, sentence_reads
 

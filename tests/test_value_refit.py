@@ -182,7 +182,7 @@ def refit_versions(tiny_lm, tmp_path_factory):
     and, per layer, the keys the decoded refit fitted to (``kept_keys``, seen in ``refit_values``)."""
     from budgetkit import trimmed_store
 
-    import kdnctl.compress.ec as ce
+    import kdnctl.compress.stages.refit as ce
     from kdnctl.compress.document import CompressRecipe, compress_document
 
     seen: list = []

@@ -2,7 +2,7 @@
 
 Two budgets. ``budget`` (size, the default 0.25): the stored bytes of each document are at most
 ``budget`` x its fp16 K/V size, everything included; precision fills it (``kdnctl.compress.sizing``'s
-tiers, evicting only what the cap forces, or ``quant="ec"``: ``compress_ec``, every token kept).
+tiers, evicting only what the cap forces, or ``quant="ec"``: ``kdnctl.compress.stages``).
 ``keep`` (token eviction, the meaning ``budget`` had before): the fraction of tokens kept per
 layer and KV head.
 
@@ -177,9 +177,10 @@ def build_compressed_version(objects, src, recipe: CompressRecipe, label: str, s
         # the cap is fitted with the longer of the version's name and its recipe spelled out: what a
         # recipe stores does not depend on the (shorter) name it is given, and any name fits the cap
         fit_label = max(label, recipe.recipe_label(), key=len)
-        if recipe.quant == "ec":  # attention-weighted steps, eviction first with --keep (compress_ec.py)
+        if recipe.quant == "ec":  # attention-weighted steps, eviction first with --keep (compress/stages/)
             new_tensors, metas, kept, mix = sized_ec(src, fit_label, step, recipe, bundles, keys, values, token_ids,
-                                                     local_bounds, fp16, lm, lift_w, importance)
+                                                     local_bounds, fp16, lm, lift_w, importance,
+                                                     ctx.stats if ctx is not None else None)
         else:
             new_tensors, metas, kept, mix = _sized(src, fit_label, step, recipe, bundles, dense, keys, values,
                                                    importance if lift_w is None else lift_w, press, allocator, ctx,

@@ -9,7 +9,7 @@ reader: in the middle layers (where eviction costs the continuation most) they
 attend to the sources the next lines will copy. ``compress --tail-reads R`` fills a share R of
 the kept tokens (beyond the header and the forced tail) with whole sentences in the order of
 the mean attention their tokens get from the last ``TAIL_WINDOW`` queries of the document, the
-rest by the scorer as before (``compress_ec.shared_keep``). Measured in docs/compression.md
+rest by the scorer as before (``kdnctl.compress.stages.select.shared_keep``). Measured in docs/compression.md
 ("What the end of the document reads").
 """
 

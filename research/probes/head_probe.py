@@ -199,7 +199,7 @@ def main() -> None:
 
     from bench.lowbit_probe import full_cache
     from kdnctl.compress.document import _cat_stats
-    from kdnctl.compress.ec import shared_keep
+    from kdnctl.compress.stages.select import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
     from kdnctl.scorers.literals import SENTENCE, literal_scores

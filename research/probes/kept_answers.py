@@ -2,7 +2,7 @@
 
 For every needle and multi-fact task: ingest its document (unchanged ones are skipped), score it
 with each ``--scorers`` entry (``kdnctl.scorers.compute_importance``), take the kept set that
-``compress --quant ec --keep K --protect P`` stores (``kdnctl.compress.ec.shared_keep``) for each
+``compress --quant ec --keep K --protect P`` stores (``kdnctl.compress.stages.select.shared_keep``) for each
 ``--protect`` value, and report whether every token of the answer (and of each distractor: the
 other planted facts of a multi-fact task) is in it. An answer that is not kept cannot be read
 back, whatever the quantizer does: this separates what selection loses from what precision
@@ -56,7 +56,7 @@ def main() -> None:
 
     from bench.lowbit_probe import full_cache
     from kdnctl.compress.document import _cat_stats
-    from kdnctl.compress.ec import shared_keep
+    from kdnctl.compress.stages.select import shared_keep
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks
     from kdnctl.models.load import load_model
     from kdnctl.scorers import compute_importance

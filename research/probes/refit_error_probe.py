@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--store", required=True)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
-    import kdnctl.compress.ec as ce
+    import kdnctl.compress.stages.refit as ce
     from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.engine.hf import load_document
     from kdnctl.models.load import load_model

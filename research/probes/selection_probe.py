@@ -107,7 +107,7 @@ def main() -> None:
 
     from bench.lowbit_probe import full_cache, probe_setup
     from kdnctl.compress.document import _cat_stats
-    from kdnctl.compress.ec import shared_keep
+    from kdnctl.compress.stages.select import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import run_task
     from kdnctl.engine.prefill import prefill

@@ -5,7 +5,7 @@ surprisal given the whole document and given only its preceding ``--windows`` to
 (``kdnctl.scorers.sentences.local_sentence_surprisal``; window 0: the sentence alone), the token
 surprisals, and the token ranges of the answer and of the distractors. ``analyze`` reads such
 dumps and, for each weight a in ``--weights``, takes the kept set ``compress --quant ec --keep K
---protect P`` would store (``kdnctl.compress.ec.shared_keep``) with every sentence scored by the
+--protect P`` would store (``kdnctl.compress.stages.select.shared_keep``) with every sentence scored by the
 better of two ranks, its whole-document surprisal and ``local + a x (local - whole)`` (a = 0 is
 ``sentences-local``, ``GAP_WEIGHT`` is ``sentences-gap``), and reports whether every token of the
 answer is kept, and the mean rank at which the kept set is cut. No quantization, no generation::
@@ -65,7 +65,7 @@ def dump(args) -> None:
 
 
 def analyze(args) -> None:
-    from kdnctl.compress.ec import shared_keep
+    from kdnctl.compress.stages.select import shared_keep
     from kdnctl.scorers.sentences import two_rank_scores
 
     right = set()
