@@ -43,7 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ttft import corpus_text  # noqa: E402
 
-from kdnctl.format.bundle import decode_bundle, tensor_name  # noqa: E402
+from kdnctl.format.bundle import decode_bundle  # noqa: E402
+
+from kdnctl.format.names import tensor_name
 from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.engine.hf import load_document  # noqa: E402

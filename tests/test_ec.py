@@ -94,7 +94,7 @@ def test_narrow_heads_code_their_kept_rows_only(shape, peak):
     """1.8: heads marked in ``layers.i.narrow`` code the chunk's ``kept`` rows only (small peaks:
     packed digits; larger: bytes; int16 codes); their other rows decode to the mean, every stored
     row within half a step, and dropping the rows costs fewer bytes than coding them."""
-    from kdnctl.format.bundle import stored_rows
+    from kdnctl.format.names import stored_rows
 
     torch.manual_seed(shape[1] + peak)
     h, t, d = shape

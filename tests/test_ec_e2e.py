@@ -18,7 +18,9 @@ import kdnctl
 from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, layers_read_nearer, rope_by_hand, trimmed_store
 from conftest import run_cli
 
-from kdnctl.format.bundle import FORMAT_VERSION, decode_bundle, parse_head, read_meta, stored_rows
+from kdnctl.format.bundle import FORMAT_VERSION, decode_bundle, parse_head, read_meta
+
+from kdnctl.format.names import stored_rows
 from kdnctl.compress.document import CompressRecipe, compress_document
 from kdnctl.compress.sizing import EVICT_PROTECT
 from kdnctl.quant import layer_kv
@@ -187,7 +189,7 @@ def test_key_basis_fills_the_same_cap_with_finer_steps(lm, store, doc):
     """By default keys are coded in the basis shipped for this model (calibrated on other man
     pages than any evaluated one): they take fewer bytes, so the same cap holds finer steps than
     keys in channels (``--key-basis none``, what every version before format 1.7 stored)."""
-    from kdnctl.quant.basis import basis_for_model
+    from kdnctl.format.key_basis import basis_for_model
 
     cap = 0.25 * fp16_size(store, doc)
     labels = ("ec-b0.25-p64", "ec-b0.25-p64-kb0")

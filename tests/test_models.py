@@ -322,7 +322,8 @@ def test_key_basis_registered_for_a_new_model(built, tmp_path, monkeypatch):
     does, here on another text) and registered makes ``--key-basis model`` compress and load."""
     from kdnctl.engine.hf import forward_suffix, load_document
     from kdnctl.models.load import use_loaded_models
-    from kdnctl.quant.basis import ENV, calibrate, key_samples, register
+    from kdnctl.format.key_basis import ENV, register
+    from kdnctl.quant.basis import calibrate, key_samples
     from kdnctl.store import Store
 
     path, mlm, store = ingested("qwen3", built, tmp_path)

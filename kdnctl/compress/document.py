@@ -24,7 +24,8 @@ from ..models import plain_rope_theta
 from . import sizing
 from .ec import sized_ec
 from .recipe import CompressRecipe  # noqa: F401 (re-exported: callers import it from here)
-from ..format.bundle import KVBundle, decode_bundle, derived_meta, encode_bundle, stats_of, tensor_name
+from ..format.bundle import KVBundle, decode_bundle, derived_meta, encode_bundle, stats_of
+from ..format.names import tensor_name
 from ..errors import UnsupportedError, UsageError
 from ..kernels.kvcrush import gather_layers
 from ..allocate import allocate

@@ -24,7 +24,7 @@ from __future__ import annotations
 from ..errors import UsageError
 from ..format.bundle import KVBundle
 from ..models import plain_rope_theta
-from ..quant.basis import basis_for_model, load_basis
+from ..format.key_basis import basis_for_model, load_basis
 from ..quant.entropy import EntropyQuantizer
 from .stages import Job, run_pipeline
 

@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..format.bundle import KVBundle, decode_bundle, tensor_name
+from ..format.bundle import KVBundle, decode_bundle
+
+from ..format.names import tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..models import adapter_for
 from ..store import LocalObjects, ReadStore, bundle_mismatch

@@ -33,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..format.bundle import finish_decode, header_size, tensor_name
+from ..format.bundle import finish_decode, header_size
+
+from ..format.names import tensor_name
 from ..format.layout import parse_head_cached
 from ..errors import BundleFormatError, StoreCorruptError
 from ..store.fastread import Verifier, new_buffer

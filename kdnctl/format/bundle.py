@@ -26,6 +26,7 @@ from .header import (  # noqa: F401  (re-exported: the header format's names liv
 )
 from .kept import fold_kept_positions, unfold_kept_positions
 from .layout import layout_views, parse_head_cached
+from .names import REQUIRED_META_KEYS, REQUIRED_MODEL_KEYS, tensor_name, role_levels
 from .tensor_views import tensor_index, tensor_views
 
 FORMAT_VERSION = "1.10"  # each version's tensors: docs/bundle-format.md, section 2; in short
@@ -34,12 +35,6 @@ FORMAT_VERSION = "1.10"  # each version's tensors: docs/bundle-format.md, sectio
 # frames; 1.7 a per-model key basis; 1.8 narrow heads (layers.i.narrow, kept); 1.9 kept_layers;
 # 1.10 token_levels.keys (a lift of the keys alone)
 
-REQUIRED_META_KEYS = (
-    "format_version", "model_fingerprint", "model", "doc_id", "doc_version", "chunk_index",
-    "n_chunks", "token_start", "token_end", "chain_hash", "label", "parent", "recipe",
-    "created", "tool_version", "dtype",
-)
-REQUIRED_MODEL_KEYS = ("n_layers", "n_kv_heads", "head_dim")
 QUANT_SUFFIXES = (".q", ".scale", ".zero")
 
 _LAYER_RE = re.compile(r"^layers\.(\d+)\.")
@@ -50,36 +45,6 @@ STATS_DTYPE = torch.float16
 STATS_PREFIX = "stats."
 # Meta keys the writer stamps itself; a derived bundle gets fresh ones (see ``derived_meta``).
 STAMPED_META_KEYS = ("format_version", "created", "tool_version")
-
-
-# -- tensor naming: the only place that spells a bundle's tensor names ---------------------
-
-def tensor_name(layer: int, role: str) -> str:
-    """Name of layer ``layer``'s tensor ``role``: ``keys``, ``values``, ``positions``, ``bias``,
-    or a quantized part such as ``keys.q`` (see docs/bundle-format.md)."""
-    return f"layers.{layer}.{role}"
-
-
-def role_levels(tensors: dict, layer: str, role: str):
-    """The token levels one role of one layer (``layers.i``) was coded with: the role's own
-    (``--backfill-key-shift``, 1.5), else the layer's (``--backfill``, 1.4), else the chunk's for
-    that role (``--lift-role keys``, 1.10: ``token_levels.keys``), else the chunk's."""
-    for name in (f"{layer}.{role}.levels", f"{layer}.levels", f"token_levels.{role}", "token_levels"):
-        if tensors.get(name) is not None:
-            return tensors[name]
-    return None
-
-
-def stored_rows(tensors: dict, layer: str) -> torch.Tensor | None:
-    """bool ``[H_kv, T]``: the rows layer ``layer`` (``layers.i``) stores where ``layers.i.narrow``
-    marks heads holding the chunk's ``kept`` tokens only (1.8); None where every head holds every row."""
-    narrow = tensors.get(f"{layer}.narrow")
-    return None if narrow is None else held_rows(tensors["kept"], narrow)
-
-
-def held_rows(kept: torch.Tensor, narrow: torch.Tensor) -> torch.Tensor:
-    """bool ``[H_kv, T]``: every row of a wide head, the ``kept`` ``[T]`` rows of a ``narrow`` ``[H_kv]`` one."""
-    return kept.bool().unsqueeze(0) | ~narrow.bool().unsqueeze(1)
 
 
 def masking_bias(bias: torch.Tensor | None, heads: list[int], evicted: torch.Tensor, n_q: int, n_kv: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from ..errors import BundleFormatError
+from .names import tensor_name
 
 KEPT_LAYERS = "kept_layers"
 
@@ -28,8 +29,6 @@ def kept_positions_dtype(p: torch.Tensor) -> torch.dtype:
 
 
 def _layer_name(i: int) -> str:
-    from .bundle import tensor_name  # the one naming helper; bundle imports this module
-
     return tensor_name(i, "positions")
 
 

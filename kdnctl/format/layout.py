@@ -33,6 +33,7 @@ import torch
 
 from .header import MAX_HEADER, check_version, load_meta
 from ..errors import BundleFormatError
+from .names import REQUIRED_META_KEYS, REQUIRED_MODEL_KEYS, tensor_name
 from .tensor_views import tensor_index
 
 _PREFIX = '{"__metadata__":'
@@ -80,8 +81,6 @@ class Layout:
 
     def _content_plan(self, meta: dict[str, Any]) -> list:
         """The checks of tensor contents the structure check made for this index and meta signature."""
-        from .bundle import tensor_name
-
         model = meta["model"]
         n_layers, h_kv, d = model["n_layers"], model["n_kv_heads"], model["head_dim"]
         t_full = meta["token_end"] - meta["token_start"]
@@ -112,8 +111,6 @@ def _contiguous_strides(shape) -> tuple:
 def _meta_sig(meta: dict[str, Any]) -> tuple | None:
     """Exactly the meta fields the structure check (``bundle``) reads (types included: ``True`` is not 1),
     or None when they are unusual enough to always take the full check."""
-    from .bundle import REQUIRED_META_KEYS, REQUIRED_MODEL_KEYS
-
     model, ts, te = meta.get("model"), meta.get("token_start"), meta.get("token_end")
     if not isinstance(model, dict) or type(ts) is not int or type(te) is not int:
         return None

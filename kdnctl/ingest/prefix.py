@@ -20,7 +20,9 @@ from typing import Callable
 
 import torch
 
-from ..format.bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes, tensor_name
+from ..format.bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes
+
+from ..format.names import tensor_name
 from .chunking import chain_hashes, chunk_bounds
 from .corpus import Document, Skipped, read_corpus
 from ..errors import UsageError

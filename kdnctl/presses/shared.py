@@ -28,6 +28,7 @@ from torch import Tensor
 
 from kdnctl.errors import UsageError
 from kdnctl.presses.base import Press, ScoreContext, sanitize, select_top
+from kdnctl.presses.registry import get_ranking_press
 from kdnctl.scorers.rank import rank01
 
 
@@ -47,14 +48,12 @@ class SharedPress(Press):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from kdnctl.presses import get_press  # late: the registry imports this module
-
         if str(self.press).strip().lower() == self.name:
             raise UsageError("shared cannot wrap itself")
         if self.by not in ("rank", "mean"):
             raise UsageError(f"shared: by must be rank or mean, got {self.by!r}", param="by")
         opts = {"sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens, **self.press_options}
-        self.inner = get_press(str(self.press), **opts)
+        self.inner = get_ranking_press(str(self.press), **opts)
 
     def score(self, ctx: ScoreContext) -> Tensor:
         return self.inner.score(ctx)

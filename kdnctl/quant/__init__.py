@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kdnctl.errors import BundleFormatError, UsageError
-from kdnctl.format.bundle import tensor_name
+from kdnctl.format.names import tensor_name
 
 from .base import Quantizer, bytes_per_element
 from .entropy import EntropyQuantizer

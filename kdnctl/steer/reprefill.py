@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..format.bundle import stats_of, stats_tensors, tensor_name
+from ..format.bundle import stats_of, stats_tensors
+
+from ..format.names import tensor_name
 from ..errors import UnsupportedError
 from ..engine.prefill import prefill
 from ..versions import recipe_steps

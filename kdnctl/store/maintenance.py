@@ -76,7 +76,7 @@ def _key_basis_problem(meta: dict, seen: dict[str, str | None]) -> str | None:
     if sha is None:
         return None
     if sha not in seen:
-        from kdnctl.quant.basis import load_basis
+        from kdnctl.format.key_basis import load_basis
 
         try:
             load_basis(sha)

@@ -11,7 +11,8 @@ import torch
 
 from ...allocate.rate import fit_near, fit_scale, relative_steps, step_floor
 from ...errors import UsageError
-from ...format.bundle import KVBundle, derived_meta, encode_bundle, tensor_name
+from ...format.bundle import KVBundle, derived_meta, encode_bundle
+from ...format.names import tensor_name
 from ...format.kept import kept_positions_dtype
 from ...versions import child_recipe
 from . import quantize as qz

@@ -18,7 +18,7 @@ import torch
 from ...allocate import layer_fisher as lf
 from ...allocate.rate import clamp_steps, relative_steps, step_floor
 from ...errors import UsageError
-from ...format.bundle import held_rows, tensor_name
+from ...format.names import held_rows, tensor_name
 from ...quant import transforms as tf
 from ...quant.entropy import encode_role
 from ...quant.grid import roundtrip_role
