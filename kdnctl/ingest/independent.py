@@ -205,15 +205,9 @@ def _current(store: Store, doc_id: str) -> DocumentRecord | None:
         return None
 
 
-def ingest_independent(
-    store: Store,
-    lm: LoadedModel,
-    docs: list[Document],
-    opts: IngestOptions,
-    *,
-    on_progress: Callable[[int], None] | None = None,
-    on_doc: Callable[[str, str], None] | None = None,
-) -> IndependentReport:
+def ingest_independent(store: Store, lm: LoadedModel, docs: list[Document], opts: IngestOptions, *,
+                       on_progress: Callable[[int], None] | None = None,
+                       on_doc: Callable[[str, str], None] | None = None) -> IndependentReport:
     """Store every document's chunks as independently prefilled bundles (label ``independent``)."""
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     recipe = independent_recipe(opts)

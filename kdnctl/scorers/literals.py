@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Scorer, ScorerInput
-from .sentences import sentence_bounds, token_texts
+from .sentences import SentencesScorer, sentence_bounds
 from .rank import rank01
 
 DIGIT, SENTENCE = 2.0, 1.0  # class scores; the surprisal rank (0 to 1) only orders tokens inside a class
@@ -43,16 +42,10 @@ def literal_scores(surprisal: torch.Tensor, token_texts: list[str]) -> torch.Ten
     return cls + 0.999 * rank01(s) if s.numel() else cls
 
 
-class LiteralsScorer(Scorer):
+class LiteralsScorer(SentencesScorer):
     """``literals``: tokens holding a digit first, then the rest of their sentences, then the
     others, each class by surprisal: the values an exact answer copies, an order for ``lift``
     (finer steps), not for eviction."""
 
     name = "literals"
-    stats = ("surprisal",)
-    needs_model = True
-    needs = "the tokenizer (sentence bounds)"
-
-    def score(self, inputs: ScorerInput) -> torch.Tensor:
-        texts = token_texts(inputs.lm.tokenizer, inputs.token_ids)
-        return inputs.per_token(literal_scores(inputs.stats["surprisal"], texts))
+    text_scores = staticmethod(literal_scores)

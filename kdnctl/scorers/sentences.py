@@ -159,7 +159,12 @@ class SentencesScorer(Scorer):
 
     def score(self, inputs: ScorerInput) -> torch.Tensor:
         texts = token_texts(inputs.lm.tokenizer, inputs.token_ids)
-        return inputs.per_token(sentence_surprisal(inputs.stats["surprisal"], texts))
+        return inputs.per_token(self.text_scores(inputs.stats["surprisal"], texts))
+
+    @staticmethod
+    def text_scores(surprisal: torch.Tensor, texts: list[str]) -> torch.Tensor:
+        """``[T]`` scores from the surprisal and the tokens' texts."""
+        return sentence_surprisal(surprisal, texts)
 
 
 class LocalSentencesScorer(Scorer):
