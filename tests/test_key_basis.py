@@ -182,7 +182,7 @@ def test_recipe_validation_and_label():
 
 def test_which_basis_a_recipe_gets(registry, tiny_lm):
     from kdnctl.compress.document import CompressRecipe
-    from kdnctl.compress.ec import key_basis_for
+    from kdnctl.compress.stages.coder import key_basis_for
 
     def asks(kind):
         return CompressRecipe(budget=0.25, quant="ec", key_basis=kind)

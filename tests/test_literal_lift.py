@@ -122,7 +122,8 @@ def test_compress_with_a_literal_lift_end_to_end(tiny_lm, tmp_path_factory):
     from budgetkit import fp16_size, trimmed_store
 
     from kdnctl.format.bundle import decode_bundle
-    from kdnctl.compress.document import CompressRecipe, _cat_stats, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.scorers import compute_importance
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})

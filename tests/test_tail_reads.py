@@ -95,7 +95,8 @@ def test_compress_with_tail_reads_end_to_end(tiny_lm, tmp_path_factory):
     from budgetkit import fp16_size, trimmed_store
 
     from kdnctl.format.bundle import decode_bundle
-    from kdnctl.compress.document import CompressRecipe, _cat_stats, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.engine.prefill import prefill
     from kdnctl.scorers import compute_importance
     from kdnctl.scorers.sentences import sentence_bounds, token_texts

@@ -2,7 +2,7 @@
 ``kept`` ones store no positions of their own.
 
 An evicting ec version keeps one token set for all its pruned layers and heads
-(kdnctl/compress/ec.py), so every pruned layer stored ``layers.{i}.positions [H_kv, T_k]``, the
+(kdnctl/compress/stages/select.py), so every pruned layer stored ``layers.{i}.positions [H_kv, T_k]``, the
 same row H_kv x L times: 59 bytes per document token at ``--budget 0.083``, 3.1% of the cap
 (``research/probes/bundle_bytes.py``), plus a header entry per layer. Since 1.9 the file holds
 ``kept_layers`` (uint8 ``[L]``, 1 = layer i's positions are ``positions[kept]`` in every head)

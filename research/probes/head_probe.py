@@ -198,7 +198,7 @@ def main() -> None:
         raise SystemExit("ask:/askt: read the task's question; --own-tail scores no question (drop one of them)")
 
     from bench.lowbit_probe import full_cache
-    from kdnctl.compress.document import _cat_stats
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.compress.stages.select import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task

@@ -55,7 +55,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from bench.lowbit_probe import full_cache
-    from kdnctl.compress.document import _cat_stats
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.compress.stages.select import shared_keep
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks
     from kdnctl.models.load import load_model

@@ -159,7 +159,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from bench.quality import cache_reconstruct_scores
-    from kdnctl.compress.document import _cat_stats
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import load_tasks, run_task
     from kdnctl.models.load import load_model

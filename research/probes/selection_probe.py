@@ -106,7 +106,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from bench.lowbit_probe import full_cache, probe_setup
-    from kdnctl.compress.document import _cat_stats
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.compress.stages.select import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import run_task

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 def dump(args) -> None:
     from bench.lowbit_probe import full_cache
-    from kdnctl.compress.document import _cat_stats
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.evaluation.tasks import load_tasks
     from kdnctl.models.load import load_model
     from kdnctl.ingest.prompting import PromptFormat

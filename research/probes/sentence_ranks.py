@@ -34,7 +34,7 @@ def main() -> None:
     import torch
 
     from kdnctl.format.bundle import decode_bundle
-    from kdnctl.compress.document import _cat_stats
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.errors import NotFoundError
     from kdnctl.evaluation.tasks import load_tasks
     from kdnctl.models.load import load_model

@@ -38,6 +38,13 @@ class Job:
     importance: torch.Tensor | None = None
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     theta: float | None = None  # the keys' RoPE base; None: keys are coded as stored, after RoPE
+    # score: the press and allocator the recipe builds, the scorer's context and its seconds
+    dense: list = field(default_factory=list)  # per chunk, per layer (keys, values) as stored
+    press: Any = None
+    allocator: Any = None
+    ctx: Any = None
+    score_seconds: float = 0.0
+    picks: list | None = None  # evict: per chunk, per layer, the kept chunk-local indices
     # select: the kept document indices (None: every token) and the kept tokens the refit holds
     rows: torch.Tensor | None = None
     hold: torch.Tensor | None = None

@@ -1,4 +1,6 @@
-"""Size-budgeted chunks in the entropy-coded ``ec`` layout (``kdnctl compress --quant ec``).
+"""Coder: the entropy-coded ``ec`` layout's quantizer and the key basis its keys are coded in.
+
+Size-budgeted chunks in the entropy-coded ``ec`` layout (``kdnctl compress --quant ec``).
 
 Every token is kept, unless ``--keep K`` evicts first: then one set of tokens, the same in every
 layer and KV head (the top ``K`` of the scorer's importance averaged over layers and heads, the
@@ -21,12 +23,11 @@ readers mask their query heads off those rows (``KVBundle.layer_bias``).
 
 from __future__ import annotations
 
-from ..errors import UsageError
-from ..format.bundle import KVBundle
-from ..models import plain_rope_theta
-from ..format.key_basis import basis_for_model, load_basis
-from ..quant.entropy import EntropyQuantizer
-from .stages import Job, run_pipeline
+from ...errors import UsageError
+from ...format.key_basis import basis_for_model, load_basis
+from ...models import plain_rope_theta
+from ...quant.entropy import EntropyQuantizer
+from .base import Job, Stage
 
 
 def key_basis_for(recipe, lm) -> str | None:
@@ -41,24 +42,21 @@ def key_basis_for(recipe, lm) -> str | None:
     return sha
 
 
-def sized_ec(src, label: str, step: dict, recipe, bundles: list[KVBundle], keys, values, token_ids: list[int],
-             local_bounds, fp16: int, lm, lift=None, importance=None, stats=None):
-    """(tensors per chunk, meta per chunk, kept fraction, mix) for a version within
-    ``recipe.budget`` x ``fp16`` bytes, everything included: the quantizer and key basis set up,
-    then every stage of the pipeline (``kdnctl.compress.stages``)."""
-    if lm is None:
-        raise UsageError("--quant ec weighs channels with the model's queries and output projection",
-                         hint="pass --model (or drop --quant ec)")
-    n_layers, (n_heads, _, d) = len(keys), keys[0].shape
-    rope = bundles[0].meta["model"].get("rope") or {}
-    theta = plain_rope_theta(rope)  # None: keys are coded as stored, after RoPE
-    basis_sha = key_basis_for(recipe, lm)
-    basis = load_basis(basis_sha) if basis_sha else None
-    if basis is not None and tuple(basis.shape) != (n_layers, n_heads, d, d):
-        raise UsageError(f"the key basis registered for this model is {list(basis.shape)}, its keys are "
-                         f"[{n_layers}, {n_heads}, {d}, {d}]", hint="re-calibrate it: scripts/calibrate_key_basis.py")
-    job = Job(src=src, label=label, step=step, recipe=recipe, bundles=bundles, keys=keys, values=values,
-              token_ids=token_ids, local_bounds=local_bounds, fp16=fp16, lm=lm, lift=lift, importance=importance,
-              stats=dict(stats or {}), theta=theta, all_keys=keys, all_values=values, basis=basis,
-              quantizer=EntropyQuantizer(key_rope_theta=theta, key_basis=basis_sha))
-    return run_pipeline(job).result
+class ECCoder(Stage):
+    """``job.quantizer``, ``job.basis`` and ``job.theta`` (the keys' RoPE base) for the ec stages."""
+
+    name = "coder"
+
+    def run(self, job: Job) -> None:
+        if job.lm is None:
+            raise UsageError("--quant ec weighs channels with the model's queries and output projection",
+                             hint="pass --model (or drop --quant ec)")
+        n_layers, (n_heads, _, d) = len(job.keys), job.keys[0].shape
+        rope = job.bundles[0].meta["model"].get("rope") or {}
+        job.theta = plain_rope_theta(rope)  # None: keys are coded as stored, after RoPE
+        basis_sha = key_basis_for(job.recipe, job.lm)
+        job.quantizer = EntropyQuantizer(key_rope_theta=job.theta, key_basis=basis_sha)
+        job.basis = load_basis(basis_sha) if basis_sha else None
+        if job.basis is not None and tuple(job.basis.shape) != (n_layers, n_heads, d, d):
+            raise UsageError(f"the key basis registered for this model is {list(job.basis.shape)}, its keys are "
+                             f"[{n_layers}, {n_heads}, {d}, {d}]", hint="re-calibrate it: scripts/calibrate_key_basis.py")
