@@ -80,7 +80,7 @@ def with_basis(monkeypatch):
     basis = torch.linalg.qr(torch.randn(n_layers, h, d, d, generator=g))[0].contiguous()
     from kdnctl.quant import entropy
 
-    monkeypatch.setattr(entropy, "_basis_on", lambda sha, device: basis)
+    monkeypatch.setattr(entropy, "basis_on", lambda sha, device: basis)
     monkeypatch.setattr(ec_batch, "_basis_t_cached", lambda sha: basis.transpose(-1, -2).contiguous())
     return basis
 

@@ -94,40 +94,40 @@ def _text(name: str, value: Any) -> str:
 class Option:
     default: Any
     check: Callable[[str, Any], Any]
-    reader: str  # the stage that reads it
+    reader: str  # the stage(s) that read it (kdnctl.compress.stages)
     help: str
 
 
 OPTIONS: dict[str, Option] = {
-    "coding": Option("zlib+params", _choice("zlib", "zlib+params"), "sizing",
+    "coding": Option("zlib+params", _choice("zlib", "zlib+params"), "ladder",
                      "floor/ladder/uniform: lossless coding of the codes (zlib) or of codes and scales (zlib+params)"),
-    "lift": Option(None, _scorer, "ec", "a second scorer whose top tokens get finer steps (none: no lift)"),
-    "lift_share": Option(None, _share(True, 1, False), "ec", f"with lift: the share of the kept tokens lifted "
+    "lift": Option(None, _scorer, "score, precision", "a second scorer whose top tokens get finer steps (none: no lift)"),
+    "lift_share": Option(None, _share(True, 1, False), "precision", f"with lift: the share of the kept tokens lifted "
                          f"(default {LIFT_SHARE})"),
-    "lift_level": Option(None, _int_range(1, MAX_LIFT_LEVEL), "ec", f"with lift: the lifted tokens' steps are "
+    "lift_level": Option(None, _int_range(1, MAX_LIFT_LEVEL), "precision", f"with lift: the lifted tokens' steps are "
                          f"2**N finer (default {LIFT_LEVEL})"),
-    "lift_role": Option(None, _choice("keys"), "ec", "with lift: keys lifts the keys alone (default: both roles)"),
-    "key_weight": Option(KEY_WEIGHT, _positive, "sizing, ec", "a key error's damage relative to a value error's"),
-    "layers": Option(None, _choice("fisher", "even"), "ec", "fisher: steps per layer and role scaled by a Fisher "
+    "lift_role": Option(None, _choice("keys"), "precision", "with lift: keys lifts the keys alone (default: both roles)"),
+    "key_weight": Option(KEY_WEIGHT, _positive, "ladder, quantize", "a key error's damage relative to a value error's"),
+    "layers": Option(None, _choice("fisher", "even"), "quantize", "fisher: steps per layer and role scaled by a Fisher "
                      "estimate of their damage (default where every token is kept); even: the same relative error"),
-    "backfill": Option(None, _text, "ec", "with keep < 1: layers A-B, L or KV heads L.H (joined by +) also keep "
+    "backfill": Option(None, _text, "precision, quantize, encode", "with keep < 1: layers A-B, L or KV heads L.H (joined by +) also keep "
                        "the evicted tokens, at coarser steps"),
-    "backfill_shift": Option(BACKFILL_SHIFT, _int_range(0, MAX_BACKFILL_SHIFT), "ec",
+    "backfill_shift": Option(BACKFILL_SHIFT, _int_range(0, MAX_BACKFILL_SHIFT), "precision",
                              "with backfill: the evicted tokens' steps are 2**S x the kept ones'"),
-    "backfill_key_shift": Option(None, _int_range(0, MAX_BACKFILL_SHIFT), "ec",
+    "backfill_key_shift": Option(None, _int_range(0, MAX_BACKFILL_SHIFT), "precision",
                                  "with backfill: the keys' own shift (default: backfill_shift)"),
-    "key_basis": Option("auto", _choice(*KEY_BASES), "ec", "auto: keys in the model's principal axes where one is "
+    "key_basis": Option("auto", _choice(*KEY_BASES), "coder", "auto: keys in the model's principal axes where one is "
                         "registered; model: require one; none: keys in channels"),
-    "refit": Option(None, _ridge, "value_refit", "with keep < 1: refit the kept values so that the document's own "
+    "refit": Option(None, _ridge, "refit", "with keep < 1: refit the kept values so that the document's own "
                     "queries read the full cache's attention output; the ridge weight (0: off)"),
-    "refit_hold": Option(False, _flag, "value_refit", "with refit and lift: the lifted tokens keep their values"),
-    "refit_decoded": Option(False, _flag, "value_refit", "with refit: fit to the keys as the loader decodes them"),
-    "refit_feedback": Option(False, _flag, "value_feedback", "with refit: round the values with error feedback"),
-    "protect_level": Option(None, _int_range(0, PROTECT_LEVEL), "ec", "the header's and the protected tail's "
+    "refit_hold": Option(False, _flag, "select", "with refit and lift: the lifted tokens keep their values"),
+    "refit_decoded": Option(False, _flag, "encode", "with refit: fit to the keys as the loader decodes them"),
+    "refit_feedback": Option(False, _flag, "quantize", "with refit: round the values with error feedback"),
+    "protect_level": Option(None, _int_range(0, PROTECT_LEVEL), "precision", "the header's and the protected tail's "
                             f"steps are 2**N finer (default {PROTECT_LEVEL})"),
-    "fit": Option("search", _choice("search", "secant"), "ec", "how ec fits its scale to the byte cap: search "
+    "fit": Option("search", _choice("search", "secant"), "encode", "how ec fits its scale to the byte cap: search "
                   "(bisection, about 14 encodings) or secant (3-4 encodings, within 0.2% under the cap)"),
-    "tail_reads": Option(None, _share(False, 1, True), "tail_reads", "with keep < 1: the share of the kept tokens "
+    "tail_reads": Option(None, _share(False, 1, True), "select", "with keep < 1: the share of the kept tokens "
                          "chosen by what the document's last queries read (0: off)"),
 }
 
