@@ -119,8 +119,9 @@ def parse_options(pairs: list[str]) -> dict:
 
 
 def methods() -> None:
-    """List pruning methods, allocators, scorers and quantizers."""
+    """List pruning methods, allocators, scorers, quantizers and the compress pipelines' stages."""
     from ..allocate import ALLOCATORS
+    from ..compress.stages import PIPELINES
     from ..presses import PRESSES
     from ..quant import QUANTIZERS
     from ..scorers import SCORERS
@@ -129,6 +130,8 @@ def methods() -> None:
     print("allocators: " + " ".join(ALLOCATORS))
     print("scorers:    " + " ".join(SCORERS))
     print("quantizers: " + " ".join(QUANTIZERS))
+    for name, stages in PIPELINES.items():
+        print(f"pipeline {name}: " + " -> ".join(stages))
 
 
 def register(app: typer.Typer) -> None:
