@@ -21,13 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl import scoring  # noqa: E402
-from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.corpus import read_corpus  # noqa: E402
+from kdnctl.scorers import reconstruct as scoring  # noqa: E402
+from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.ingest.corpus import read_corpus  # noqa: E402
 from kdnctl.evaluation.plot import plot_quality  # noqa: E402
 from kdnctl.evaluation.qa import evaluate, load_qa  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 METHODS = ["kvcrush", "snapkv", "h2o", "streaming", "knorm", "random", "pyramid:snapkv", "spans"]
@@ -81,8 +81,8 @@ def main() -> None:
     ingest_s = time.perf_counter() - t
     if report.unchanged:
         # Reused store: time a fresh prefill of the same documents for the overhead ratio.
-        from kdnctl.prefill import prefill
-        from kdnctl.prompting import PromptFormat
+        from kdnctl.engine.prefill import prefill
+        from kdnctl.ingest.prompting import PromptFormat
 
         fmt = PromptFormat.for_tokenizer(lm.tokenizer)
         t = time.perf_counter()

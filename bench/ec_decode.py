@@ -44,12 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ttft import corpus_text  # noqa: E402
 
-from kdnctl.bundle import decode_bundle, tensor_name  # noqa: E402
-from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.corpus import Document  # noqa: E402
+from kdnctl.format.bundle import decode_bundle  # noqa: E402
+
+from kdnctl.format.names import tensor_name
+from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.engine.hf import load_document  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import entropy  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 

@@ -34,14 +34,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl import compress_ec  # noqa: E402
+from kdnctl.compress.stages import encode as ec_encode, quantize as ec_quantize  # noqa: E402
 from kdnctl.allocate import rate  # noqa: E402
-from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.corpus import read_corpus  # noqa: E402
+from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.ingest.corpus import read_corpus  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
-from kdnctl.prefill import bare_prefill_seconds  # noqa: E402
-from kdnctl.prompting import PromptFormat  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
+from kdnctl.engine.prefill import bare_prefill_seconds  # noqa: E402
+from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.quant import entropy, sensitivity  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
@@ -49,17 +49,17 @@ from kdnctl.store import Store  # noqa: E402
 @contextlib.contextmanager
 def variant(name: str):
     """The scale fit (and encoder) of ``name`` inside the block."""
-    saved = compress_ec.fit_near, compress_ec.one_torch_thread, entropy.encode_codes
+    saved = ec_encode.fit_near, ec_quantize.one_torch_thread, entropy.encode_codes
     if name in ("search", "before"):
-        compress_ec.fit_near = lambda size_at, cap, guess=0.5: rate.fit_scale(size_at, cap)
+        ec_encode.fit_near = lambda size_at, cap, guess=0.5: rate.fit_scale(size_at, cap)
     if name == "before":
-        compress_ec.one_torch_thread = contextlib.nullcontext
+        ec_quantize.one_torch_thread = contextlib.nullcontext
         enc = saved[2]
         entropy.encode_codes = lambda *a, **k: enc(*a, **{**k, "reference": True})
     try:
         yield
     finally:
-        compress_ec.fit_near, compress_ec.one_torch_thread, entropy.encode_codes = saved
+        ec_encode.fit_near, ec_quantize.one_torch_thread, entropy.encode_codes = saved
 
 
 def main() -> None:
@@ -95,7 +95,7 @@ def main() -> None:
                         secs = time.perf_counter() - t
                     version = store.get_version(doc.doc_id, label)
                     nbytes = sum(c.nbytes for c in version.chunks)
-                    from kdnctl.bundle import decode_bundle
+                    from kdnctl.format.bundle import decode_bundle
 
                     alpha = decode_bundle(store.read_object(version.chunks[0].object)).meta["quant"]["alpha"]
                     rows.append((doc.doc_id, len(ids), bare, ingest_s, budget, fit, secs, nbytes, res.fraction_of_fp16, alpha))

@@ -32,10 +32,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from kdnctl.corpus import Document, read_corpus  # noqa: E402
+from kdnctl.ingest.corpus import Document, read_corpus  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import default_gguf_path, load_model  # noqa: E402
-from kdnctl.prompting import PromptFormat  # noqa: E402
+from kdnctl.models.load import default_gguf_path, load_model  # noqa: E402
+from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 
@@ -138,7 +138,7 @@ def llamacpp_answers(runner, store, lm, qa, label: str, tmp: Path, *, own: bool)
 def quality(args) -> list[dict]:
     """Same run, same scorer, same keep fractions: kdnctl's HF engine on METHOD (per head) and
     shared:METHOD (one token set), and llama.cpp on the shared exports vs its own full prefill."""
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.evaluation.qa import evaluate, load_qa
     from kdnctl.export.llamacpp_engine import LlamaCppRunner
 

@@ -60,7 +60,7 @@ for s in "$@"; do
         t=$SECONDS
         mkdir -p /tmp/qs
         # convert the GGUF once, before N processes would race to
-        python3 -c "from kdnctl.model import load_model; load_model(device='cuda')" || rc=1
+        python3 -c "from kdnctl.models.load import load_model; load_model(device='cuda')" || rc=1
         for i in $(seq 0 $((n - 1))); do
             python3 bench/quality.py --device cuda --shard "$i/$n" --store "/tmp/bq$i" --out "/tmp/qs/q$i.json" \
                 ${QUALITY_ARGS:-} > "/tmp/qs/q$i.log" 2>&1 &

@@ -15,7 +15,7 @@ pkgs=$($PY -m pip list --format=freeze 2>/dev/null | grep -iE '^(gguf|lmdb|starl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl $pkgs
-gguf=$($PY -c "from kdnctl.model import default_gguf_path; print(default_gguf_path())")
+gguf=$($PY -c "from kdnctl.models.load import default_gguf_path; print(default_gguf_path())")
 mkdir -p .gguf
 half=$((44 * 1048576))  # tree (~10 MiB) + wheels (~7 MiB) + this half stays under 64 MiB
 head -c "$half" "$gguf" > .gguf/a

@@ -40,12 +40,12 @@ from kdnctl.evaluation.realtext import (CONTINUATION_TOKENS, answer_kind, assign
 def load_tokenizer():
     from transformers import AutoTokenizer
 
-    from kdnctl.model import converted_dir_for, resolve_model_path
+    from kdnctl.models.load import converted_dir_for, resolve_model_path
 
     path = resolve_model_path(None)
     hf_dir = converted_dir_for(path) if path.is_file() else path
     if not (hf_dir / "tokenizer.json").is_file() and not (hf_dir / "tokenizer_config.json").is_file():
-        from kdnctl.model import load_model
+        from kdnctl.models.load import load_model
 
         return load_model().tokenizer  # converts the GGUF once
     return AutoTokenizer.from_pretrained(hf_dir)

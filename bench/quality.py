@@ -81,7 +81,7 @@ def cache_reconstruct_scores(cache_dir: Path) -> dict:
     the source K/V (deterministic per document); returns counters (hits, misses, seconds)."""
     import torch
 
-    from kdnctl import scoring
+    from kdnctl.scorers import reconstruct as scoring
 
     real = scoring.reconstruct_scores
     stats = {"hits": 0, "misses": 0, "seconds": 0.0}
@@ -205,7 +205,7 @@ def main() -> None:
     from kdnctl.errors import KdnError
     from kdnctl.evaluation.paired import answer_kind_markdown, paired_markdown
     from kdnctl.evaluation.tasks import evaluate_tasks, ingest_tasks, load_tasks, missing_documents
-    from kdnctl.model import load_model
+    from kdnctl.models.load import load_model
     from kdnctl.store import Store
 
     torch.set_num_threads(args.threads)

@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kdnctl.corpus import read_corpus  # noqa: E402
+from kdnctl.ingest.corpus import read_corpus  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "corpus"

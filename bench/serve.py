@@ -52,7 +52,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from kdnctl.client import RemoteStore  # noqa: E402
+from kdnctl.store.client import RemoteStore  # noqa: E402
 from kdnctl.store import ChunkRef, DocumentRecord, Store, VersionRecord  # noqa: E402
 
 CHUNK_BYTES = 256 * 46_080  # one 256-token chunk of SmolLM2-135M KV in fp32
@@ -237,7 +237,7 @@ def raw_fetch(port: int, objects: list[str], workers: int, headers: dict | None,
     keep-alive connection. ``keep``: every object into its own new buffer, kept to the end (what
     any client that hands the bytes on pays: fresh memory); else into one reused buffer (the
     transport's ceiling)."""
-    from kdnctl.fastread import new_buffer
+    from kdnctl.store.fastread import new_buffer
 
     kept: list = []
     totals: list[int] = []
@@ -274,8 +274,8 @@ def verified_fetch(url: str, objects: list[str], workers: int, token: str | None
     """The engine's path: RemoteStore learns each object's BLAKE3 from the version listing (as
     load_document does), then downloads and checks every byte; all objects kept to the end.
     Downloads land in pooled memory that earlier fetches of this process released
-    (kdnctl/arena.py); ``cold``: the pool emptied first (a process's first fetch: fresh memory)."""
-    from kdnctl.arena import FETCH_POOL
+    (kdnctl/store/arena.py); ``cold``: the pool emptied first (a process's first fetch: fresh memory)."""
+    from kdnctl.store.arena import FETCH_POOL
 
     with RemoteStore(url, token=token, max_workers=workers) as remote:
         remote.list_versions()

@@ -18,10 +18,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.evaluation.steering import evaluate_steering, load_tasks, task_document  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.steer.heads import resolve_heads  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 

@@ -48,14 +48,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.corpus import Document  # noqa: E402
+from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.engine.attention import AttentionState, kdn_attention  # noqa: E402
 from kdnctl.engine.hf import LoadProfile, forward_suffix, full_prefill_generate, generate, load_document  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
-from kdnctl.prefill import bare_prefill_seconds  # noqa: E402
-from kdnctl.prompting import PromptFormat  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
+from kdnctl.engine.prefill import bare_prefill_seconds  # noqa: E402
+from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "corpus"

@@ -5,7 +5,7 @@
     [ingest]
     chunk_tokens = 256
     window = 32
-    [compress]                           # kdnctl.compress_recipe.CompressRecipe's fields
+    [compress]                           # kdnctl.compress.recipe.CompressRecipe's fields
     budget = 0.25                        # size cap: <= 0.25 x the fp16 K/V bytes
     quant = "auto"                       # auto (default): the method for the budget; uniform, floor, ladder, ec, int4, ...
     keep = 0.95                          # at most this token fraction kept
@@ -16,7 +16,7 @@
     [compress.press_options]             # the press's settings, e.g. KVCrush's ratio/anchor/page_size
     ratio = 0.25
     [compress.allocator_options]         # e.g. pyramid's beta
-    [compress.options]                   # experimental settings (kdnctl.compress_options.OPTIONS)
+    [compress.options]                   # experimental settings (kdnctl.compress.options.OPTIONS)
     lift = "literals"
 
 Recipes written before keep parsing: ``method`` is the press, a press's settings in
@@ -55,7 +55,7 @@ class Recipe:
         return IngestOptions(**self.ingest)
 
     def compress_recipe(self):
-        from .compress import CompressRecipe
+        from .compress.document import CompressRecipe
 
         if self.compress is None:
             raise UsageError(f"recipe {self.name} has no [compress] step")

@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Protocol
 
-from .bundle import KVBundle, derived_meta, encode_bundle
+from .format.bundle import KVBundle, derived_meta, encode_bundle
 from .errors import UsageError
 from .store import ChunkRef, DocumentRecord, VersionRecord
 

@@ -24,8 +24,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kdnctl.evaluation.realtext import find_pages, page_family  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
-from kdnctl.quant.basis import PACKAGE_DIR, calibrate, key_samples, register  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
+from kdnctl.format.key_basis import PACKAGE_DIR, register  # noqa: E402
+from kdnctl.quant.basis import calibrate, key_samples  # noqa: E402
 
 
 def main() -> None:

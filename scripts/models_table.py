@@ -30,7 +30,7 @@ def measure() -> list[str]:
 
     import test_models as tm
     from conftest import default_lm, run_cli
-    from kdnctl.model import load_model, use_loaded_models
+    from kdnctl.models.load import load_model, use_loaded_models
 
     torch.set_num_threads(1)
     tok = default_lm().tokenizer

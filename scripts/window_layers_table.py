@@ -30,7 +30,7 @@ def main() -> None:
     import test_models as tm
     from conftest import default_lm, run_cli
     from kdnctl.engine.hf import forward_suffix, load_document
-    from kdnctl.model import load_model, use_loaded_models
+    from kdnctl.models.load import load_model, use_loaded_models
     from kdnctl.store import Store
 
     torch.set_num_threads(1)

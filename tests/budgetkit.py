@@ -7,12 +7,12 @@ import torch
 
 from conftest import EXAMPLES
 
-from kdnctl.bundle import read_meta
-from kdnctl.corpus import read_corpus
+from kdnctl.format.bundle import read_meta
+from kdnctl.ingest.corpus import read_corpus
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.sizing import fp16_bytes
+from kdnctl.compress.sizing import fp16_bytes
 from kdnctl.store import Store
-from kdnctl.value_refit import QUESTION_OFFSET, document_queries
+from kdnctl.compress.refit import QUESTION_OFFSET, document_queries
 
 DOCS = {"faq.md": 300, "meeting-notes-2026-03.txt": 220}  # document -> tokens kept
 
@@ -50,10 +50,10 @@ def assert_loads_as_decoded(lm, st, doc: str, label: str, by_hand) -> None:
     loads through a real loopback serve-files to the same logits as locally."""
     from httpkit import ThreadServer
 
-    from kdnctl.bundle import decode_bundle
-    from kdnctl.client import RemoteStore
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.store.client import RemoteStore
     from kdnctl.engine.hf import LoadedContext, forward_suffix, load_document
-    from kdnctl.prompting import PromptFormat
+    from kdnctl.ingest.prompting import PromptFormat
 
     suffix = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, "What is the return policy?")
     bundles = [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, label).chunks]

@@ -34,13 +34,13 @@ def pytest_configure(config):
 
 
 # Models loaded once per session; in-process CLI runs get them through the library's
-# injection point (kdnctl.model.use_loaded_models) instead of loading their own.
+# injection point (kdnctl.models.load.use_loaded_models) instead of loading their own.
 _SESSION_MODELS: list = []
 
 
 def default_lm():
     """The real default model (SmolLM2-135M-Instruct), loaded once per test session."""
-    from kdnctl.model import load_model
+    from kdnctl.models.load import load_model
 
     if not _SESSION_MODELS:
         _SESSION_MODELS.append(load_model())
@@ -73,7 +73,7 @@ def tiny_model_dir(tmp_path_factory, lm):
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_dir):
     """The tiny random model of ``tiny_model_dir``, loaded once per session."""
-    from kdnctl.model import load_model
+    from kdnctl.models.load import load_model
 
     model = load_model(tiny_model_dir)
     _SESSION_MODELS.append(model)
@@ -162,7 +162,7 @@ def _run_forked(argv, env, timeout):
 
     from kdnctl.cli.app import app
     from kdnctl.cli.common import run_cli as entry
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
 
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         sys.stdout.flush()
@@ -213,7 +213,7 @@ def _run_in_process(argv, env):
 
     from kdnctl.cli.app import app
     from kdnctl.cli.common import run_cli as entry
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
 
     code = 0
     with CliRunner().isolation(env={"KDNCTL_DEBUG": None, **(env or {})}) as (out, err, _):

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kdnctl.bundle import KVBundle, encode_bundle, make_meta
+from kdnctl.format.bundle import KVBundle, encode_bundle, make_meta
 from kdnctl.store import ChunkRef, DocumentRecord, Store, VersionRecord
 
 FP = "f" * 64

@@ -7,7 +7,7 @@ import torch
 
 from kdnctl.allocate import ALLOCATORS, allocate, get_allocator
 from kdnctl.allocate.pyramid import pyramid_quotas
-from kdnctl.compress import CompressRecipe
+from kdnctl.compress.document import CompressRecipe
 from kdnctl.errors import UnsupportedError, UsageError
 from kdnctl.presses import KVCrushPress, SnapKVPress, get_press
 from kdnctl.presses.document import select_document

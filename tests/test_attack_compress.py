@@ -13,7 +13,7 @@ import time
 import pytest
 from conftest import EXAMPLES, cli_json, kdnctl_argv, kdnctl_env, run_cli
 
-from kdnctl.corpus import read_corpus
+from kdnctl.ingest.corpus import read_corpus
 from kdnctl.ingest import IngestOptions, ingest_documents
 from kdnctl.store import Store
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from storekit import bundle_bytes
 
-from kdnctl.bundle import KVBundle, decode_bundle, encode_bundle, header_size, make_meta, read_meta
+from kdnctl.format.bundle import KVBundle, decode_bundle, encode_bundle, header_size, make_meta, read_meta
 from kdnctl.errors import BundleFormatError, KdnError, ModelMismatchError
 
 CASES = int(os.environ.get("FUZZ_CASES", "3000"))

@@ -21,11 +21,11 @@ import struct
 import pytest
 from test_attack_fuzz import _seeds
 
-from kdnctl.bundle import decode_bundle, header_size
-from kdnctl.bundle_layout import parse_head_cached
+from kdnctl.format.bundle import decode_bundle, header_size
+from kdnctl.format.layout import parse_head_cached
 from kdnctl.errors import KdnError
 from kdnctl.store.maintenance import _bundle_meta
-from kdnctl.tensor_views import _DTYPES
+from kdnctl.format.tensor_views import _DTYPES
 
 CASES = int(os.environ.get("HEADER_CASES", "6000"))
 ODD_VALUES = [None, True, -1, 0, 1.5, "", "x", [], ["F16"], [1, 2], {}, {"a": 1}, 1 << 70, float("nan")]

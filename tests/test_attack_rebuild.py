@@ -135,7 +135,7 @@ def test_gc_racing_a_load_ends_in_the_retry_message(default_store, tmp_path, lm,
     from kdnctl.engine import placed
     from kdnctl.engine.hf import load_version
     from kdnctl.ingest import IngestOptions, ingest_documents
-    from kdnctl.corpus import Document
+    from kdnctl.ingest.corpus import Document
 
     root = _copy(default_store, tmp_path)
     with Store(root, create=False) as st:
@@ -165,7 +165,7 @@ def test_gc_racing_a_load_ends_in_the_retry_message(default_store, tmp_path, lm,
 def test_rebuild_recovers_a_document_split_into_segments(tmp_path, tiny_lm):
     """A document longer than the model's context is stored as segments (``doc#1``, ``doc#2``)
     whose texts are not the document's: their bundles name the text, so they rebuild too."""
-    from kdnctl.corpus import Document
+    from kdnctl.ingest.corpus import Document
     from kdnctl.ingest import IngestOptions, ingest_documents
     from kdnctl.ingest.rebuild import rebuild_catalog
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import save as st_save
 
 from kdnctl import __version__
-from kdnctl.bundle import (
+from kdnctl.format.bundle import (
     DIGEST_KEY,
     FORMAT_VERSION,
     KVBundle,
@@ -19,6 +19,7 @@ from kdnctl.bundle import (
     make_meta,
 )
 from kdnctl.errors import BundleFormatError, ModelMismatchError
+from kdnctl.quant import layer_kv
 
 FP = "0123456789abcdef" * 4
 OTHER_FP = "fedcba9876543210" * 4
@@ -84,7 +85,7 @@ def test_dense_round_trip_preserves_everything():
         assert torch.equal(out.tensors[name], t), name
     assert out.n_layers == 2 and out.n_tokens == 5 and out.kept_tokens == 5.0
     assert out.token_ids.tolist() == [5, 7, 11, 13, 17]
-    k, v = out.layer_kv(1)
+    k, v = layer_kv(out, 1)
     assert torch.equal(k, b.tensors["layers.1.keys"]) and torch.equal(v, b.tensors["layers.1.values"])
     pos = out.layer_positions(0)
     assert pos.shape == (H_KV, T) and pos[2].tolist() == [10, 11, 12, 13, 14]
@@ -98,8 +99,8 @@ def test_pruned_round_trip_with_per_layer_positions_and_bias():
     assert "positions" not in out.tensors
     assert out.layer_positions(0).shape == (3, 3) and out.layer_positions(1).shape == (3, 2)
     assert out.layer_positions(1).tolist() == [[10, 14], [12, 13], [11, 12]]
-    assert out.layer_kv(0)[0].shape == (3, 3, 4) and out.layer_kv(1)[1].shape == (3, 2, 4)
-    assert torch.equal(out.layer_kv(1)[1], b.tensors["layers.1.values"])
+    assert layer_kv(out, 0)[0].shape == (3, 3, 4) and layer_kv(out, 1)[1].shape == (3, 2, 4)
+    assert torch.equal(layer_kv(out, 1)[1], b.tensors["layers.1.values"])
     assert out.tensors["layers.0.bias"].dtype == torch.float16
     assert out.n_tokens == 5 and out.kept_tokens == 2.5
     assert out.meta["parent"] == "full"
@@ -148,7 +149,7 @@ def test_quantized_pruned_bundle_dequantizes_through_kdnctl_quant(scheme):
     out = decode_bundle(encode_bundle(KVBundle(meta(quant=qmeta, label=scheme), t)))
     assert out.kept_tokens == 2.5
     for i in range(L):
-        k, v = out.layer_kv(i)
+        k, v = layer_kv(out, i)
         assert k.dtype == torch.float32 and k.shape == dense[f"layers.{i}.keys"].shape
         tol = 0.02 if scheme == "int8" else 0.5
         assert (k - dense[f"layers.{i}.keys"]).abs().max() < tol
@@ -241,7 +242,7 @@ INVALID = [
 def test_narrow_heads_get_a_masking_bias_over_any_stored_one():
     """1.8: a reader masks the query heads of ``layers.i.narrow``'s KV heads off the tokens
     ``kept`` leaves out, on top of a stored (steering) bias; other layers keep theirs as stored."""
-    from kdnctl.bundle import MASKED
+    from kdnctl.format.bundle import MASKED
 
     kept = torch.tensor([1, 0, 1, 1, 0], dtype=torch.uint8)
     steer = torch.randn(H_Q, T).half()

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdnctl.bundle import decode_bundle
+from kdnctl.format.bundle import decode_bundle
 from kdnctl.store import ChunkRef, DocumentRecord, Store, VersionRecord
+from kdnctl.quant import layer_kv
 
 FIXTURE = Path(__file__).parent / "fixtures" / "bundles_v1"
 MANIFEST = json.loads((FIXTURE / "manifest.json").read_text())
@@ -53,7 +54,7 @@ def test_v1_bundles_decode():
             b = decode_bundle(data, expect_fingerprint=MANIFEST["fingerprint"])
             assert (b.meta["token_start"], b.meta["token_end"]) == (c["token_start"], c["token_end"])
             for i in range(b.n_layers):
-                k, val = b.layer_kv(i)
+                k, val = layer_kv(b, i)
                 assert k.shape == val.shape == (2, b.layer_len(i), 16)
                 assert torch.isfinite(k.float()).all()
     assert labels == {"full", "kvcrush-int4", "pyramid", "int8", "mixed", "steer-bias", "steer-reprefill"}

@@ -9,7 +9,7 @@ import struct
 import pytest
 import torch
 
-from kdnctl.bundle import KVBundle, decode_bundle, encode_bundle
+from kdnctl.format.bundle import KVBundle, decode_bundle, encode_bundle
 from kdnctl.errors import BundleFormatError
 
 from test_bundle import D, H_KV, L, meta, raw

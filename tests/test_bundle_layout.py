@@ -1,4 +1,4 @@
-"""Cached bundle layouts (kdnctl/bundle_layout.py): a tensor index seen before skips its
+"""Cached bundle layouts (kdnctl/format/layout.py): a tensor index seen before skips its
 index-only work, and every check still runs on every bundle (meta fields, tensor contents)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save as st_save
 from test_bundle import INVALID, L, dense_tensors, meta, pruned_tensors
 
-from kdnctl import bundle_layout
-from kdnctl.bundle import DIGEST_KEY, META_KEY, _canonical_header, decode_bundle, header_digest
+from kdnctl.format import layout as bundle_layout
+from kdnctl.format.bundle import DIGEST_KEY, META_KEY, _canonical_header, decode_bundle, header_digest
 from kdnctl.errors import BundleFormatError
 
 

@@ -7,7 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from kdnctl.chunking import (
+from kdnctl.ingest.chunking import (
     chain_hashes,
     chunk_bounds,
     chunk_content_hash,

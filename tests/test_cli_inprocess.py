@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from conftest import run_cli
 
-from kdnctl.model import load_model, use_loaded_models
+from kdnctl.models.load import load_model, use_loaded_models
 
 
 def test_use_loaded_models_returns_the_loaded_model(tiny_lm, tiny_model_dir):

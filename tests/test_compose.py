@@ -15,9 +15,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kdnctl.corpus import Document
+from kdnctl.ingest.corpus import Document
 
 from conftest import cli_json, run_cli
+from kdnctl.quant import layer_kv
 
 P1 = ("The Orrin valley cooperative grows pears and quinces on terraces above the river. Its members "
       "meet every spring to agree on picking dates and on the price of cider for the coming year.")
@@ -56,7 +57,7 @@ def store(tmp_path_factory, lm):
 @pytest.fixture(scope="module")
 def parts(store, lm):
     """(header bundle, chunk bundles of a.md in document order)."""
-    from kdnctl.retrieval import list_chunks, load_chunk_bundles
+    from kdnctl.engine.retrieval import list_chunks, load_chunk_bundles
 
     header, bundles, _ = load_chunk_bundles(lm, store, list_chunks(store, doc_id="a.md"))
     return header, bundles
@@ -130,7 +131,7 @@ def test_unsupported_rope_type_refused():
 def test_recompute_one_equals_full_prefill(lm, parts):
     from kdnctl.engine.independent import compose
     from kdnctl.engine.hf import forward_suffix
-    from kdnctl.prompting import PromptFormat
+    from kdnctl.ingest.prompting import PromptFormat
 
     header, chunks = parts
     order = [chunks[2], chunks[0], chunks[1]]  # not the document order: every chunk moves
@@ -155,7 +156,7 @@ def test_recompute_one_equals_full_prefill(lm, parts):
 def test_recompute_zero_is_rerotated_concatenation(lm, parts):
     from kdnctl.engine.independent import compose, rerotate_keys, rope_inv_freq
     from kdnctl.engine.hf import generate
-    from kdnctl.prompting import PromptFormat
+    from kdnctl.ingest.prompting import PromptFormat
 
     header, chunks = parts
     order = [chunks[1], chunks[0]]
@@ -165,9 +166,9 @@ def test_recompute_zero_is_rerotated_concatenation(lm, parts):
     assert ctx.next_position == h + sum(c.n_tokens for c in order)
     assert ctx.token_ids == header.token_ids.tolist() + sum((c.token_ids.tolist() for c in order), [])
     for layer in (0, 17, 29):
-        hk, hv = header.layer_kv(layer)
-        k1, v1 = order[0].layer_kv(layer)  # placed where it was prefilled: unchanged
-        k2, v2 = order[1].layer_kv(layer)  # moved by len(order[0])
+        hk, hv = layer_kv(header, layer)
+        k1, v1 = layer_kv(order[0], layer)  # placed where it was prefilled: unchanged
+        k2, v2 = layer_kv(order[1], layer)  # moved by len(order[0])
         want_k = torch.cat([hk, k1, rerotate_keys(k2, order[0].n_tokens, inv)], dim=1)
         assert torch.equal(ctx.keys[layer][0], want_k)
         assert torch.equal(ctx.values[layer][0], torch.cat([hv, v1, v2], dim=1))
@@ -178,7 +179,7 @@ def test_recompute_zero_is_rerotated_concatenation(lm, parts):
 # -- independent ingest ------------------------------------------------------------------------
 
 def test_independent_ingest_header_once_chunks_by_content(lm, store):
-    from kdnctl.chunking import chunk_content_hash
+    from kdnctl.ingest.chunking import chunk_content_hash
     from kdnctl.ingest import IngestOptions
     from kdnctl.ingest.independent import HEADER_INDEX, ingest_independent, read_bundle_meta
 
@@ -209,7 +210,7 @@ def test_independent_ingest_header_once_chunks_by_content(lm, store):
 # -- retrieval ---------------------------------------------------------------------------------
 
 def test_bm25_ranks_rare_term_first(store):
-    from kdnctl.retrieval import BM25, retrieve, tokenize
+    from kdnctl.engine.retrieval import BM25, retrieve, tokenize
 
     bm = BM25([tokenize(t) for t in (P1, P2, SHARED, P3)])
     scores = bm.scores(tokenize("Which press is made of zorbulite?"))

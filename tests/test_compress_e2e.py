@@ -10,13 +10,13 @@ import torch
 
 from conftest import EXAMPLES, REPO, cli_json, run_cli
 
-from kdnctl.bundle import decode_bundle
-from kdnctl.compress import CompressRecipe, compress_document
-from kdnctl.corpus import read_corpus
+from kdnctl.format.bundle import decode_bundle
+from kdnctl.compress.document import CompressRecipe, compress_document
+from kdnctl.ingest.corpus import read_corpus
 from kdnctl.engine.hf import forward_suffix, generate, load_document
 from kdnctl.evaluation.qa import evaluate, load_qa
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prompting import PromptFormat
+from kdnctl.ingest.prompting import PromptFormat
 from kdnctl.store import Store
 
 pytestmark = pytest.mark.model

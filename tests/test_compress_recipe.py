@@ -10,8 +10,8 @@ import pytest
 from typer.main import get_command
 
 from kdnctl.cli.app import app
-from kdnctl.compress import CompressRecipe
-from kdnctl.compress_options import OPTIONS
+from kdnctl.compress.document import CompressRecipe
+from kdnctl.compress.options import OPTIONS
 from kdnctl.errors import UsageError
 from kdnctl.recipes import load_recipe
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kdnctl.corpus import Document, Skipped, html_to_text, read_corpus
+from kdnctl.ingest.corpus import Document, Skipped, html_to_text, read_corpus
 from kdnctl.errors import InputError
 
 

@@ -94,7 +94,7 @@ def test_narrow_heads_code_their_kept_rows_only(shape, peak):
     """1.8: heads marked in ``layers.i.narrow`` code the chunk's ``kept`` rows only (small peaks:
     packed digits; larger: bytes; int16 codes); their other rows decode to the mean, every stored
     row within half a step, and dropping the rows costs fewer bytes than coding them."""
-    from kdnctl.bundle import stored_rows
+    from kdnctl.format.names import stored_rows
 
     torch.manual_seed(shape[1] + peak)
     h, t, d = shape
@@ -389,7 +389,8 @@ def test_key_weights_are_computed_once_per_model_and_document(tiny_lm):
 
 
 def test_token_levels_protect_and_lift():
-    from kdnctl.compress_ec import LIFT_LEVEL, PROTECT_LEVEL, token_levels
+    from kdnctl.compress.options import LIFT_LEVEL, PROTECT_LEVEL
+    from kdnctl.compress.stages.precision import token_levels
 
     lift = torch.zeros(2, 3, 20)
     lift[:, :, 7:12] = 1.0  # five tokens every layer and head ranks first
@@ -404,7 +405,7 @@ def test_token_levels_protect_and_lift():
 def test_shared_keep_matches_naive(n, keep, header, protect):
     """The kept tokens are the top of the layer/head-averaged importance (ties to the earlier
     token), the header and the last ``protect`` always among them, ascending."""
-    from kdnctl.compress_ec import shared_keep
+    from kdnctl.compress.stages.select import shared_keep
 
     g = torch.Generator().manual_seed(n)
     imp = torch.randint(0, 4, (2, 3, n), generator=g).float()  # many ties, as whole sentences give

@@ -80,7 +80,7 @@ def with_basis(monkeypatch):
     basis = torch.linalg.qr(torch.randn(n_layers, h, d, d, generator=g))[0].contiguous()
     from kdnctl.quant import entropy
 
-    monkeypatch.setattr(entropy, "_basis_on", lambda sha, device: basis)
+    monkeypatch.setattr(entropy, "basis_on", lambda sha, device: basis)
     monkeypatch.setattr(ec_batch, "_basis_t_cached", lambda sha: basis.transpose(-1, -2).contiguous())
     return basis
 
@@ -186,7 +186,7 @@ def test_a_load_decodes_like_the_reference(lm, tmp_path_factory, monkeypatch):
     reference give the same cache, and the same next token."""
     from budgetkit import trimmed_store
 
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.engine.hf import forward_suffix, load_document
 
     st = trimmed_store(tmp_path_factory, lm, {"faq.md": 300})

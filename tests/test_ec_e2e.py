@@ -18,9 +18,12 @@ import kdnctl
 from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, layers_read_nearer, rope_by_hand, trimmed_store
 from conftest import run_cli
 
-from kdnctl.bundle import FORMAT_VERSION, decode_bundle, parse_head, read_meta, stored_rows
-from kdnctl.compress import CompressRecipe, compress_document
-from kdnctl.sizing import EVICT_PROTECT
+from kdnctl.format.bundle import FORMAT_VERSION, decode_bundle, parse_head, read_meta
+
+from kdnctl.format.names import stored_rows
+from kdnctl.compress.document import CompressRecipe, compress_document
+from kdnctl.compress.sizing import EVICT_PROTECT
+from kdnctl.quant import layer_kv
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
@@ -186,7 +189,7 @@ def test_key_basis_fills_the_same_cap_with_finer_steps(lm, store, doc):
     """By default keys are coded in the basis shipped for this model (calibrated on other man
     pages than any evaluated one): they take fewer bytes, so the same cap holds finer steps than
     keys in channels (``--key-basis none``, what every version before format 1.7 stored)."""
-    from kdnctl.quant.basis import basis_for_model
+    from kdnctl.format.key_basis import basis_for_model
 
     cap = 0.25 * fp16_size(store, doc)
     labels = ("ec-b0.25-p64", "ec-b0.25-p64-kb0")
@@ -348,8 +351,8 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
         return
     # the evicted tokens of a backfilled layer come back coarser than the kept ones, but come back
     full = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, "full").chunks]
-    k = torch.cat([b.layer_kv(15)[1] for b in bundles], 1)  # values: shifted by >= 1 in both versions
-    ref = torch.cat([f.layer_kv(15)[1] for f in full], 1).float()
+    k = torch.cat([layer_kv(b, 15)[1] for b in bundles], 1)  # values: shifted by >= 1 in both versions
+    ref = torch.cat([layer_kv(f, 15)[1] for f in full], 1).float()
     kept = torch.cat([e.layer_positions(0)[0] for e in evict])
     evicted = torch.ones(ref.shape[1], dtype=torch.bool)
     evicted[kept] = False
@@ -363,7 +366,7 @@ def test_wide_heads_read_every_token(store, doc):
     # of layers 18 and 20 store their kept rows only (format 1.8: layers.i.narrow, kept), their
     # evicted rows decode to the chunk's mean and a reader masks their query heads off them; no
     # other layer has a bias, and no bias is stored
-    from kdnctl.bundle import MASKED
+    from kdnctl.format.bundle import MASKED
     from kdnctl.quant.entropy import encode_codes, integer_codes
 
     group = 3  # 9 query heads over 3 KV heads
@@ -387,7 +390,7 @@ def test_wide_heads_read_every_token(store, doc):
                 assert torch.equal(rows, want)
             plain = ~evicted & (b.tensors[f"layers.{i}.levels"] == 0)  # kept, not the finer header and tail
             for role in (0, 1):
-                got, ref = b.layer_kv(i)[role].float(), f.layer_kv(i)[role].float()
+                got, ref = layer_kv(b, i)[role].float(), layer_kv(f, i)[role].float()
                 for h in range(3):
                     err = [float((got[h, m] - ref[h, m]).norm() / ref[h, m].norm()) for m in (plain, evicted)]
                     if h in wide:  # the evicted rows about as close as the kept ones at the same steps
@@ -426,7 +429,7 @@ def test_backfill_shift_sets_how_coarse(store, role):
     # of it on the backfilled rows, so they come back closer to the full cache's and the kept rows
     # further from it; with the keys' shift 0 their evicted rows are about as close as the kept ones
     doc = "faq.md"
-    full = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[role]
+    full = torch.cat([layer_kv(decode_bundle(store.read_object(c.object)), 16)[role]
                       for c in store.get_version(doc, "full").chunks], 1).float()
     kept = torch.cat([decode_bundle(store.read_object(c.object)).layer_positions(0)[0]
                       for c in store.get_version(doc, PLAIN).chunks])
@@ -434,7 +437,7 @@ def test_backfill_shift_sets_how_coarse(store, role):
     evicted[kept] = False
     err = {}
     for label in (BACKFILL, BACKFILL_S1):
-        v = torch.cat([decode_bundle(store.read_object(c.object)).layer_kv(16)[role]
+        v = torch.cat([layer_kv(decode_bundle(store.read_object(c.object)), 16)[role]
                        for c in store.get_version(doc, label).chunks], 1)
         err[label] = [float((v[:, m] - full[:, m]).norm() / full[:, m].norm()) for m in (~evicted, evicted)]
     assert err[BACKFILL_S1][1] < err[BACKFILL][1] and err[BACKFILL_S1][0] > err[BACKFILL][0]

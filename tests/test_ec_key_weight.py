@@ -6,15 +6,16 @@ answers lost to quantization come back with exact keys, not exact values:
 from __future__ import annotations
 
 import torch
+from kdnctl.quant import layer_kv
 
 
 def _errors(st, doc, label):
-    from kdnctl.bundle import decode_bundle
+    from kdnctl.format.bundle import decode_bundle
 
     def dense(lab):
         bs = [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, lab).chunks]
         pos = torch.cat([b.layer_positions(0)[0] for b in bs]).long()
-        kv = [[b.layer_kv(i) for b in bs] for i in range(bs[0].n_layers)]
+        kv = [[layer_kv(b, i) for b in bs] for i in range(bs[0].n_layers)]
         return pos, [(torch.cat([k for k, _ in x], 1).float(), torch.cat([v for _, v in x], 1).float()) for x in kv]
 
     full_pos, full = dense("full")
@@ -28,7 +29,7 @@ def _errors(st, doc, label):
 def test_key_weight_moves_precision_from_values_to_keys(tiny_lm, tmp_path_factory):
     from budgetkit import fp16_size, trimmed_store
 
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
     doc = "meeting-notes-2026-03.txt"
@@ -47,8 +48,8 @@ def test_key_weight_moves_precision_from_values_to_keys(tiny_lm, tmp_path_factor
 def test_lift_level_above_the_headers(tiny_lm, tmp_path_factory):
     from budgetkit import fp16_size, trimmed_store
 
-    from kdnctl.bundle import decode_bundle
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.compress.document import CompressRecipe, compress_document
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
     doc = "meeting-notes-2026-03.txt"
@@ -68,7 +69,7 @@ def test_lift_level_above_the_headers(tiny_lm, tmp_path_factory):
 
 
 def _version(st, doc, label):
-    from kdnctl.bundle import decode_bundle
+    from kdnctl.format.bundle import decode_bundle
 
     return [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, label).chunks]
 
@@ -79,8 +80,8 @@ def test_lift_role_keys_lifts_the_keys_alone(tiny_lm, tmp_path_factory):
     ``--backfill`` too (the backfilled layer's per-role levels hold the lift on its kept tokens)."""
     from budgetkit import fp16_size, trimmed_store
 
-    from kdnctl.bundle import KVBundle
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.format.bundle import KVBundle
+    from kdnctl.compress.document import CompressRecipe, compress_document
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
     doc = "meeting-notes-2026-03.txt"
@@ -104,8 +105,8 @@ def test_lift_role_keys_lifts_the_keys_alone(tiny_lm, tmp_path_factory):
     plain = KVBundle(meta=b.meta, tensors={n: t for n, t in b.tensors.items() if n != "token_levels.keys"})
     lifted = b.tensors["token_levels.keys"] == 4
     if bool(lifted.any()):
-        assert not torch.equal(plain.layer_kv(0)[0][:, lifted], b.layer_kv(0)[0][:, lifted])
-        assert torch.equal(plain.layer_kv(0)[1], b.layer_kv(0)[1])
+        assert not torch.equal(layer_kv(plain, 0)[0][:, lifted], layer_kv(b, 0)[0][:, lifted])
+        assert torch.equal(layer_kv(plain, 0)[1], layer_kv(b, 0)[1])
     fs = _version(st, doc, filled.label)
     kept_k = torch.cat([b.tensors["token_levels.keys"] for b in fs])
     assert torch.equal(kept_k, key_lv)  # the pruned layer: the chunk's two rows
@@ -119,7 +120,7 @@ def test_lift_role_keys_lifts_the_keys_alone(tiny_lm, tmp_path_factory):
 def test_lift_role_refusals():
     import pytest
 
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
     from kdnctl.errors import UsageError
 
     r = CompressRecipe(budget=0.083, lift="literals", lift_share=0.08, lift_level=4, lift_role="keys")

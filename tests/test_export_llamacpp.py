@@ -18,16 +18,16 @@ import torch
 
 from conftest import EXAMPLES, REPO, run_cli
 
-from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.corpus import read_corpus  # noqa: E402
+from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.ingest.corpus import read_corpus  # noqa: E402
 from kdnctl.errors import ExportError  # noqa: E402
 from kdnctl.evaluation.qa import is_correct, load_qa  # noqa: E402
 from kdnctl.export.base import DocumentKV, read_document_kv  # noqa: E402
 from kdnctl.export.llamacpp import export_llamacpp, gguf_key_layout, kept_positions, quantize_q8_0  # noqa: E402
 from kdnctl.export.llamacpp_engine import LlamaCppRunner  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import default_gguf_path  # noqa: E402
-from kdnctl.prompting import PromptFormat  # noqa: E402
+from kdnctl.models.load import default_gguf_path  # noqa: E402
+from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.model

@@ -24,8 +24,8 @@ from kdnctl.export.base import add_engine_path  # noqa: E402 (scripts/install.sh
 add_engine_path("lmcache")
 pytest.importorskip("lmcache", reason="LMCache is not installed (pip install 'kdnctl[lmcache]'; CI installs it)")
 
-from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.corpus import read_corpus  # noqa: E402
+from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.ingest.corpus import read_corpus  # noqa: E402
 from kdnctl.errors import ExportError  # noqa: E402
 from kdnctl.export import EXPORTERS  # noqa: E402
 from kdnctl.export.base import read_document_kv  # noqa: E402
@@ -33,7 +33,7 @@ from kdnctl.export.lmcache import (  # noqa: E402
     HashSettings, cbor_encode, chunk_hashes, export_lmcache, sha256_cbor,
 )
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.prompting import PromptFormat  # noqa: E402
+from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 pytestmark = pytest.mark.model

@@ -1,4 +1,4 @@
-"""The verifying client's download path (kdnctl/fetch.py) against a real HTTP server on
+"""The verifying client's download path (kdnctl/store/fetch.py) against a real HTTP server on
 127.0.0.1 that misbehaves on purpose: lying lengths, bodies cut short, bad resume ranges,
 flipped bytes. Every byte is checked (BLAKE3 from the version listing, else the sha256 name),
 keep-alive connections are reused across objects, and nothing hostile is handed back."""
@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from kdnctl.client import RemoteStore
+from kdnctl.store.client import RemoteStore
 from kdnctl.errors import NotFoundError, RemoteError, StoreCorruptError
-from kdnctl.fastread import blake3_hex, new_buffer
+from kdnctl.store.fastread import blake3_hex, new_buffer
 from kdnctl.store import ChunkRef, VersionRecord
 
 SIZE = 5 * (1 << 20) + 12345  # several slices (hashed on the hash lane), and an odd length
@@ -197,7 +197,7 @@ def test_the_proxy_environment_applies_to_downloads_too(origin, monkeypatch):
 
 
 def test_the_hash_lane_hashes_every_slice_in_order_before_answering():
-    from kdnctl.fetch import LANE_MIN_BYTES, HashLane
+    from kdnctl.store.fetch import LANE_MIN_BYTES, HashLane
 
     assert SIZE >= LANE_MIN_BYTES  # the downloads above go through the lane
     data = os.urandom(3 << 20)

@@ -15,10 +15,10 @@ import torch
 from conftest import (EXAMPLES, REPO, SOURCE_DIGEST_AT_START, cli_json, kdnctl_argv, kdnctl_env, kdnctl_source_digest,
                       run_cli)
 
-from kdnctl.corpus import read_corpus
+from kdnctl.ingest.corpus import read_corpus
 from kdnctl.engine.hf import forward_suffix, full_prefill_generate, generate, load_document, load_prefix
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prompting import PromptFormat
+from kdnctl.ingest.prompting import PromptFormat
 from kdnctl.store import Store
 
 pytestmark = pytest.mark.model

@@ -18,8 +18,8 @@ import torch
 
 from budgetkit import trimmed_store
 
-from kdnctl.bundle import STAMPED_META_KEYS, decode_bundle
-from kdnctl.compress import CompressRecipe, compress_document
+from kdnctl.format.bundle import STAMPED_META_KEYS, decode_bundle
+from kdnctl.compress.document import CompressRecipe, compress_document
 
 DOC, N_TOKENS = "faq.md", 300
 # budget -> (sha256 of every chunk's tensors, sha256 of every chunk's meta without name and stamps)

@@ -9,15 +9,16 @@ import hashlib
 import pytest
 import torch
 
-from kdnctl.bundle import decode_bundle
-from kdnctl.compress import CompressRecipe, compress_document
-from kdnctl.corpus import Document
+from kdnctl.format.bundle import decode_bundle
+from kdnctl.compress.document import CompressRecipe, compress_document
+from kdnctl.ingest.corpus import Document
 from kdnctl.engine.hf import LoadProfile, forward_suffix, generate, load_document
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prompting import PromptFormat
+from kdnctl.ingest.prompting import PromptFormat
 from kdnctl.store import Store
 
 from conftest import EXAMPLES
+from kdnctl.quant import layer_kv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.model,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,7 +28,7 @@ DOC = "zephyr-x200-manual.md"
 
 @pytest.fixture(scope="module")
 def gpu_lm():
-    from kdnctl.model import load_model
+    from kdnctl.models.load import load_model
 
     return load_model(device="cuda", dtype="float32")
 
@@ -80,7 +81,7 @@ def test_gpu_dequantizes_on_device_like_the_cpu_reference(gpu_lm, gpu_store, lab
     bundles = [decode_bundle(gpu_store.read_object(c.object)) for c in gpu_store.get_version(DOC, label).chunks]
     for layer in (0, 17, 29):
         for role, got in ((0, fast.keys[layer]), (1, fast.values[layer])):
-            want = torch.cat([b.layer_kv(layer)[role] for b in bundles], dim=1)
+            want = torch.cat([layer_kv(b, layer)[role] for b in bundles], dim=1)
             torch.testing.assert_close(got[0].cpu(), want, rtol=1e-5, atol=1e-5)
     out = generate(gpu_lm, fast, _question(gpu_lm), max_new_tokens=8)
     assert out.token_ids
@@ -90,7 +91,7 @@ def test_gpu_fp16_model_answers_like_its_own_prefill(tmp_path):
     """fp16 on the GPU (load_model's default there): the stored path gives the full prefill's
     first tokens (fp16 rounding differs between a chunked and a one-shot prefill, so logits are
     compared loosely and the greedy answer exactly)."""
-    from kdnctl.model import load_model
+    from kdnctl.models.load import load_model
 
     lm = load_model(device="cuda", dtype="float16")
     st = _ingested(lm, tmp_path / "s", 400, 128)
@@ -135,6 +136,6 @@ def test_gpu_loads_size_budgeted_versions_like_the_cpu_decoder(gpu_lm, gpu_store
     bundles = [decode_bundle(gpu_store.read_object(c.object)) for c in gpu_store.get_version(DOC, label).chunks]
     for layer in (0, 29):
         for role, got in ((0, ctx.keys[layer]), (1, ctx.values[layer])):
-            want = torch.cat([b.layer_kv(layer)[role] for b in bundles], dim=1)
+            want = torch.cat([layer_kv(b, layer)[role] for b in bundles], dim=1)
             torch.testing.assert_close(got[0].cpu(), want, rtol=1e-5, atol=1e-5)
     assert generate(gpu_lm, ctx, _question(gpu_lm), max_new_tokens=8).token_ids

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from kdnctl.errors import BundleFormatError, UsageError
-from kdnctl.quant import basis as kb
+from kdnctl.format import key_basis as kb
+from kdnctl.quant import basis as kcal
 from kdnctl.quant.entropy import EntropyQuantizer, decode_role, encode_role, quantize_codes, roundtrip_role
 
 
@@ -78,7 +79,7 @@ def test_correlated_keys_store_fewer_bytes_in_their_axes_at_the_same_error():
     step = (0.3 * x.std(1)).clamp_min(1e-3)
     levels = torch.zeros(t, dtype=torch.uint8)
     u = (x - x.mean(1, keepdim=True)) / step.half().float()[:, None]
-    axes = kb.calibrate([u[None]])[0]
+    axes = kcal.calibrate([u[None]])[0]
     plain, _ = encode_role(x, step, levels)
     rotated, _ = encode_role(x, step, levels, basis=axes)
     assert rotated.numel() < 0.8 * plain.numel()
@@ -93,13 +94,13 @@ def test_calibrate_finds_known_axes_with_fixed_signs():
     scales = torch.tensor([2.0 ** -i for i in range(d)], dtype=torch.float64)
     g = torch.Generator().manual_seed(4)
     u = (torch.randn(20000, d, generator=g, dtype=torch.float64) * scales) @ truth.T
-    got = kb.calibrate([u.float().view(1, 1, -1, d)[:, :, :10000], u.float().view(1, 1, -1, d)[:, :, 10000:]])[0, 0]
+    got = kcal.calibrate([u.float().view(1, 1, -1, d)[:, :, :10000], u.float().view(1, 1, -1, d)[:, :, 10000:]])[0, 0]
     cos = (got.double().T @ truth).abs().diagonal()
     assert float(cos.min()) > 0.99  # every axis found, largest variance first
     assert bool((got.gather(0, got.abs().argmax(0, keepdim=True)) > 0).all())  # largest component positive
-    assert torch.equal(kb.calibrate([u.float().view(1, 1, -1, d)])[0, 0], kb.calibrate([u.float().view(1, 1, -1, d)])[0, 0])
+    assert torch.equal(kcal.calibrate([u.float().view(1, 1, -1, d)])[0, 0], kcal.calibrate([u.float().view(1, 1, -1, d)])[0, 0])
     with pytest.raises(UsageError):
-        kb.calibrate([])
+        kcal.calibrate([])
 
 
 def test_registry_round_trip_and_refusals(registry):
@@ -161,7 +162,7 @@ def test_quantizer_decodes_keys_in_the_registered_basis_and_values_in_channels(r
 
 
 def test_recipe_validation_and_label():
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
 
     r = CompressRecipe(budget=0.25, quant="ec", protect=64, key_basis="model")
     assert r.default_label() == "ec-b0.25-p64-kbm" and r.as_dict()["key_basis"] == "model"
@@ -180,8 +181,8 @@ def test_recipe_validation_and_label():
 
 
 def test_which_basis_a_recipe_gets(registry, tiny_lm):
-    from kdnctl.compress import CompressRecipe
-    from kdnctl.compress_ec import key_basis_for
+    from kdnctl.compress.document import CompressRecipe
+    from kdnctl.compress.stages.coder import key_basis_for
 
     def asks(kind):
         return CompressRecipe(budget=0.25, quant="ec", key_basis=kind)
@@ -202,8 +203,8 @@ def test_default_compress_uses_a_registered_basis_end_to_end(registry, tiny_lm, 
     too, `verify` is clean, and once the basis file is gone `verify` names it and loading refuses."""
     from budgetkit import trimmed_store
 
-    from kdnctl.bundle import decode_bundle
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.engine.hf import load_document
     from kdnctl.quant.entropy import decode_role_ints, dequantize_ints
     from kdnctl.quant.transforms import rope
@@ -217,8 +218,8 @@ def test_default_compress_uses_a_registered_basis_end_to_end(registry, tiny_lm, 
         from kdnctl.store import Store
 
         st = Store(st.root)
-        u = torch.cat(list(kb.key_samples(tiny_lm, [[1, 2, 3, 4, 5, 6, 7, 8] * 20])), 0)
-        sha = kb.register(kb.calibrate([u]), tiny_lm.fingerprint, registry)
+        u = torch.cat(list(kcal.key_samples(tiny_lm, [[1, 2, 3, 4, 5, 6, 7, 8] * 20])), 0)
+        sha = kb.register(kcal.calibrate([u]), tiny_lm.fingerprint, registry)
         with st.writer():
             # --lift none: the keys here decode by token_levels (the auto lift's own row is tested in test_ec_e2e)
             auto = compress_document(st, "faq.md", CompressRecipe(budget=0.5, lift="none"), lm=tiny_lm)

@@ -14,13 +14,13 @@ import torch
 from conftest import EXAMPLES, run_cli
 from test_models import DOC, SUFFIX, build_model_dir
 
-from kdnctl.quant import basis as kb
+from kdnctl.format import key_basis as kb
 
 
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory, lm):
     """A tiny random Qwen2 (no shipped basis), its document ingested and compressed twice."""
-    from kdnctl.model import load_model, use_loaded_models
+    from kdnctl.models.load import load_model, use_loaded_models
 
     kb.forget_provided()
     root = tmp_path_factory.mktemp("kbs")
@@ -114,7 +114,7 @@ def test_a_fresh_process_loads_with_the_store_basis(calibrated):
     with pytest.raises(BundleFormatError, match="key basis"):
         _next_logits(mlm, copy, label)
     # the CLI in its own process answers from the compressed version
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
 
     with use_loaded_models(mlm):
         proc = run_cli("ask", DOC.name, "when does the depot open?", "--version", label, "--max-new-tokens", "2",
@@ -165,7 +165,7 @@ def test_rebuild_catalog_recovers_the_basis_record(calibrated):
 
 
 def test_a_model_with_a_shipped_basis_uses_it_and_stores_none(lm, tmp_path):
-    from kdnctl.compress_recipe import CompressRecipe
+    from kdnctl.compress.recipe import CompressRecipe
     from kdnctl.quant.store_basis import ensure_key_basis
     from kdnctl.store import Store
 
@@ -184,7 +184,7 @@ def test_remote_loads_and_pulls_find_the_store_basis(calibrated, tmp_path):
     the basis object; a pull copies it with its record, and the pulled store loads and verifies."""
     from httpkit import ThreadServer
 
-    from kdnctl.client import RemoteStore, mirror
+    from kdnctl.store.client import RemoteStore, mirror
     from kdnctl.engine.hf import forward_suffix, load_document
     from kdnctl.store import Store
     from kdnctl.store.bases import basis_records
@@ -211,9 +211,9 @@ def test_ray_workers_calibrate_once_and_code_with_the_store_basis(tmp_path, lm):
     basis, records it, and hands it to every task; a second run reuses it. The bytes equal a
     single-process compress with the same basis."""
     ray = pytest.importorskip("ray")
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.distributed.compress import compress_on_ray
-    from kdnctl.model import load_model, use_loaded_models
+    from kdnctl.models.load import load_model, use_loaded_models
     from kdnctl.store import Store
 
     kb.forget_provided()
@@ -235,7 +235,7 @@ def test_ray_workers_calibrate_once_and_code_with_the_store_basis(tmp_path, lm):
     sha = recs[0].object
     assert _basis_of(store, "b0.25") == sha and _basis_of(store, "b0.083") == sha
     # the same recipe in this process, with the same basis: the same stored tensors
-    from kdnctl.bundle import decode_bundle
+    from kdnctl.format.bundle import decode_bundle
 
     with Store(store, create=False) as st, st.writer():
         compress_document(st, DOC.name, CompressRecipe(budget=0.25), lm=mlm, label="here")
@@ -251,7 +251,7 @@ def test_ray_workers_calibrate_once_and_code_with_the_store_basis(tmp_path, lm):
 def test_another_store_gets_its_own_basis(calibrated, tmp_path):
     """The same model in a second store (in the same process): that store calibrates and holds
     its own basis, and its versions name it, never the first store's."""
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
 
     mlm, path = calibrated["lm"], calibrated["path"]
     first = _records(calibrated["store"])[0].object

@@ -167,7 +167,7 @@ def test_coded_blobs_round_trip_when_empty(tier):
 
 
 def test_floor_lifts_rows_one_tier_above_the_uniform_one():
-    from kdnctl.sizing import floor_tiers, uniform_tier
+    from kdnctl.compress.sizing import floor_tiers, uniform_tier
 
     rows, fp16_row_pair = 1000, 256
     assert floor_tiers(0.25 * rows * fp16_row_pair, rows, 64, 32) == ("int4", uniform_tier(0.25 * rows * fp16_row_pair, rows, 64, 32)[0])
@@ -175,7 +175,7 @@ def test_floor_lifts_rows_one_tier_above_the_uniform_one():
 
 
 def test_recipe_labels_and_when_scores_are_needed():
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
 
     # the default at 0.25: every token kept, attention-weighted entropy-coded steps (the model weighs the channels)
     d = CompressRecipe()
@@ -232,7 +232,7 @@ def test_recipe_labels_and_when_scores_are_needed():
 
 
 def test_uniform_picks_the_best_tier_that_fits():
-    from kdnctl.sizing import uniform_tier
+    from kdnctl.compress.sizing import uniform_tier
 
     rows, fp16_row_pair = 1000, 256
     assert uniform_tier(1.0 * rows * fp16_row_pair, rows, 64, 32) == ("fp16",)
@@ -243,7 +243,7 @@ def test_uniform_picks_the_best_tier_that_fits():
 def test_shipped_size_recipes_are_the_cli_defaults():
     from pathlib import Path
 
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
     from kdnctl.recipes import load_recipe
 
     root = Path(__file__).resolve().parents[1] / "recipes"
@@ -254,7 +254,7 @@ def test_shipped_size_recipes_are_the_cli_defaults():
 
 
 def test_key_weight_and_lift_are_recipe_options():
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
     from kdnctl.errors import UsageError
 
     base = CompressRecipe(budget=0.25, quant="floor")
@@ -269,7 +269,7 @@ def test_key_weight_and_lift_are_recipe_options():
 
 def test_key_weight_moves_upgrades_to_keys():
     from kdnctl.quant.ladder import TIERS, LadderQuantizer, row_bytes
-    from kdnctl.sizing import plan_tiers
+    from kdnctl.compress.sizing import plan_tiers
 
     g = torch.Generator().manual_seed(3)
     keys = [torch.randn(2, 64, 64, generator=g) * 2]

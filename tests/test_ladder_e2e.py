@@ -13,8 +13,8 @@ import torch
 
 from budgetkit import DOCS, assert_loads_as_decoded, fp16_size, rope_by_hand, trimmed_store
 
-from kdnctl.bundle import decode_bundle, read_meta
-from kdnctl.compress import CompressRecipe, compress_document
+from kdnctl.format.bundle import decode_bundle, read_meta
+from kdnctl.compress.document import CompressRecipe, compress_document
 from kdnctl.kernels.quant import reference as ref
 
 pytestmark = pytest.mark.model
@@ -85,7 +85,7 @@ def test_int4_below_int3_keeps_whole_sentences(store, lm, doc, budget):
     """``--budget 0.083 --quant int4 --scorer sentences --kvcrush-ratio 0 --protect 64``: every kept row int4, the cap evicts the rest by sentence, the
     prompt header and then the last 64 tokens always kept (as far as the quota reaches: these
     short documents keep only ~75 tokens at 0.083); the cap holds with everything included."""
-    from kdnctl.sentence_scores import sentence_bounds, token_texts
+    from kdnctl.scorers.sentences import sentence_bounds, token_texts
 
     v, stored, cap = _stored_and_cap(store, doc, f"int4-b{budget:g}-p64-sentences", budget)
     assert 0.85 * cap <= stored <= cap

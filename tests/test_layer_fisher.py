@@ -86,7 +86,7 @@ def test_recipe_uses_the_fisher_split_only_where_every_token_is_kept():
     defaults to ``even`` when tokens are evicted and to ``fisher`` otherwise."""
     import pytest
 
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
     from kdnctl.errors import UsageError
 
     full = CompressRecipe(budget=0.25)

@@ -9,10 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdnctl.compress_ec import token_levels
+from kdnctl.compress.stages.precision import token_levels
 from kdnctl.errors import UsageError
-from kdnctl.literal_scores import DIGIT, SENTENCE, literal_scores
-from kdnctl.sentence_scores import sentence_bounds
+from kdnctl.scorers.literals import DIGIT, SENTENCE, literal_scores
+from kdnctl.scorers.sentences import sentence_bounds
+from kdnctl.quant import layer_kv
 
 WORDS = ["The", " port", " is", " ", "8", "7", "8", "4", ".", " It", " runs", "\n", " v", "2", " ok", "!", " end"]
 
@@ -57,8 +58,8 @@ def test_literal_scores_refuse_a_length_mismatch():
 
 
 def test_literals_on_the_real_tokenizer(lm):
-    from kdnctl.scoring import compute_importance
-    from kdnctl.sentence_scores import token_texts
+    from kdnctl.scorers import compute_importance
+    from kdnctl.scorers.sentences import token_texts
 
     text = "NAME\nls - list directory contents\n\nThe port for the marlin service is 8784.\nls lists files."
     ids = lm.tokenizer(text, add_special_tokens=False).input_ids
@@ -91,7 +92,7 @@ def test_token_levels_lift_the_share_and_level_asked(n, share, level, header, pr
 
 
 def test_recipe_lift_share_and_level():
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
     from kdnctl.recipes import Recipe
 
     plain = CompressRecipe(budget=0.083, lift="literals")
@@ -120,9 +121,10 @@ def test_compress_with_a_literal_lift_end_to_end(tiny_lm, tmp_path_factory):
     top share of them by the literals scorer 4x finer (the header and the tail as before)."""
     from budgetkit import fp16_size, trimmed_store
 
-    from kdnctl.bundle import decode_bundle
-    from kdnctl.compress import CompressRecipe, _cat_stats, compress_document
-    from kdnctl.scoring import compute_importance
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
+    from kdnctl.scorers import compute_importance
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
     doc = "meeting-notes-2026-03.txt"
@@ -141,8 +143,8 @@ def test_compress_with_a_literal_lift_end_to_end(tiny_lm, tmp_path_factory):
     ids = [int(t) for b in full for t in b.token_ids.tolist()]
     header = int(full[0].meta.get("header_tokens", 0))
     lit = compute_importance("literals", _cat_stats(full), lm=tiny_lm, token_ids=ids, n_layers=full[0].n_layers,
-                             n_heads=full[0].layer_kv(0)[0].shape[0])
-    from kdnctl.sizing import rank01
+                             n_heads=layer_kv(full[0], 0)[0].shape[0])
+    from kdnctl.scorers.rank import rank01
 
     want = token_levels(kept.numel(), header, 16, rank01(lit)[..., kept], 2, (0.1, 2))
     got = torch.cat([b.tensors["token_levels"] for b in bundles(on.label)])

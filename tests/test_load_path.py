@@ -9,20 +9,21 @@ import hashlib
 import pytest
 import torch
 
-from kdnctl.bundle import decode_bundle
-from kdnctl.compress import CompressRecipe, compress_document
-from kdnctl.corpus import Document
+from kdnctl.format.bundle import decode_bundle
+from kdnctl.compress.document import CompressRecipe, compress_document
+from kdnctl.ingest.corpus import Document
 from kdnctl.engine.dequant import dequantize_into
 from kdnctl.engine.hf import LoadProfile, forward_suffix, generate, load_document
 from kdnctl.errors import BundleFormatError, StoreCorruptError, UsageError
-from kdnctl.fastread import blake3_hex
+from kdnctl.store.fastread import blake3_hex
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prefill import grouped_probs, prefill
-from kdnctl.prompting import PromptFormat
+from kdnctl.engine.prefill import grouped_probs, prefill
+from kdnctl.ingest.prompting import PromptFormat
 from kdnctl.quant import dequantize_tensors, get_quantizer
 from kdnctl.store import Store
 
 from conftest import EXAMPLES
+from kdnctl.quant import layer_kv
 
 DOC = "zephyr-x200-manual.md"
 
@@ -87,7 +88,7 @@ def test_int8_loads_into_cache_like_the_reference_decoder(lm, small):
     assert prof.dequantize > 0 and prof.hash > 0 and prof.read > 0
     bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(DOC, "b1-int8").chunks]
     for layer in (0, 17, 29):
-        ref = torch.cat([b.layer_kv(layer)[0] for b in bundles], dim=1)
+        ref = torch.cat([layer_kv(b, layer)[0] for b in bundles], dim=1)
         assert torch.equal(fast.keys[layer][0], ref)
     out = generate(lm, fast, _question(lm), max_new_tokens=4)
     assert out.token_ids
@@ -223,7 +224,7 @@ def test_bundle_to_device_moves_layer_tensors_and_leaves_entropy_coded_tiers(lm,
     a dense or int8 bundle become views of ONE copied buffer with the same values; bookkeeping
     tensors stay; a scheme that is not a plain groupwise one is returned untouched (the ladder's
     zlib-coded codes must be decoded on the host)."""
-    from kdnctl.bundle import KVBundle
+    from kdnctl.format.bundle import KVBundle
     from kdnctl.engine.gpu_transfer import bundle_to_device
 
     store = small[None]

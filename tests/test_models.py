@@ -74,7 +74,7 @@ def built(tmp_path_factory, lm):
 
     def get(name):
         if name not in made:
-            from kdnctl.model import load_model
+            from kdnctl.models.load import load_model
 
             path = build_model_dir(name, tmp_path_factory.mktemp(name), lm.tokenizer)
             made[name] = (path, load_model(path))
@@ -114,7 +114,7 @@ def identity_gap(mlm, store) -> float:
 
 
 def ingested(name, built, tmp_path):
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
 
     path, mlm = built(name)
     store = tmp_path / "s"
@@ -133,7 +133,7 @@ def compressed_distance(mlm, path, store, budget: str) -> tuple[float, float]:
     """Compress at ``budget`` (the CLI's defaults) and load it: (total variation distance of the
     next-token distribution from the full version's, stored bytes / fp16 bytes)."""
     from kdnctl.engine.hf import forward_suffix, load_document
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
     from kdnctl.store import Store
 
     suffix = mlm.tokenizer(SUFFIX, add_special_tokens=False).input_ids
@@ -190,7 +190,7 @@ def test_unsupported_architectures_refused_in_one_line(kind, tmp_path):
 
 
 def test_exports_refuse_what_the_engine_cannot_hold(built, tmp_path):
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
 
     path, mlm, store = ingested("mistral", built, tmp_path)
     with use_loaded_models(mlm):
@@ -205,7 +205,7 @@ def test_exports_refuse_what_the_engine_cannot_hold(built, tmp_path):
 
 
 def test_keep_without_budget(built, tmp_path):
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
 
     path, mlm, store = ingested("llama", built, tmp_path)
     with use_loaded_models(mlm):
@@ -217,7 +217,7 @@ def test_unreachable_budget_names_the_smallest(tmp_path, lm):
     """A model too small for a budget (2 layers, head_dim 16: per-token overheads dominate)."""
     import transformers as T
 
-    from kdnctl.model import load_model, use_loaded_models
+    from kdnctl.models.load import load_model, use_loaded_models
 
     torch.manual_seed(0)
     model_dir = tmp_path / "m"
@@ -323,8 +323,9 @@ def test_key_basis_registered_for_a_new_model(built, tmp_path, monkeypatch):
     does, here on another text) and registered in a basis directory is used by ``key_basis=model``
     (no store basis is calibrated), and the version loads."""
     from kdnctl.engine.hf import forward_suffix, load_document
-    from kdnctl.model import use_loaded_models
-    from kdnctl.quant.basis import ENV, calibrate, key_samples, register
+    from kdnctl.models.load import use_loaded_models
+    from kdnctl.format.key_basis import ENV, register
+    from kdnctl.quant.basis import calibrate, key_samples
     from kdnctl.store import Store
 
     path, mlm, store = ingested("qwen3", built, tmp_path)

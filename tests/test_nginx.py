@@ -20,9 +20,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kdnctl.client import RemoteStore
+from kdnctl.store.client import RemoteStore
 from kdnctl.errors import NotFoundError
-from kdnctl.nginx import link_query
+from kdnctl.server.nginx import link_query
 from kdnctl.store import ChunkRef, DocumentRecord, Store, VersionRecord
 
 REPO = Path(__file__).resolve().parent.parent

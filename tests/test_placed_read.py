@@ -1,5 +1,5 @@
 """Local loads read dense chunks straight into the cache and check every byte with the XXH3-128
-checksum recorded at write time (kdnctl/engine/placed.py, kdnctl/fastread.py; issue 15).
+checksum recorded at write time (kdnctl/engine/placed.py, kdnctl/store/fastread.py; issue 15).
 Real SmolLM2 and real stores; nothing is timed (bench/ttft.py measures)."""
 
 from __future__ import annotations
@@ -10,20 +10,21 @@ import hashlib
 import pytest
 import torch
 
-from kdnctl.bundle import decode_bundle
-from kdnctl.compress import CompressRecipe, compress_document
-from kdnctl.corpus import Document
+from kdnctl.format.bundle import decode_bundle
+from kdnctl.compress.document import CompressRecipe, compress_document
+from kdnctl.ingest.corpus import Document
 from kdnctl.engine import hf
 from kdnctl.engine import placed
 from kdnctl.engine.hf import forward_suffix, load_document
 from kdnctl.errors import StoreCorruptError
-from kdnctl.fastread import Verifier, blake3_hex, xxh3_hex
+from kdnctl.store.fastread import Verifier, blake3_hex, xxh3_hex
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prompting import PromptFormat
+from kdnctl.ingest.prompting import PromptFormat
 from kdnctl.store import Store
 from kdnctl.store.records import ChunkRef
 
 from conftest import EXAMPLES
+from kdnctl.quant import layer_kv
 
 DOC = "zephyr-x200-manual.md"
 
@@ -58,7 +59,7 @@ def _reference(store, label):
     decoded and concatenated."""
     bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(DOC, label).chunks]
     n = bundles[0].n_layers
-    return [tuple(torch.cat([b.layer_kv(i)[r] for b in bundles], dim=1) for r in (0, 1)) for i in range(n)]
+    return [tuple(torch.cat([layer_kv(b, i)[r] for b in bundles], dim=1) for r in (0, 1)) for i in range(n)]
 
 
 def _question(lm):
@@ -210,7 +211,7 @@ def test_xxh3_field_is_validated_in_records():
 
 
 def test_arena_pool_reuses_memory_only_when_nothing_views_it():
-    from kdnctl.arena import ArenaPool, kv_buffers
+    from kdnctl.store.arena import ArenaPool, kv_buffers
 
     pool = ArenaPool(max_arenas=2)
     a = kv_buffers([10, 20], 3, 64, 4, torch.float32, pool=pool)
@@ -233,7 +234,7 @@ def test_arena_pool_reuses_memory_only_when_nothing_views_it():
 
 
 def test_fetch_pool_hands_out_exact_sizes_and_never_a_held_buffer():
-    from kdnctl.arena import ArenaPool
+    from kdnctl.store.arena import ArenaPool
 
     pool = ArenaPool(max_arenas=4, max_bytes=1 << 20)
     a = pool.take(1000, exact=True)

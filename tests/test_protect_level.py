@@ -9,7 +9,8 @@ from kdnctl.errors import UsageError
 
 
 def test_token_levels_take_the_protect_level():
-    from kdnctl.compress_ec import PROTECT_LEVEL, token_levels
+    from kdnctl.compress.options import PROTECT_LEVEL
+    from kdnctl.compress.stages.precision import token_levels
 
     assert token_levels(10, header=2, protect=3).tolist() == [PROTECT_LEVEL] * 2 + [0] * 5 + [PROTECT_LEVEL] * 3
     for level in (0, 1):
@@ -17,7 +18,7 @@ def test_token_levels_take_the_protect_level():
 
 
 def test_recipe_protect_level_is_checked_recorded_and_labelled():
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
     from kdnctl.recipes import Recipe
 
     auto = CompressRecipe(budget=0.083)
@@ -43,8 +44,8 @@ def test_compress_with_protect_level_stores_those_levels(tiny_lm, tmp_path_facto
     level 0 at the other kept tokens' level; every version fits the cap."""
     from budgetkit import fp16_size, trimmed_store
 
-    from kdnctl.bundle import decode_bundle
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.compress.document import CompressRecipe, compress_document
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
     made = {}

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import EXAMPLES, REPO, cli_json, kdnctl_argv, kdnctl_env, run_cli
 
-from kdnctl.compress import CompressRecipe, compress_document
-from kdnctl.corpus import read_corpus
+from kdnctl.compress.document import CompressRecipe, compress_document
+from kdnctl.ingest.corpus import read_corpus
 from kdnctl.ingest import IngestOptions, ingest_documents
 from kdnctl.store import Store
 

@@ -12,8 +12,8 @@ import pytest
 from conftest import EXAMPLES
 from httpkit import ThreadServer
 
-from kdnctl.client import RemoteStore, mirror
-from kdnctl.corpus import Document
+from kdnctl.store.client import RemoteStore, mirror
+from kdnctl.ingest.corpus import Document
 from kdnctl.engine.hf import load_document
 from kdnctl.errors import NotFoundError, StoreCorruptError
 from kdnctl.ingest import IngestOptions, ingest_documents
@@ -107,7 +107,7 @@ def test_loader_hint_when_a_version_is_reclaimed_under_it(two_docs, lm):
 
 
 def test_rebuild_catalog_from_bundles_restores_the_catalog(two_docs, lm):
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.ingest.rebuild import REBUILT_SOURCE, rebuild_catalog
 
     words = (EXAMPLES / "faq.md").read_text().split()

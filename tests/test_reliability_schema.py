@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from storekit import add_doc
 
-from kdnctl.client import RemoteStore
+from kdnctl.store.client import RemoteStore
 from kdnctl.errors import StoreCorruptError, UsageError
 from kdnctl.store import ChunkRef, DocumentRecord, LocalObjects, ReadStore, Store, VersionRecord, check_sha
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_cli
 from storekit import add_doc, bundle_bytes
 
-from kdnctl.bundle import decode_bundle, header_size
+from kdnctl.format.bundle import decode_bundle, header_size
 from kdnctl.errors import BundleFormatError
 from kdnctl.store import Store
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kdnctl.scoring import compute_importance
-from kdnctl.sentence_scores import sentence_bounds, sentence_surprisal, token_texts
+from kdnctl.scorers import compute_importance
+from kdnctl.scorers.sentences import sentence_bounds, sentence_surprisal, token_texts
 
 
 def test_bounds_end_at_newlines_and_sentence_ends():
@@ -72,7 +72,7 @@ def _naive_local(lm, ids, bounds, window):
 
 @pytest.mark.parametrize("window,batch_tokens", [(0, 8192), (5, 40), (16, 8192)])
 def test_local_surprisal_batched_equals_naive(tiny_lm, window, batch_tokens):
-    from kdnctl.sentence_scores import local_sentence_surprisal
+    from kdnctl.scorers.sentences import local_sentence_surprisal
 
     text = ("NAME\nls - list.\n\nThe locker code of the juniper group is 9793. The locker code of the cedar group "
             "is 1234.\nA longer ordinary sentence about listing directory contents, sorted by name? x")
@@ -87,7 +87,7 @@ def test_local_surprisal_batched_equals_naive(tiny_lm, window, batch_tokens):
 
 def test_sentences_local_takes_the_better_rank(tiny_lm):
     """A sentence ranked high by either signal ranks high; the score is whole per sentence."""
-    from kdnctl.sentence_scores import local_sentence_scores
+    from kdnctl.scorers.sentences import local_sentence_scores
 
     text = "First line here.\nSecond line is longer than that.\nThird. Fourth one?\nlast"
     ids = tiny_lm.tokenizer(text, add_special_tokens=False).input_ids
@@ -108,8 +108,8 @@ def test_sentences_local_takes_the_better_rank(tiny_lm):
 def test_sentences_gap_ranks_what_the_document_predicts(tiny_lm):
     """``sentences-gap``: per sentence the better of the whole-document rank and the rank of the
     local surprisal plus GAP_WEIGHT x (local - whole), against a naive recomputation."""
-    from kdnctl.sentence_scores import GAP_WEIGHT, local_sentence_surprisal
-    from kdnctl.sizing import rank01
+    from kdnctl.scorers.sentences import GAP_WEIGHT, local_sentence_surprisal
+    from kdnctl.scorers.rank import rank01
 
     text = "First line here.\nSecond line is longer than that.\nThird. Fourth one?\nFifth line, the last"
     ids = tiny_lm.tokenizer(text, add_special_tokens=False).input_ids

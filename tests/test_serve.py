@@ -23,12 +23,12 @@ import pytest
 from conftest import EXAMPLES, REPO, run_cli
 from httpkit import ThreadServer, free_port
 
-from kdnctl.chunking import chain_hashes
-from kdnctl.client import RemoteStore
-from kdnctl.corpus import read_corpus
+from kdnctl.ingest.chunking import chain_hashes
+from kdnctl.store.client import RemoteStore
+from kdnctl.ingest.corpus import read_corpus
 from kdnctl.errors import NotFoundError, RemoteError, StoreCorruptError, UsageError
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prompting import PromptFormat
+from kdnctl.ingest.prompting import PromptFormat
 from kdnctl.server import load_tokens
 from kdnctl.store import Store
 

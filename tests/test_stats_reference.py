@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kdnctl.prefill import prefill, reference_stats
-from kdnctl.scoring import reconstruct_scores, reference_reconstruct_scores
+from kdnctl.engine.prefill import prefill, reference_stats
+from kdnctl.scorers.reconstruct import reconstruct_scores, reference_reconstruct_scores
 
 # fp32 on CPU; blockwise/tiled sums reorder additions, hence not bit-exact
 TOL = {"window": 2e-5, "accum": 2e-4, "surprisal": 2e-4, "reconstruct": 2e-5, "keys": 1e-4,

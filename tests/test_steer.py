@@ -13,13 +13,13 @@ import torch
 
 from conftest import REPO, cli_json, run_cli
 
-from kdnctl.bundle import decode_bundle
-from kdnctl.corpus import Document
+from kdnctl.format.bundle import decode_bundle
+from kdnctl.ingest.corpus import Document
 from kdnctl.engine.attention import AttentionState, kdn_attention
 from kdnctl.engine.hf import forward_suffix, generate, load_document
 from kdnctl.errors import InputError, UnsupportedError, UsageError
 from kdnctl.ingest import IngestOptions, ingest_documents
-from kdnctl.prompting import PromptFormat
+from kdnctl.ingest.prompting import PromptFormat
 from kdnctl.steer.base import SteerSpec, get_edit, pasta_bias, steer_document
 from kdnctl.steer.heads import from_value, parse_pairs, resolve_heads
 from kdnctl.steer.highlight import find_highlight, parse_markers
@@ -229,7 +229,7 @@ def test_decode_bias_equals_reference_attention():
 # -- compressed sources --------------------------------------------------------------------
 
 def test_steer_on_compressed_versions(lm, store):
-    compress = pytest.importorskip("kdnctl.compress", reason="kdnctl.compress (compression) is not available")
+    compress = pytest.importorskip("kdnctl.compress.document", reason="kdnctl.compress.document (compression) is not available")
     with store.writer():
         compress.compress_document(store, DOC, compress.CompressRecipe(budget=None, keep=0.5, method="knorm"), label="pruned")
         compress.compress_document(store, DOC, compress.CompressRecipe(budget=None, keep=1.0, quant="int8"), label="q8")

@@ -1,11 +1,11 @@
-"""SurprisalScorer (kdnctl/prefill.py): the low-precision vocabulary projection is converted
+"""SurprisalScorer (kdnctl/engine/prefill.py): the low-precision vocabulary projection is converted
 once per weight, and the tiled logsumexp equals a whole-vocabulary one (issue 15)."""
 
 from __future__ import annotations
 
 import torch
 
-from kdnctl.prefill import SurprisalScorer
+from kdnctl.engine.prefill import SurprisalScorer
 
 
 def _head(vocab=20000, d=64, bias=False):

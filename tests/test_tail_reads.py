@@ -1,4 +1,4 @@
-"""What the end of a document reads (kdnctl/tail_reads.py, ``--tail-reads``): per sentence the
+"""What the end of a document reads (kdnctl/scorers/tail_reads.py, ``--tail-reads``): per sentence the
 mean attention from the document's last queries in the middle layers, against a naive loop; the
 kept set fills its last share by it, against a naive fill; the recipe and a real compress with
 the tiny model carry it."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kdnctl.compress_ec import shared_keep
+from kdnctl.compress.stages.select import shared_keep
 from kdnctl.errors import UsageError
-from kdnctl.tail_reads import middle_layers, sentence_reads
+from kdnctl.scorers.tail_reads import middle_layers, sentence_reads
 
 
 def _bounds(t: int, seed: int) -> list[tuple[int, int]]:
@@ -69,7 +69,7 @@ def test_shared_keep_fills_its_last_share_by_the_second_order(t, keep, header, p
 
 
 def test_recipe_tail_reads_is_asked_for_recorded_and_labelled():
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
     from kdnctl.recipes import Recipe
 
     auto = CompressRecipe(budget=0.083)
@@ -94,12 +94,13 @@ def test_compress_with_tail_reads_end_to_end(tiny_lm, tmp_path_factory):
     and exactly the set shared_keep picks from the scorer and the document's own last queries."""
     from budgetkit import fp16_size, trimmed_store
 
-    from kdnctl.bundle import decode_bundle
-    from kdnctl.compress import CompressRecipe, _cat_stats, compress_document
-    from kdnctl.prefill import prefill
-    from kdnctl.scoring import compute_importance
-    from kdnctl.sentence_scores import sentence_bounds, token_texts
-    from kdnctl.tail_reads import TAIL_WINDOW
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
+    from kdnctl.engine.prefill import prefill
+    from kdnctl.scorers import compute_importance
+    from kdnctl.scorers.sentences import sentence_bounds, token_texts
+    from kdnctl.scorers.tail_reads import TAIL_WINDOW
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
     base = dict(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences")

@@ -1,4 +1,4 @@
-"""Value refit (kdnctl/value_refit.py, ``--refit``): the kept tokens' values are refitted so that
+"""Value refit (kdnctl/compress/refit.py, ``--refit``): the kept tokens' values are refitted so that
 attention over the kept keys reproduces the full cache's output for the document's own queries.
 The fast solve equals the normal equations summed query by query (in both of its spaces),
 keeping every token changes nothing, the fit shrinks the error eviction leaves, and the recipe
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kdnctl.errors import UsageError
-from kdnctl.value_refit import naive_refit_values, refit_values
+from kdnctl.compress.refit import naive_refit_values, refit_values
 
 TOL = {"rtol": 1e-3, "atol": 1e-4}  # float32 solve against the float64 reference
 
@@ -93,7 +93,7 @@ def test_the_fit_shrinks_the_attention_error_eviction_leaves():
 
 
 def test_recipe_refit_is_asked_for_recorded_and_labelled():
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
 
     # the default below 0.25 since session 39: ridge 0.01, the lifted tokens' values held; since
     # session 40 fitted to the keys as decoded and rounded with feedback
@@ -139,7 +139,7 @@ def test_compress_with_refit_end_to_end(tiny_lm, tmp_path_factory):
     attention output more closely (the library's own queries, layer by layer)."""
     from budgetkit import fp16_size, layers_read_nearer, trimmed_store
 
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.engine.hf import load_document
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
@@ -161,7 +161,7 @@ def test_compress_with_held_refit_end_to_end(tiny_lm, tmp_path_factory):
     values are neither the refit's nor the plain kept set's."""
     from budgetkit import fp16_size, trimmed_store
 
-    from kdnctl.compress import CompressRecipe, compress_document
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.engine.hf import load_document
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
@@ -182,8 +182,8 @@ def refit_versions(tiny_lm, tmp_path_factory):
     and, per layer, the keys the decoded refit fitted to (``kept_keys``, seen in ``refit_values``)."""
     from budgetkit import trimmed_store
 
-    import kdnctl.compress_ec as ce
-    from kdnctl.compress import CompressRecipe, compress_document
+    import kdnctl.compress.stages.refit as ce
+    from kdnctl.compress.document import CompressRecipe, compress_document
 
     seen: list = []
 
@@ -205,7 +205,7 @@ def refit_versions(tiny_lm, tmp_path_factory):
 
 @pytest.mark.parametrize("flag", ["refit_decoded", "refit_feedback"])
 def test_refit_options_need_a_refit(flag):
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
 
     with pytest.raises(UsageError, match=flag):
         CompressRecipe(budget=0.3, quant="ec", keep=0.5, refit=0, **{flag: True})
@@ -243,7 +243,7 @@ def _kept_chunks(st, label):
     """Each chunk's ``kept`` mask and first token in the document (``SimpleNamespace``)."""
     from types import SimpleNamespace
 
-    from kdnctl.bundle import decode_bundle
+    from kdnctl.format.bundle import decode_bundle
 
     out, start = [], 0
     for c in st.get_version("faq.md", label).chunks:
@@ -255,7 +255,7 @@ def _kept_chunks(st, label):
 
 @pytest.mark.parametrize("s,d", [(1, 3), (9, 5), (23, 17)])
 def test_rounding_with_feedback_equals_the_naive_optimum_after_each_rounding(s, d):
-    from kdnctl.value_feedback import naive_round_with_feedback, round_with_feedback
+    from kdnctl.compress.feedback import naive_round_with_feedback, round_with_feedback
 
     g = torch.Generator().manual_seed(s + d)
     a = torch.softmax(torch.randn(40, s, generator=g) * 2, -1)
@@ -273,7 +273,7 @@ def test_rounding_with_feedback_equals_the_naive_optimum_after_each_rounding(s, 
 def test_feedback_costs_less_through_the_normal_matrix_than_plain_rounding():
     """Summed over cases, the quadratic cost (q - x)^T H (q - x) the refit's objective pays for
     rounding is lower with feedback than with each token rounded on its own."""
-    from kdnctl.value_feedback import round_with_feedback
+    from kdnctl.compress.feedback import round_with_feedback
 
     fed = plain = 0.0
     for seed in range(6):

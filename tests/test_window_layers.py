@@ -22,7 +22,7 @@ def models(tmp_path_factory, lm):
 
     def get(name):
         if name not in made:
-            from kdnctl.model import load_model
+            from kdnctl.models.load import load_model
 
             path = build_model_dir(name, tmp_path_factory.mktemp(name), lm.tokenizer)
             made[name] = (path, load_model(path))
@@ -31,7 +31,7 @@ def models(tmp_path_factory, lm):
 
 
 def _windowed(name, models, tmp_path, *args):
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
 
     path, mlm = models(name)
     store = tmp_path / "s"
@@ -105,7 +105,7 @@ def test_window_layers_under_the_default_budget(models, tmp_path):
     """``--budget 0.25`` (ec, every token kept): each window layer codes only its last W tokens,
     and the bytes that frees go to the rest: nearer to the full version than stored whole."""
     from kdnctl.engine.hf import forward_suffix, load_document
-    from kdnctl.model import use_loaded_models
+    from kdnctl.models.load import use_loaded_models
     from kdnctl.presses.window_layers import window_sizes
     from kdnctl.store import Store, read_bundle_meta
 

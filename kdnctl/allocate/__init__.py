@@ -1,5 +1,5 @@
 """Allocators: how a document's token budget is split over layers (see :mod:`.base`); and across
-precision tiers under a byte cap (:mod:`.tiers`, used by the size budget in ``kdnctl.sizing``).
+precision tiers under a byte cap (:mod:`.tiers`, used by the size budget in ``kdnctl.compress.sizing``).
 
 One file per allocator; ``ALLOCATORS`` is the registry the CLI, recipes and ``kdnctl methods``
 share. To add one: subclass :class:`Allocator` in a new file, list it here.

@@ -35,7 +35,7 @@ EXPONENT, CLIP = 0.25, 4.0
 
 def probe_ids(lm, token_ids: list[int], header: int) -> list[int]:
     """The probe: ``REPEAT_PROMPT`` + the document's first ``PROBE_TOKENS`` tokens after its header."""
-    from ..scoring import REPEAT_PROMPT
+    from ..scorers.reconstruct import REPEAT_PROMPT
 
     prompt = lm.tokenizer(REPEAT_PROMPT, add_special_tokens=False).input_ids
     return prompt + list(token_ids[header:header + PROBE_TOKENS])

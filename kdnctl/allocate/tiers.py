@@ -7,7 +7,7 @@ with the total cost <= ``cap``. This is a multiple-choice knapsack; :func:`solve
 classic greedy over each unit's lower convex hull:
 
 1. every unit starts at its cheapest tier (if even that exceeds the cap the problem is
-   infeasible: the caller must evict tokens first, see ``kdnctl.sizing``);
+   infeasible: the caller must evict tokens first, see ``kdnctl.compress.sizing``);
 2. each unit's upgrades along its convex hull (dominated tiers dropped) are segments with a
    damage saved per byte; hull slopes decrease along a unit, so sorting all segments by that
    ratio and taking them in order never takes a unit's segment before the one it builds on;

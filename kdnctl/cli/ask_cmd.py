@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import time
 from pathlib import Path
@@ -40,7 +40,7 @@ def ask(
 ) -> None:
     """Answer QUESTION about DOC from its stored KV cache (or from composed independent chunks)."""
     from ..errors import UsageError
-    from ..prompting import PromptFormat
+    from ..ingest.prompting import PromptFormat
 
     composing = chunks is not None or retrieve is not None
     if question is None and composing:
@@ -56,7 +56,7 @@ def ask(
         raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
 
     if remote:
-        from ..client import RemoteStore
+        from ..store.client import RemoteStore
 
         st = RemoteStore(remote, token=token_file.read_text().strip() if token_file else None)
     else:
@@ -73,7 +73,7 @@ def ask(
 
 
 def _pick_chunks(st, doc, chunks):
-    from ..retrieval import list_chunks, resolve_chunks
+    from ..engine.retrieval import list_chunks, resolve_chunks
 
     if chunks is not None:
         return resolve_chunks(st, chunks.split(","), doc_id=doc)
@@ -103,8 +103,8 @@ def _ask_document(lm: LoadedModel, st, doc, version, suffix, compare, max_new_to
 
 def _ask_composed(lm: LoadedModel, st, doc, question, picked, retrieve, recompute, suffix, compare, max_new_tokens, as_json) -> None:
     from ..engine.hf import full_prefill_generate, generate
-    from ..retrieval import compose_chunks
-    from ..retrieval import retrieve as bm25_retrieve
+    from ..engine.retrieval import compose_chunks
+    from ..engine.retrieval import retrieve as bm25_retrieve
 
     t0 = time.perf_counter()
     if picked is None:

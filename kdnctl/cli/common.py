@@ -61,7 +61,7 @@ def check_name(kind: str, value: Optional[str], flag: str) -> None:
 
 
 def load_lm(model: Optional[str], dtype: Optional[str] = None, device: Optional[str] = None):
-    from ..model import load_model
+    from ..models.load import load_model
 
     with status("loading model"):
         return load_model(model, dtype=dtype, device=device)

@@ -30,7 +30,7 @@ def compress(
     as_json: bool = JsonOpt,
 ) -> None:
     """Compress stored KV into a new version: a size budget filled by precision first (default), or token eviction (--keep)."""
-    from ..compress import CompressRecipe, compress_document
+    from ..compress.document import CompressRecipe, compress_document
 
     workers, batch = None, 16
     if recipe_file is not None:
@@ -102,7 +102,7 @@ def compress(
 def parse_options(pairs: list[str]) -> dict:
     """``--option KEY=VALUE`` pairs -> {KEY: value}; the recipe checks each key and value
     (``CompressRecipe.from_dict``); ``workers`` and ``batch`` set how ``--ray`` runs."""
-    from ..compress_options import parse_value
+    from ..compress.options import parse_value
     from ..errors import UsageError
 
     out = {}
@@ -119,16 +119,19 @@ def parse_options(pairs: list[str]) -> dict:
 
 
 def methods() -> None:
-    """List pruning methods, allocators, scorers and quantizers."""
+    """List pruning methods, allocators, scorers, quantizers and the compress pipelines' stages."""
     from ..allocate import ALLOCATORS
+    from ..compress.stages import PIPELINES
     from ..presses import PRESSES
     from ..quant import QUANTIZERS
-    from ..scoring import SCORERS
+    from ..scorers import SCORERS
 
     print("methods:    " + " ".join(PRESSES))
     print("allocators: " + " ".join(ALLOCATORS))
     print("scorers:    " + " ".join(SCORERS))
     print("quantizers: " + " ".join(QUANTIZERS))
+    for name, stages in PIPELINES.items():
+        print(f"pipeline {name}: " + " -> ".join(stages))
 
 
 def register(app: typer.Typer) -> None:

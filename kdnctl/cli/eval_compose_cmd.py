@@ -45,7 +45,7 @@ def eval_compose(
     st = open_store(store, create=bool(corpus))
     lm = load_lm(model)
     if corpus:
-        from ..corpus import read_corpus
+        from ..ingest.corpus import read_corpus
         from ..ingest import IngestOptions
         from ..ingest.independent import ingest_independent
 

@@ -65,8 +65,8 @@ def llama_cpp(
 ) -> None:
     """Write a llama.cpp sequence state file for DOC's stored KV."""
     from ..export.llamacpp import export_llamacpp, gguf_for_model
-    from ..model import resolve_model_path
-    from ..prompting import QUESTION_TEMPLATE, PromptFormat
+    from ..models.load import resolve_model_path
+    from ..ingest.prompting import QUESTION_TEMPLATE, PromptFormat
 
     gguf_path = resolve_model_path(gguf) if gguf else gguf_for_model(resolve_model_path(model))
     if check:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 from pathlib import Path
 from typing import List, Optional
@@ -39,12 +39,12 @@ def ingest(
     as_json: bool = JsonOpt,
 ) -> None:
     """Prefill documents and store their KV per chunk."""
-    from ..corpus import read_corpus
+    from ..ingest.corpus import read_corpus
     from ..errors import UsageError
     from ..ingest import IngestOptions
 
     from ..ingest.prefix import DEFAULT_STATS
-    from ..prefill import ALL_STATS
+    from ..engine.prefill import ALL_STATS
 
     names = DEFAULT_STATS if stats == "default" else ALL_STATS if stats == "all" else tuple(
         n.strip() for n in stats.split(",") if n.strip())

@@ -18,8 +18,8 @@ def run(
     as_json: bool = JsonOpt,
 ) -> None:
     """Run a recipe end to end on PATHS."""
-    from ..compress import compress_document
-    from ..corpus import read_corpus
+    from ..compress.document import compress_document
+    from ..ingest.corpus import read_corpus
     from ..errors import UsageError
     from ..ingest import ingest_documents
     from ..recipes import load_recipe

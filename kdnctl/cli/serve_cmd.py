@@ -60,7 +60,7 @@ def serve_files(
     if link_ttl < 1:
         raise UsageError(f"--link-ttl must be >= 1, got {link_ttl}")
     if emit_nginx_config is not None:
-        from ..nginx import ACCEL_PREFIX, new_link_secret, write_config
+        from ..server.nginx import ACCEL_PREFIX, new_link_secret, write_config
 
         secret = new_link_secret() if signed_links else None
         path = write_config(emit_nginx_config, root, upstream=f"{host}:{port}", listen=nginx_listen,
@@ -68,7 +68,7 @@ def serve_files(
         message(f"wrote {path}: run `nginx -c {path.resolve()}`; clients use the nginx address ({nginx_listen})")
         accel = ACCEL_PREFIX
     elif x_accel:
-        from ..nginx import ACCEL_PREFIX
+        from ..server.nginx import ACCEL_PREFIX
 
         accel = ACCEL_PREFIX
     message(f"serving {root} read-only on http://{host}:{port} ({auth}{', X-Accel-Redirect' if accel else ''}); Ctrl-C stops")
@@ -85,7 +85,7 @@ def pull(
     as_json: bool = JsonOpt,
 ) -> None:
     """Mirror documents' bundles from a remote store into the local store (verified)."""
-    from ..client import RemoteStore, mirror
+    from ..store.client import RemoteStore, mirror
 
     token = _read_token(token_file)
     st = open_store(store, create=True)

@@ -22,7 +22,7 @@ def _version_dict(v, fp16_per_token: int | None = None) -> dict:
 
 
 def _chunk_metas(st, v) -> list[dict]:
-    from ..bundle import read_meta
+    from ..format.bundle import read_meta
 
     return [read_meta(st.read_object(c.object)) for c in v.chunks]
 
@@ -31,7 +31,7 @@ def _fp16_per_token(st, versions) -> int | None:
     """fp16 bytes of K and V per token (2 bytes x 2 x layers x KV heads x head dim)."""
     if not versions or not versions[0].chunks:
         return None
-    from ..bundle import read_meta
+    from ..format.bundle import read_meta
 
     m = read_meta(st.read_object(versions[0].chunks[0].object))["model"]
     return 4 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
-from ..compress import CompressRecipe, CompressResult, existing_result
+from ..compress.document import CompressRecipe, CompressResult, existing_result
 from ..store import Store
 from .cluster import connect, placement, shared_env
 from .ingest import RETRIES

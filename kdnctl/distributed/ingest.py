@@ -11,7 +11,7 @@ import dataclasses
 import time
 from typing import Callable, Iterator
 
-from ..corpus import Document
+from ..ingest.corpus import Document
 from ..errors import UsageError
 from ..ingest import IngestOptions, IngestReport, doc_version_for, is_current
 from ..store import Store

@@ -47,8 +47,8 @@ class IngestWorker(_Worker):
         _setup(env)
         from ..errors import KdnError
         from ..ingest import IngestOptions
-        from ..model import load_model
-        from ..prompting import PromptFormat
+        from ..models.load import load_model
+        from ..ingest.prompting import PromptFormat
         from ..store import ObjectDir
 
         try:
@@ -99,7 +99,7 @@ class CompressWorker(_Worker):
                  env: dict[str, str]):
         _setup(env)
         from ..errors import KdnError
-        from ..model import load_model
+        from ..models.load import load_model
         from ..store import ObjectDir
 
         try:
@@ -121,10 +121,10 @@ class CompressWorker(_Worker):
         return basis_file(self.lm, texts)
 
     def compress(self, src, recipe, label: str, source: str, basis: bytes | None = None) -> CompressOutcome:
-        from ..compress import build_compressed_version
+        from ..compress.document import build_compressed_version
 
         self._check()
-        from kdnctl.quant.basis import model_basis, provide
+        from kdnctl.format.key_basis import model_basis, provide
 
         t0 = time.perf_counter()
         fingerprint = self.lm.fingerprint if self.lm is not None else None

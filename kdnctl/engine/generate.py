@@ -13,7 +13,7 @@ from ..models import adapter_for
 from .attention import AttentionState, own_or_kdn_attention
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
     from .hf import LoadedContext
 

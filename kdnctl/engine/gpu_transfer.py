@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..bundle import KVBundle
+from ..format.bundle import KVBundle
 from .dequant import FAST_SCHEMES
 
 

@@ -2,7 +2,7 @@
 
 Python API::
 
-    lm = kdnctl.model.load_model()
+    lm = kdnctl.models.load.load_model()
     store = kdnctl.store.Store(".kdn", create=False)
     ctx = load_document(lm, store, "manual.md", label="full")   # or load_prefix(lm, store, ids)
     result = generate(lm, ctx, question_ids)
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import os
 import threading
@@ -29,7 +29,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..bundle import KVBundle, decode_bundle, tensor_name
+from ..format.bundle import KVBundle, decode_bundle
+
+from ..format.names import tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..models import adapter_for
 from kdnctl.quant.store_basis import basis_shas, provide_store_bases
@@ -37,6 +39,7 @@ from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState
 from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into
 from .generate import GenerationResult, forward_suffix, full_prefill_generate, generate, stop_ids  # noqa: F401
+from ..quant import layer_kv
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
@@ -130,9 +133,9 @@ def _offsets(lens: list[list[int]]) -> tuple[list[int], list[list[int]]]:
 
 def _alloc(lm: LoadedModel, totals: list[int], h_kv: int, d: int, room: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each layer's (keys, values) cache buffers: on CPU from the pooled arena (memory already
-    faulted in by an earlier load, kdnctl/arena.py)."""
+    faulted in by an earlier load, kdnctl/store/arena.py)."""
     if lm.device.type == "cpu":
-        from ..arena import kv_buffers
+        from ..store.arena import kv_buffers
 
         return kv_buffers(totals, h_kv, d, room, lm.dtype)
     return [(torch.empty(1, h_kv, n + room, d, device=lm.device, dtype=lm.dtype),
@@ -160,7 +163,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
     # a chunk's layers are then dequantized in one stacked operation (dequantize_layers_into)
     # instead of one per layer (kernel launches on a GPU, Python and dispatch on a CPU)
     if bufs is None and device.type == "cpu":
-        from ..arena import kv_arena
+        from ..store.arena import kv_arena
 
         bufs, stacked = kv_arena(totals, h_kv, d, room, lm.dtype)
     elif bufs is None and len(set(totals)) == 1:
@@ -186,7 +189,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 prof.add("dequantize", t0)
                 n_done = n_layers
             elif not quantized[0] and device.type != "cpu":  # (on a CPU: no gain from the stack's copy)
-                kv = [b.layer_kv(i) for i in range(n_layers)]
+                kv = [layer_kv(b, i) for i in range(n_layers)]
                 stacked[0][:, :, s : s + t].copy_(torch.stack([k for k, _ in kv]))
                 stacked[1][:, :, s : s + t].copy_(torch.stack([v for _, v in kv]))
                 prof.add("place", t0)
@@ -199,7 +202,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 dequantize_into(bufs[i][1][0, :, s : s + t], b.tensors, tensor_name(i, "values"), quant)
                 prof.add("dequantize", t0)
                 continue
-            k, v = b.layer_kv(i)
+            k, v = layer_kv(b, i)
             if b.is_quantized(i):
                 t0 = prof.add("dequantize", t0)
             for dst, src in ((bufs[i][0][0, :, s : s + t], k), (bufs[i][1][0, :, s : s + t], v)):
@@ -257,7 +260,7 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
     device = lm.device  # (a property that walks the model's parameters: read it once)
     slots: list = [None] * len(hits)
     if checked and device.type != "cuda":  # pooled memory (faulted in by earlier loads), catalog sizes
-        from ..arena import READ_POOL, byte_slices
+        from ..store.arena import READ_POOL, byte_slices
 
         sizes = [max(0, int(ref.nbytes)) for _, ref in hits]
         if sum(sizes) <= READ_POOL.max_bytes:  # (a damaged size only costs a fresh buffer)
@@ -268,7 +271,7 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
         prof = LoadProfile()
         t0 = time.perf_counter()
         if checked:
-            from ..fastread import check_bytes, read_into
+            from ..store.fastread import check_bytes, read_into
 
             if device.type == "cuda":  # page-locked memory: the host-to-device copy runs async
                 from .gpu_transfer import pinned_buffer as alloc
@@ -413,7 +416,7 @@ def load_prefix(lm: LoadedModel, store: ReadStore, token_ids: list[int], label: 
     """Find the longest stored prefix of ``token_ids`` (prefix hash chain) and load it.
 
     Returns (context or None, number of matched tokens)."""
-    from ..chunking import chain_hashes
+    from ..ingest.chunking import chain_hashes
 
     t = time.perf_counter()
     sizes = [chunk_tokens] if chunk_tokens else store.chunk_sizes()

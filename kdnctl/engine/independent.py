@@ -39,18 +39,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import math
 import time
 
 import torch
 
-from ..bundle import KVBundle
+from ..format.bundle import KVBundle
 from ..errors import ModelMismatchError, UnsupportedError, UsageError
 from ..models import adapter_for
 from .attention import AttentionState, kdn_attention
 from .hf import LoadedContext
+from ..quant import layer_kv
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_CHECK_LAYER = 1
@@ -233,10 +234,10 @@ def compose(
     device, dtype = lm.device, lm.dtype
     keys, values = [], []
     for layer in range(n_layers):
-        hk, hv = header_bundle.layer_kv(layer)
+        hk, hv = layer_kv(header_bundle, layer)
         ks, vs = [hk.float()], [hv.float()]
         for b, off in zip(chunks, offsets):
-            k, v = b.layer_kv(layer)
+            k, v = layer_kv(b, layer)
             delta = off - int(b.meta["token_start"])  # pruned chunks keep their original spacing
             ks.append(rerotate_keys(k, delta, inv_freq) if delta else k.float())
             vs.append(v.float())

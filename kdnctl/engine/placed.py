@@ -13,7 +13,7 @@ cross it once:
    straight into their final places: each head's keys/values into its slice of the cache
    buffer (a contiguous run of ``T * D`` elements), the small tensors (token ids, positions,
    statistics, bias) into one scratch buffer. Every slice is hashed right after it lands,
-   while it is still in the CPU cache (kdnctl/fastread.py ``Verifier``: XXH3-128 when the
+   while it is still in the CPU cache (kdnctl/store/fastread.py ``Verifier``: XXH3-128 when the
    catalog recorded it, else BLAKE3, else the sha256 name), so the check costs no extra
    pass over memory.
 3. Only when every byte of the object matched is anything decoded: ``bundle.finish_decode``
@@ -33,10 +33,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..bundle import finish_decode, header_size, tensor_name
-from ..bundle_layout import parse_head_cached
+from ..format.bundle import finish_decode, header_size
+
+from ..format.names import tensor_name
+from ..format.layout import parse_head_cached
 from ..errors import BundleFormatError, StoreCorruptError
-from ..fastread import Verifier, new_buffer
+from ..store.fastread import Verifier, new_buffer
 
 HEAD_BYTES = 64 << 10  # one read covers a 30-layer bundle's header (a few KB) with room to spare
 BATCH_BYTES = 1 << 20  # bytes per preadv: small enough that a batch is still cached when hashed
@@ -55,7 +57,7 @@ class Plan:
     meta_json: str
     digest: str | None
     n_header: int
-    layout: object  # kdnctl/bundle_layout.py Layout: the tensor index, parsed and checked once
+    layout: object  # kdnctl/format/layout.py Layout: the tensor index, parsed and checked once
     recipe: _Recipe
 
     @property

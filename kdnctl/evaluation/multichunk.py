@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import random
 import re
@@ -36,9 +36,9 @@ import torch
 from ..engine.hf import full_prefill_generate, generate
 from ..errors import NotFoundError
 from .jsonl import read_jsonl
-from ..prompting import PromptFormat
+from ..ingest.prompting import PromptFormat
 from ..engine.independent import context_token_ids
-from ..retrieval import ChunkInfo, compose_chunks, list_chunks, load_chunk_bundles
+from ..engine.retrieval import ChunkInfo, compose_chunks, list_chunks, load_chunk_bundles
 from .qa import QAItem, is_correct
 
 

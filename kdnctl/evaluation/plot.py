@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from ..scoring import DEFAULT_SCORER
+from ..scorers import DEFAULT_SCORER
 
 METRICS = ("accuracy", "kl")
 

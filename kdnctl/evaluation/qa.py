@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import random
 import re
@@ -31,7 +31,7 @@ import torch
 from ..engine.hf import LoadedContext, forward_suffix, generate, load_document
 from ..errors import NotFoundError
 from .jsonl import read_jsonl
-from ..prompting import PromptFormat
+from ..ingest.prompting import PromptFormat
 
 PROBE_TEMPLATE = "Complete this sentence from the document: {head}"
 

@@ -53,7 +53,7 @@ def load_tasks(path: str | Path) -> list[SteerTask]:
 
 
 def task_document(task: SteerTask):
-    from ..corpus import Document
+    from ..ingest.corpus import Document
 
     return Document(task.id, task.text, f"task:{task.id}", hashlib.sha256(task.text.encode("utf-8")).hexdigest())
 
@@ -75,7 +75,7 @@ def evaluate_steering(
     """Accuracy of the task set on ``source`` without edit and with each (mode, alpha) edit."""
     from ..engine.hf import generate, load_document
     from ..ingest import IngestOptions, ingest_documents
-    from ..prompting import PromptFormat
+    from ..ingest.prompting import PromptFormat
     from ..steer.base import SteerSpec, steer_document
 
     t0 = time.perf_counter()

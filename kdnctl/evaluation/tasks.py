@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import hashlib
 import json
@@ -45,10 +45,10 @@ from pathlib import Path
 
 import torch
 
-from ..bundle import decode_bundle
+from ..format.bundle import decode_bundle
 from ..engine.hf import forward_suffix, generate, load_document
 from ..errors import InputError, NotFoundError, UsageError
-from ..prompting import PromptFormat
+from ..ingest.prompting import PromptFormat
 from .paired import answer_kind_vs_full, paired_vs_full
 from .realtext import ANSWER_KINDS, CONTINUATION_TOKENS, answer_kind, assign_splits
 
@@ -179,7 +179,7 @@ def missing_documents(store, tasks: list[Task]) -> list[Task]:
 
 def ingest_tasks(lm: LoadedModel, store, tasks: list[Task], **kw):
     """Ingest the contexts of ``tasks`` (unchanged ones are skipped by ingest itself)."""
-    from ..corpus import Document
+    from ..ingest.corpus import Document
     from ..ingest import IngestOptions, ingest_documents
 
     docs = [Document(t.id, t.text, t.source or t.id, hashlib.sha256(t.text.encode("utf-8")).hexdigest()) for t in tasks]

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from ..bundle import KVBundle, decode_bundle
-from ..durable import fsync_dir, write_atomic  # noqa: F401  (exports write through it)
+from ..format.bundle import KVBundle, decode_bundle
+from ..store.durable import fsync_dir, write_atomic  # noqa: F401  (exports write through it)
 from ..errors import EngineMissingError, ExportError
+from ..quant import layer_kv
 
 
 @dataclass
@@ -90,7 +91,7 @@ def read_document_kv(store, doc_id: str, label: str = "full", doc_version: str |
     for layer in range(n_layers):
         ks, vs, ps = [], [], []
         for b in bundles:
-            k, v = b.layer_kv(layer)
+            k, v = layer_kv(b, layer)
             ks.append(k)
             vs.append(v)
             ps.append(b.layer_positions(layer))

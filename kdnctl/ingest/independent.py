@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import hashlib
 import re
@@ -38,13 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..bundle import KVBundle, chunk_tensors, make_meta
-from ..chunking import chunk_content_hash
-from ..corpus import Document, read_corpus
+from ..format.bundle import KVBundle, chunk_tensors, make_meta
+from .chunking import chunk_content_hash
+from .corpus import Document, read_corpus
 from ..errors import NotFoundError, UnsupportedError, UsageError
 from .prefix import IngestOptions, IngestReport, doc_version_for
-from ..prefill import prefill
-from ..prompting import PromptFormat
+from ..engine.prefill import prefill
+from .prompting import PromptFormat
 from ..store import ChunkRef, DocumentRecord, ReadStore, Store, VersionRecord
 from ..store import read_bundle_meta as store_bundle_meta
 from ..versions import commit, write_chunk
@@ -205,15 +205,9 @@ def _current(store: Store, doc_id: str) -> DocumentRecord | None:
         return None
 
 
-def ingest_independent(
-    store: Store,
-    lm: LoadedModel,
-    docs: list[Document],
-    opts: IngestOptions,
-    *,
-    on_progress: Callable[[int], None] | None = None,
-    on_doc: Callable[[str, str], None] | None = None,
-) -> IndependentReport:
+def ingest_independent(store: Store, lm: LoadedModel, docs: list[Document], opts: IngestOptions, *,
+                       on_progress: Callable[[int], None] | None = None,
+                       on_doc: Callable[[str, str], None] | None = None) -> IndependentReport:
     """Store every document's chunks as independently prefilled bundles (label ``independent``)."""
     fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     recipe = independent_recipe(opts)

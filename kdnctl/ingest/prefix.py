@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import hashlib
 import time
@@ -20,19 +20,21 @@ from typing import Callable
 
 import torch
 
-from ..bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes, tensor_name
-from ..chunking import chain_hashes, chunk_bounds
-from ..corpus import Document, Skipped, read_corpus
+from ..format.bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes
+
+from ..format.names import tensor_name
+from .chunking import chain_hashes, chunk_bounds
+from .corpus import Document, Skipped, read_corpus
 from ..errors import UsageError
-from ..prefill import BLOCK_TOKENS, prefill
-from ..prompting import PromptFormat
+from ..engine.prefill import BLOCK_TOKENS, prefill
+from .prompting import PromptFormat
 from ..store import DocumentRecord, Store, VersionRecord
 from ..versions import commit, write_chunks
 
 # What the default recipe needs (the hybrid scorer: surprisal; snapkv: the last window's
 # attention, which costs a few query rows). ``accum`` (every query's attention, for h2o and
 # adaptive budgets) is opt-in with ``--stats all``, or computed later by ``kdnctl compress``
-# when a press asks for it (one extra prefill, see kdnctl.compress).
+# when a press asks for it (one extra prefill, see kdnctl.compress.document).
 DEFAULT_STATS = ("surprisal", "window")
 KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -49,7 +51,7 @@ class IngestOptions:
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
             raise UsageError(f"chunk_tokens must be >= 1, got {self.chunk_tokens}", param="chunk_tokens")
-        from ..prefill import stat_names
+        from ..engine.prefill import stat_names
 
         if not isinstance(self.window, int) or self.window < 1:
             raise UsageError(f"window must be an integer >= 1, got {self.window}", param="window")

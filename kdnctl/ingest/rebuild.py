@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import contextlib
 import fcntl
@@ -26,10 +26,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..bundle import header_size, read_meta
-from ..fastread import blake3_hex, xxh3_hex
+from ..format.bundle import header_size, read_meta
+from ..store.fastread import blake3_hex, xxh3_hex
 from ..errors import BundleFormatError, KdnError, StoreLockedError, UsageError
-from ..prompting import PromptFormat
+from .prompting import PromptFormat
 from ..store import ChunkRef, DocumentRecord, Store, VersionRecord, is_sha
 from ..store import catalog as cat
 from ..store.local import open_lock

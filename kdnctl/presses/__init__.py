@@ -14,25 +14,15 @@ from kdnctl.presses.h2o import H2OPress
 from kdnctl.presses.knorm import KNormPress
 from kdnctl.presses.kvcrush import KVCrushPress
 from kdnctl.presses.random import RandomPress
+from kdnctl.presses.registry import RANKING_PRESSES
 from kdnctl.presses.shared import SharedPress
 from kdnctl.presses.snapkv import SnapKVPress
 from kdnctl.presses.spans import SpansPress
 from kdnctl.presses.streaming import StreamingPress
 from kdnctl.registry import build
 
-PRESSES: dict[str, type[Press]] = {
-    cls.name: cls
-    for cls in (
-        SnapKVPress,
-        H2OPress,
-        StreamingPress,
-        KNormPress,
-        RandomPress,
-        KVCrushPress,
-        SpansPress,
-        SharedPress,
-    )
-}
+# every press by name: the ranking presses (presses/registry.py) and the wrappers around them
+PRESSES: dict[str, type[Press]] = {**RANKING_PRESSES, SharedPress.name: SharedPress}
 
 
 def press_class(name: str) -> type[Press]:

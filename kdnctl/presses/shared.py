@@ -28,7 +28,8 @@ from torch import Tensor
 
 from kdnctl.errors import UsageError
 from kdnctl.presses.base import Press, ScoreContext, sanitize, select_top
-from kdnctl.presses.spans import rank01
+from kdnctl.presses.registry import get_ranking_press
+from kdnctl.scorers.rank import rank01
 
 
 @dataclass
@@ -40,29 +41,35 @@ class SharedPress(Press):
 
     press: str = "kvcrush"  # the wrapped press (registry name) whose scores are shared
     press_options: dict = field(default_factory=dict)
+    # "rank": each (layer, head) row's ranks, averaged (rows on different scales count alike);
+    # "mean": the scores themselves, averaged (a score already on one scale, such as a sentence's)
+    by: str = "rank"
+    keep_last: bool = True  # the document's last token among the forced ones (llama.cpp's batch rule)
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        from kdnctl.presses import get_press  # late: the registry imports this module
-
         if str(self.press).strip().lower() == self.name:
             raise UsageError("shared cannot wrap itself")
+        if self.by not in ("rank", "mean"):
+            raise UsageError(f"shared: by must be rank or mean, got {self.by!r}", param="by")
         opts = {"sink_tokens": self.sink_tokens, "recent_tokens": self.recent_tokens, **self.press_options}
-        self.inner = get_press(str(self.press), **opts)
+        self.inner = get_ranking_press(str(self.press), **opts)
 
     def score(self, ctx: ScoreContext) -> Tensor:
         return self.inner.score(ctx)
 
     def token_scores(self, ctx: ScoreContext) -> Tensor:
-        """``[T]``: the mean over layers and heads of each row's rank of the wrapped scores."""
-        return rank01(sanitize(self.inner.score(ctx))).mean(dim=(0, 1))
+        """``[T]``: the mean over layers and heads of each row's rank of the wrapped scores (``by``
+        "mean": of the scores)."""
+        scores = sanitize(self.inner.score(ctx))
+        return (rank01(scores, stable=True) if self.by == "rank" else scores).mean(dim=(0, 1))
 
     def forced_indices(self, n_tokens: int, k: int, *, keep_sinks: bool = True,
                        keep_recent: bool = True) -> Tensor:
         """The last token (when ``keep_recent``: the document's tail), then the wrapped press's
         forced tokens; at most k."""
         inner = self.inner.forced_indices(n_tokens, k, keep_sinks=keep_sinks, keep_recent=keep_recent)
-        if not keep_recent or n_tokens == 0 or k == 0:
+        if not keep_recent or not self.keep_last or n_tokens == 0 or k == 0:
             return inner
         last = torch.tensor([n_tokens - 1], dtype=torch.long)
         return torch.cat([last, inner[inner != n_tokens - 1]])[:k]

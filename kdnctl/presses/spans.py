@@ -22,12 +22,7 @@ from torch import Tensor
 
 from kdnctl.errors import UsageError
 from kdnctl.presses.base import Press, ScoreContext, sanitize
-
-
-def rank01(x: Tensor) -> Tensor:
-    """Ranks along the last axis scaled to [0, 1]: puts heads with different scales on par."""
-    t = x.shape[-1]
-    return x.argsort(dim=-1, stable=True).argsort(dim=-1, stable=True).float() / max(t - 1, 1)
+from kdnctl.scorers.rank import rank01
 
 
 @dataclass
@@ -44,7 +39,7 @@ class SpansPress(Press):
 
     def score(self, ctx: ScoreContext) -> Tensor:
         l, h, t = ctx.importance.shape
-        token = rank01(sanitize(ctx.importance)).mean(dim=(0, 1))  # [T]
+        token = rank01(sanitize(ctx.importance), stable=True).mean(dim=(0, 1))  # [T]
         # spans are aligned to absolute document positions, so chunk contexts agree with the document's
         span_of = (torch.arange(t) + ctx.offset) // self.span_tokens
         span_of = span_of - span_of[0]

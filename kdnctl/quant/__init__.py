@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kdnctl.errors import BundleFormatError, UsageError
+from kdnctl.format.names import tensor_name
 
 from .base import Quantizer, bytes_per_element
 from .entropy import EntropyQuantizer
@@ -38,7 +39,7 @@ QUANTIZERS: dict[str, type[Quantizer]] = {
     "ec": EntropyQuantizer,
 }
 
-__all__ = [
+__all__ = ["layer_kv", 
     "QUANTIZERS",
     "Quantizer",
     "bytes_per_element",
@@ -69,3 +70,18 @@ def dequantize_tensors(
     if cls is None:
         raise BundleFormatError(f"unknown quantization scheme {scheme!r} in bundle meta")
     return cls.dequantize(tensors, prefix, quant_meta)
+
+
+def layer_kv(bundle, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense (keys, values) of a bundle's layer i, each [H_kv, T_i, D]; dequantizes if needed."""
+    if not 0 <= i < bundle.n_layers:
+        raise IndexError(f"layer {i} out of range (bundle has {bundle.n_layers} layers)")
+    if not bundle.is_quantized(i):
+        return bundle.tensors[tensor_name(i, "keys")], bundle.tensors[tensor_name(i, "values")]
+    q = bundle.meta["quant"]
+    k = dequantize_tensors(bundle.tensors, tensor_name(i, "keys"), q)
+    v = dequantize_tensors(bundle.tensors, tensor_name(i, "values"), q)
+    dt = getattr(torch, str(bundle.meta.get("dtype", "")), None)
+    if isinstance(dt, torch.dtype) and dt.is_floating_point:
+        k, v = k.to(dt), v.to(dt)
+    return k, v

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from kdnctl.bundle import role_levels, tensor_name
+from kdnctl.format.names import role_levels, tensor_name
 from kdnctl.errors import BundleFormatError
 
 from . import transforms as tf
@@ -260,7 +260,7 @@ _TRANSPOSED: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # sha -> (the ba
 def _basis_t_cached(sha: str) -> torch.Tensor:
     """The transposed basis, made again whenever ``load_basis`` reads the file again (its cache
     cleared: a basis registered or removed since), so a removed basis is refused here too."""
-    from .basis import load_basis
+    from ..format.key_basis import load_basis
 
     basis = load_basis(sha)
     hit = _TRANSPOSED.get(sha)

@@ -47,12 +47,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kdnctl.bundle import role_levels, stored_rows
+from kdnctl.format.names import role_levels, stored_rows
 from kdnctl.errors import BundleFormatError, InputError
 
 from . import transforms as tf
 from .base import Quantizer, check_kv, need
-from .basis import load_basis
+from ..format.key_basis import basis_on
 from .frames import codes_per_byte, frame_blob  # noqa: F401 (codes_per_byte: re-exported)
 from .grid import dequantize_codes, quantize_codes, roundtrip_role, stored_step_mean  # noqa: F401 (re-exported)
 
@@ -198,7 +198,7 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, codin
     other coders on the same frames (``research/probes/rate_probe.py``); bundles use ``coding``.
     ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`). ``stored`` (bool ``[H, T]``):
     only these rows are coded (the others decode to the mean). ``mean [H, D]``: the grid's
-    centre, default ``x``'s mean (``kdnctl.value_feedback`` rounds to a grid of its own first)."""
+    centre, default ``x``'s mean (``kdnctl.compress.feedback`` rounds to a grid of its own first)."""
     step, mean = stored_step_mean(x, step, mean)
     codes = quantize_codes(x, step, mean, levels, basis)
     lim = float(codes.abs().max()) if codes.numel() else 0.0
@@ -341,7 +341,7 @@ class EntropyQuantizer(Quantizer):
     name = "ec"
     key_rope_theta: float | None = None  # set: keys are quantized before RoPE
     coding: str = DEFAULT_CODING  # "zstd" only to measure against bundles before format 1.6
-    key_basis: str | None = None  # sha256 of the per-model key basis (kdnctl.quant.basis) the keys are coded in
+    key_basis: str | None = None  # sha256 of the per-model key basis (kdnctl.format.key_basis) the keys are coded in
 
     def forward(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor):
         k = tf.unrope(keys, positions, self.key_rope_theta) if self.key_rope_theta else keys.float()
@@ -455,15 +455,9 @@ class EntropyQuantizer(Quantizer):
         sha = quant_meta.get("key_basis")
         if sha is None or not prefixes[0].endswith(".keys"):
             return None
-        basis = _basis_on(sha, str(device))
+        basis = basis_on(sha, str(device))
         layers = [int(p.split(".")[1]) for p in prefixes]
         if tuple(basis.shape[1:]) != (h, d, d) or max(layers) >= basis.shape[0]:
             raise BundleFormatError(f"key basis {sha[:12]} is {list(basis.shape)}, the bundle needs "
                                     f"[>{max(layers)}, {h}, {d}, {d}]")
         return basis[layers[0]:layers[-1] + 1] if layers == list(range(layers[0], layers[-1] + 1)) else basis[layers]
-
-
-@functools.lru_cache(maxsize=4)
-def _basis_on(sha: str, device: str) -> torch.Tensor:
-    """A key basis on ``device``, copied there once (not once per chunk)."""
-    return load_basis(sha).to(device)

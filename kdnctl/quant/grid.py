@@ -9,7 +9,7 @@ import torch
 def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,
                    basis: torch.Tensor | None = None) -> torch.Tensor:
     """Integer codes (as float) of ``x [H, T, D]``: ``round((x - mean) / (step / 2**level))``;
-    with ``basis [H, D, D]`` (``kdnctl.quant.basis``) the step-normalised rows are first rotated
+    with ``basis [H, D, D]`` (``kdnctl.format.key_basis``) the step-normalised rows are first rotated
     into its axes: ``round(((x - mean) / step) @ basis * 2**level)``."""
     if basis is None:
         div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]

@@ -19,7 +19,9 @@ from pathlib import Path
 
 from kdnctl.errors import BundleFormatError, NotFoundError, StoreCorruptError, UsageError
 
-from . import basis as kb
+from kdnctl.format import key_basis as kb
+
+from . import basis as kcal
 
 CAL_DOCS = 16  # documents a calibration reads at most
 CAL_TOKENS = 1500  # tokens of each (the shipped bases read 16 pages of up to 1500 tokens)
@@ -47,7 +49,7 @@ def file_from_tokens(lm, token_lists: list[list[int]]) -> bytes:
     if not token_lists:
         raise UsageError("calibrating a key basis needs at least one document of this model in the store",
                          hint="ingest a document first, or pass --option key_basis=none")
-    return kb.encode_basis(kb.calibrate(kb.key_samples(lm, token_lists)), lm.fingerprint)
+    return kb.encode_basis(kcal.calibrate(kcal.key_samples(lm, token_lists)), lm.fingerprint)
 
 
 def store_basis(store, fingerprint: str, data: bytes, source: str, *, quiet: bool = False) -> str:

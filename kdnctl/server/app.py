@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..chunking import iter_chain_hashes
+from ..ingest.chunking import iter_chain_hashes
 from ..errors import KdnError, NotFoundError, UsageError
 from ..store import SEP, Store, chunk_sizes_of, is_sha
 from .auth import Access, authorize
@@ -110,7 +110,7 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
     """The ASGI app serving ``store_root`` read-only. ``tokens``: token -> namespace grants
     (``["*"]`` = all); None = no authentication. Raises NotFoundError if there is no store.
 
-    ``link_secret`` (behind the nginx config written with the same secret, kdnctl/nginx.py):
+    ``link_secret`` (behind the nginx config written with the same secret, kdnctl/server/nginx.py):
     every version record answered to a token carries ``links``, a signed query string per
     chunk object valid ``link_ttl_s`` seconds, so nginx sends those objects without asking
     kdnctl again. Only records the token may see are answered, so only its own objects get
@@ -123,7 +123,7 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
     def vrecord(v) -> dict:
         d = _record(v)
         if link_secret:
-            from ..nginx import link_query
+            from .nginx import link_query
 
             expires = int(time.time()) + int(link_ttl_s)
             d["links"] = {c.object: link_query(c.object, link_secret, expires) for c in v.chunks}
@@ -274,8 +274,8 @@ def create_app(store_root: str | os.PathLike, tokens: dict[str, list[str]] | Non
         inm = request.headers.get("if-none-match")
         if inm is not None and etag_matches(inm, etag):
             return Response(status_code=304, headers=headers)
-        if accel_prefix is not None:  # nginx sends the bytes (ranges too): kdnctl/nginx.py
-            from ..nginx import accel_path
+        if accel_prefix is not None:  # nginx sends the bytes (ranges too): kdnctl/server/nginx.py
+            from .nginx import accel_path
 
             for name in ("content-type", "accept-ranges"):  # nginx sets both for the file it sends
                 headers.pop(name)

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import importlib
 import math
@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ..bundle import KVBundle, decode_bundle
+from ..format.bundle import KVBundle, decode_bundle
 from ..errors import ModelMismatchError, UnsupportedError, UsageError
-from ..prompting import PromptFormat
+from ..ingest.prompting import PromptFormat
 from ..store import Store, VersionRecord
 from ..versions import derive_version, existing_version
 from .heads import heads_list

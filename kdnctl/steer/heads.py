@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InputError, UsageError
 
 if TYPE_CHECKING:
-    from ..model import LoadedModel
+    from ..models.load import LoadedModel
 
 HEADS_DIR = Path(__file__).resolve().parents[2] / "recipes" / "heads"
 FORMAT = "kdnctl-heads/1"

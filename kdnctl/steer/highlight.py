@@ -12,7 +12,7 @@ A SPEC names the text to emphasise (``kdnctl edit --steer SPEC``, repeatable; sp
   the file to locate spans.
 
 Character spans become token ranges through the tokenizer's offset mapping over the document
-text. The stored tokens are ``header + document`` (see :class:`kdnctl.prompting.PromptFormat`),
+text. The stored tokens are ``header + document`` (see :class:`kdnctl.ingest.prompting.PromptFormat`),
 so the mapping is only exact if tokenizing the stored text alone reproduces the stored document
 tokens; that is checked and a mismatch is an error. A token is highlighted if its character range
 overlaps a span (so a span starting mid-word includes that word's token). Positions returned are

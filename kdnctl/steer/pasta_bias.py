@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..bundle import tensor_name
+from ..format.names import tensor_name
 from .base import EditContext, SteerEdit
 
 

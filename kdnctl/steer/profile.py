@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kdnctl.model import LoadedModel
+    from kdnctl.models.load import LoadedModel
 
 import contextlib
 import contextvars
@@ -35,8 +35,8 @@ import torch.nn.functional as F
 
 from ..engine.attention import build_bias_mask
 from ..engine.hf import stop_ids
-from ..prefill import prefill
-from ..prompting import PromptFormat
+from ..engine.prefill import prefill
+from ..ingest.prompting import PromptFormat
 from .base import pasta_bias
 from .checks import score_check
 from .heads import FORMAT, heads_list

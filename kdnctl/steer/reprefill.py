@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import torch
 
-from ..bundle import stats_of, stats_tensors, tensor_name
+from ..format.bundle import stats_of, stats_tensors
+
+from ..format.names import tensor_name
 from ..errors import UnsupportedError
-from ..prefill import prefill
+from ..engine.prefill import prefill
 from ..versions import recipe_steps
 from .base import EditContext, SteerEdit, pasta_bias
 

@@ -24,7 +24,7 @@ import lmdb
 
 from kdnctl.errors import StoreCorruptError, UnsupportedError
 
-from ..durable import fsync_dir
+from .durable import fsync_dir
 from .lmdb_file import META_LAST_PG, LmdbFileError, free_pages, read_meta
 from .records import CATALOG_HINT, SEP
 
@@ -173,7 +173,7 @@ def read_identity_file(objects_dir: Path) -> str | None:
 
 
 def write_identity_file(objects_dir: Path, store_id: str) -> None:
-    from ..durable import write_atomic
+    from .durable import write_atomic
 
     write_atomic(Path(objects_dir) / IDENTITY_FILE, [json.dumps({"store_id": store_id}).encode()])
 

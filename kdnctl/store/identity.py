@@ -23,22 +23,24 @@ class Identity:
     _env: Any
     _db: dict
 
-    def catalog_identity(self, txn=None) -> str | None:
-        """The store id recorded in the catalog, or None (a catalog made before identities)."""
-        def get(t):
-            return t.get(cat.STORE_ID_KEY, db=self._db["meta"])
-
+    def _meta_json(self, key: bytes, txn=None) -> tuple[bytes | None, object]:
+        """(the raw value of catalog meta key ``key``, its JSON or None where it does not parse),
+        read in ``txn`` or a read transaction of its own."""
         if txn is None:
             with self._env.begin() as t:
-                raw = get(t)
+                raw = t.get(key, db=self._db["meta"])
         else:
-            raw = get(txn)
+            raw = txn.get(key, db=self._db["meta"])
+        try:
+            return raw, None if raw is None else json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            return raw, None
+
+    def catalog_identity(self, txn=None) -> str | None:
+        """The store id recorded in the catalog, or None (a catalog made before identities)."""
+        raw, sid = self._meta_json(cat.STORE_ID_KEY, txn)
         if raw is None:
             return None
-        try:
-            sid = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            sid = None
         if not isinstance(sid, str) or len(sid) != 32:
             raise StoreCorruptError(f"the catalog of {self.root} holds a damaged store id", hint=CATALOG_HINT)
         return sid
@@ -96,19 +98,12 @@ class Identity:
 
     def last_commit(self, txn=None) -> float | None:
         """When a record was last committed (None: never, in a catalog made before this was kept)."""
-        def get(t):
-            return t.get(cat.LAST_COMMIT_KEY, db=self._db["meta"])
-
-        if txn is None:
-            with self._env.begin() as t:
-                raw = get(t)
-        else:
-            raw = get(txn)
+        raw, value = self._meta_json(cat.LAST_COMMIT_KEY, txn)
         if raw is None:
             return None
         try:
-            t = json.loads(raw)["created"]
-        except (ValueError, UnicodeDecodeError, TypeError, KeyError):
+            t = value["created"]
+        except (TypeError, KeyError):
             t = None
         if not isinstance(t, (int, float)) or isinstance(t, bool):
             raise StoreCorruptError(f"the catalog of {self.root} holds a damaged last-commit entry", hint=CATALOG_HINT)

@@ -23,7 +23,7 @@ from typing import Iterator
 
 from kdnctl.errors import NotFoundError, StoreCorruptError, StoreLockedError, StoreReadOnlyError, UsageError
 
-from ..durable import fsync_dir
+from .durable import fsync_dir
 from . import catalog as cat
 from .created import LAYOUT, remember_created
 from .identity import Identity
@@ -200,7 +200,7 @@ class Store(CatalogReader, Maintenance, Identity):
 
     def _remember_blake3(self, sha: str, data: bytes) -> None:
         """Record the fast-read digests (BLAKE3, XXH3-128) of an object this process wrote."""
-        from ..fastread import blake3_hex, xxh3_hex
+        from .fastread import blake3_hex, xxh3_hex
 
         digest = blake3_hex(data)
         if digest is not None:
@@ -212,8 +212,8 @@ class Store(CatalogReader, Maintenance, Identity):
     def read_object_checked(self, sha: str, blake3: str | None = None, xxh3: str | None = None) -> bytearray:
         """The object's bytes in one writable buffer (zero-copy tensor views can point into
         it), every byte checked before return: against ``xxh3`` / ``blake3`` when the catalog
-        recorded them, else against the sha256 name (kdnctl/fastread.py)."""
-        from ..fastread import read_verified
+        recorded them, else against the sha256 name (kdnctl/store/fastread.py)."""
+        from .fastread import read_verified
 
         return read_verified(self.object_path(sha), sha, blake3, xxh3)
 
@@ -256,7 +256,7 @@ class Store(CatalogReader, Maintenance, Identity):
             # objects the new record no longer uses stay for gc's grace period (readers may hold them)
             for sha in {c.object for c in o.chunks} - {c.object for c in v.chunks}:
                 txn.put(cat.key("released", sha), dumps_json({"created": now}), db=self._db["meta"])
-        for c in v.chunks:  # fast-read digests of objects this process wrote (kdnctl/fastread.py)
+        for c in v.chunks:  # fast-read digests of objects this process wrote (kdnctl/store/fastread.py)
             if c.blake3 is None:
                 c.blake3 = self._blake3_of.get(c.object)
             if c.xxh3 is None:

@@ -77,7 +77,7 @@ def _key_basis_problem(meta: dict, seen: dict[str, str | None], store=None) -> s
     if sha is None:
         return None
     if sha not in seen:
-        from kdnctl.quant.basis import decode_basis, known, load_basis
+        from kdnctl.format.key_basis import decode_basis, known, load_basis
 
         try:
             if not known(sha) and store is not None and SHA_RE.match(str(sha)) and store.has_object(sha):
@@ -96,8 +96,8 @@ def _key_basis_problem(meta: dict, seen: dict[str, str | None], store=None) -> s
 def check_head(head: bytes, total: int) -> dict:
     """A bundle's metadata after every check its header allows without its payload: JSON,
     format version, tensor index (against the bundle's length ``total``) and header digest."""
-    from kdnctl.bundle import parse_head
-    from kdnctl.bundle_layout import Layout
+    from kdnctl.format.bundle import parse_head
+    from kdnctl.format.layout import Layout
 
     meta, meta_json, digest, n, index = parse_head(head, total)
     if digest is not None:
@@ -113,7 +113,7 @@ def check_head(head: bytes, total: int) -> dict:
 def _bundle_meta(path: Path, *, full: bool = True) -> dict:
     """The bundle's metadata after the checks a load makes: with ``full``, the whole decoder
     (header, tensor index, digest, every tensor's structure); else the header-only ones."""
-    from kdnctl.bundle import decode_bundle, header_size
+    from kdnctl.format.bundle import decode_bundle, header_size
 
     with open(path, "rb") as f:
         if full:

@@ -50,7 +50,7 @@ class LocalObjects(Protocol):
 def read_bundle_meta(store: ReadStore, sha: str) -> dict:
     """A stored bundle's metadata without decoding its tensors: a local store reads only the
     header bytes; a remote one fetches (and verifies) the object. Damage -> BundleFormatError."""
-    from kdnctl.bundle import decode_bundle, header_size, read_meta
+    from kdnctl.format.bundle import decode_bundle, header_size, read_meta
     from kdnctl.errors import BundleFormatError
 
     try:

@@ -70,7 +70,7 @@ class ChunkRef:
     # reader that has it checks every byte at BLAKE3 speed; older catalogs simply lack it.
     blake3: str | None = None
     # XXH3-128 of the object's bytes (32 hex), recorded at write time: the at-rest check of LOCAL
-    # reads (kdnctl/fastread.py; corruption, not tampering: remote clients check BLAKE3/sha256).
+    # reads (kdnctl/store/fastread.py; corruption, not tampering: remote clients check BLAKE3/sha256).
     xxh3: str | None = None
 
     @classmethod

@@ -51,10 +51,10 @@ def main() -> None:
     ap.add_argument("--kinds", default="needle,multifact")
     args = ap.parse_args()
 
-    from kdnctl.bundle import decode_bundle
+    from kdnctl.format.bundle import decode_bundle
     from kdnctl.evaluation.tasks import load_tasks
-    from kdnctl.model import load_model
-    from kdnctl.prompting import PromptFormat
+    from kdnctl.models.load import load_model
+    from kdnctl.ingest.prompting import PromptFormat
     from kdnctl.steer.highlight import find_highlight
     from kdnctl.store import Store
 

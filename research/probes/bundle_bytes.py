@@ -15,7 +15,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kdnctl.bundle import decode_bundle, parse_head  # noqa: E402
+from kdnctl.format.bundle import decode_bundle, parse_head  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 LAYER = re.compile(r"^layers\.\d+\.")

@@ -17,8 +17,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from kdnctl.engine.hf import forward_suffix, load_document  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
-from kdnctl.prompting import PromptFormat  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
+from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 DOC, QUESTION = "zephyr-x200-manual.md", "How long does it take to charge the Zephyr X200 battery to 80 %?"

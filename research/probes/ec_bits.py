@@ -25,8 +25,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.bundle import decode_bundle, role_levels, stored_rows, tensor_name  # noqa: E402
-from kdnctl.sizing import fp16_bytes  # noqa: E402
+from kdnctl.format.bundle import decode_bundle  # noqa: E402
+
+from kdnctl.format.names import role_levels, stored_rows, tensor_name
+from kdnctl.compress.sizing import fp16_bytes  # noqa: E402
 from kdnctl.quant.entropy import ROLES, encode_codes, integer_codes  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 

@@ -23,10 +23,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kdnctl.bundle import KVBundle, decode_bundle, encode_bundle, role_levels, tensor_name  # noqa: E402
+from kdnctl.format.bundle import KVBundle, decode_bundle, encode_bundle  # noqa: E402
+
+from kdnctl.format.names import role_levels, tensor_name
 from kdnctl.quant.entropy import (CODINGS, ROLES, EntropyQuantizer, decode_params,  # noqa: E402
                                   encode_codes, encode_params, integer_codes)
-from kdnctl.sizing import fp16_bytes  # noqa: E402
+from kdnctl.compress.sizing import fp16_bytes  # noqa: E402
 from ec_bits import ec_report_args  # noqa: E402
 
 

@@ -24,13 +24,14 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kdnctl.allocate.rate import relative_steps  # noqa: E402
-from kdnctl.bundle import decode_bundle  # noqa: E402
+from kdnctl.format.bundle import decode_bundle  # noqa: E402
 from kdnctl.kernels.quant import reference as ref  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
 from kdnctl.quant.entropy import encode_role  # noqa: E402
 from kdnctl.quant.sensitivity import key_weights, value_weights  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
+from kdnctl.quant import layer_kv
 
 CHUNK = 256
 
@@ -71,13 +72,13 @@ def main() -> None:
         ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
         pos = torch.cat([b.layer_positions(0)[0] for b in bundles])
         theta = bundles[0].meta["model"]["rope"]["rope_theta"]
-        h, _, d = bundles[0].layer_kv(0)[0].shape
+        h, _, d = layer_kv(bundles[0], 0)[0].shape
         kw, vw = key_weights(lm, ids, n_layers, h, d), value_weights(lm, n_layers, h, d)
         rows: dict[tuple[str, str], list[float]] = {}
         n_el = n_layers * h * len(ids) * d
         for i in range(n_layers):
-            k = torch.cat([b.layer_kv(i)[0] for b in bundles], 1).float()
-            vv = torch.cat([b.layer_kv(i)[1] for b in bundles], 1).float()
+            k = torch.cat([layer_kv(b, i)[0] for b in bundles], 1).float()
+            vv = torch.cat([layer_kv(b, i)[1] for b in bundles], 1).float()
             for role, x, w in (("keys", tf.unrope(k, pos.expand(h, -1), theta), kw[i]), ("values", vv, vw[i])):
                 layout = "channel" if role == "keys" else "token"
                 xin = x if role == "keys" else tf.rotate(x)  # int4 as the ladder stores it (values Hadamard-rotated)

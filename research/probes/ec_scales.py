@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from kdnctl.bundle import read_meta  # noqa: E402
+from kdnctl.format.bundle import read_meta  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 

@@ -3,7 +3,7 @@
     python bench/fisher_probe.py [--limit 8]
 
 For each task of ``examples/eval/realtext-multifact.jsonl``: the context's cache (one forward
-pass) becomes leaf tensors, the model repeats the context after ``kdnctl.scoring.REPEAT_PROMPT``
+pass) becomes leaf tensors, the model repeats the context after ``kdnctl.scorers.reconstruct.REPEAT_PROMPT``
 over that cache (KVzip's reconstruction task: reproducing the text needs every number), and the
 teacher-forced NLL of the repetition is back-propagated to the cached K/V. A token's
 sensitivity is the squared gradient summed over its keys and values in every layer and KV head
@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.model import load_model  # noqa: E402
-from kdnctl.scoring import REPEAT_PROMPT  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
+from kdnctl.scorers.reconstruct import REPEAT_PROMPT  # noqa: E402
 
 
 def sensitivity(lm, ids: list[int]) -> tuple[torch.Tensor, float, float]:

@@ -13,7 +13,7 @@ memory, on the full (unquantized) cache, the kept set everywhere except:
                    what a reader of `compress --backfill L.H` adds);
 * ``gap``          nowhere (the default's kept set); ``full`` every token everywhere;
 * ``rec:VARIANT``  VARIANT over another kept set: every sentence holding a digit (the records a
-                   multi-fact question picks from, ``kdnctl.literal_scores.has_digit``) ranked
+                   multi-fact question picks from, ``kdnctl.scorers.literals.has_digit``) ranked
                    before every other sentence, each group by the default's ``sentences-gap``;
 * ``ask:VARIANT``  an oracle: the kept set (beyond header and tail) is the sentences the task's
                    question reads most (its tokens' mean attention over the middle layers, one
@@ -78,7 +78,7 @@ def sweep(spec: str, n_layers: int, n_heads: int) -> list[str]:
 
 def variant_cache(var: str, keys, values, kept: torch.Tensor, group: int):
     """(keys, values, bias) per layer for one variant; ``group`` query heads per KV head."""
-    from kdnctl.bundle import masking_bias
+    from kdnctl.format.bundle import masking_bias
 
     n_layers, (n_heads, t, _) = len(keys), keys[0].shape
     full_layers: set[int] = set()
@@ -198,17 +198,17 @@ def main() -> None:
         raise SystemExit("ask:/askt: read the task's question; --own-tail scores no question (drop one of them)")
 
     from bench.lowbit_probe import full_cache
-    from kdnctl.compress import _cat_stats
-    from kdnctl.compress_ec import shared_keep
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
+    from kdnctl.compress.stages.select import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
-    from kdnctl.literal_scores import SENTENCE, literal_scores
-    from kdnctl.model import load_model
-    from kdnctl.prompting import PromptFormat
-    from kdnctl.sentence_scores import (GAP_WEIGHT, local_sentence_surprisal, sentence_bounds, token_texts,
+    from kdnctl.scorers.literals import SENTENCE, literal_scores
+    from kdnctl.models.load import load_model
+    from kdnctl.ingest.prompting import PromptFormat
+    from kdnctl.scorers.sentences import (GAP_WEIGHT, local_sentence_surprisal, sentence_bounds, token_texts,
                                         two_rank_scores)
     from kdnctl.store import Store
-    from kdnctl.tail_reads import middle_layers, sentence_reads
+    from kdnctl.scorers.tail_reads import middle_layers, sentence_reads
 
     i, n = (int(x) for x in args.shard.split("/"))
     tasks = load_tasks(args.tasks, kinds=args.kinds.split(","), limit=args.limit)[i::n]
@@ -256,7 +256,7 @@ def main() -> None:
 def question_reads(lm, token_ids: list[int], suffix: list[int]) -> torch.Tensor:
     """``[L, H, T]``: the attention the question's tokens (``suffix``, after the document) pay
     each document token, from one prefill of both (``prefill``'s ``window`` statistic)."""
-    from kdnctl.prefill import prefill
+    from kdnctl.engine.prefill import prefill
 
     stats = prefill(lm.model, token_ids + suffix, stats=("window",), window=len(suffix)).stats["window"]
     return stats[..., :len(token_ids)]

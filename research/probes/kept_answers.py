@@ -1,8 +1,8 @@
 """Probe: does the planted answer survive eviction? (the kept set of ``--quant ec --keep``)
 
 For every needle and multi-fact task: ingest its document (unchanged ones are skipped), score it
-with each ``--scorers`` entry (``kdnctl.scoring.compute_importance``), take the kept set that
-``compress --quant ec --keep K --protect P`` stores (``kdnctl.compress_ec.shared_keep``) for each
+with each ``--scorers`` entry (``kdnctl.scorers.compute_importance``), take the kept set that
+``compress --quant ec --keep K --protect P`` stores (``kdnctl.compress.stages.select.shared_keep``) for each
 ``--protect`` value, and report whether every token of the answer (and of each distractor: the
 other planted facts of a multi-fact task) is in it. An answer that is not kept cannot be read
 back, whatever the quantizer does: this separates what selection loses from what precision
@@ -55,12 +55,12 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from bench.lowbit_probe import full_cache
-    from kdnctl.compress import _cat_stats
-    from kdnctl.compress_ec import shared_keep
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
+    from kdnctl.compress.stages.select import shared_keep
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks
-    from kdnctl.model import load_model
-    from kdnctl.scoring import compute_importance
-    from kdnctl.prompting import PromptFormat
+    from kdnctl.models.load import load_model
+    from kdnctl.scorers import compute_importance
+    from kdnctl.ingest.prompting import PromptFormat
     from kdnctl.steer.highlight import find_highlight
     from kdnctl.store import Store
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from research.probes.tiers import load_full  # noqa: E402
-from kdnctl.bundle import decode_bundle  # noqa: E402
+from kdnctl.format.bundle import decode_bundle  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl import scoring  # noqa: E402
+from kdnctl.scorers import reconstruct as scoring  # noqa: E402
 
 
 def install_recon_cache(directory: Path) -> None:
@@ -49,7 +49,7 @@ def install_recon_cache(directory: Path) -> None:
 
 
 def plan(budgets: list[float]):
-    from kdnctl.compress import CompressRecipe
+    from kdnctl.compress.document import CompressRecipe
 
     out = []
     for b in budgets:
@@ -76,15 +76,15 @@ def main() -> None:
     args = ap.parse_args()
     if args.recon_cache:
         install_recon_cache(Path(args.recon_cache))
-    from kdnctl.compress import compress_document
-    from kdnctl.model import load_model
+    from kdnctl.compress.document import compress_document
+    from kdnctl.models.load import load_model
     from kdnctl.store import Store
 
     lm = load_model()
     store = Store(args.store, create=False)
     docs = args.docs.split(",") if args.docs else [d.doc_id for d in store.list_documents()]
     if args.precompute:
-        from kdnctl.compress import CompressRecipe
+        from kdnctl.compress.document import CompressRecipe
 
         with store.writer():
             for d in docs:
@@ -112,7 +112,7 @@ def main() -> None:
     fp16 = {}
     for d in docs:
         v = store.get_version(d, "full")
-        from kdnctl.bundle import read_meta
+        from kdnctl.format.bundle import read_meta
 
         m = read_meta(store.read_object(v.chunks[0].object))["model"]
         fp16[d] = 4 * m["n_layers"] * m["n_kv_heads"] * m["head_dim"] * v.n_tokens

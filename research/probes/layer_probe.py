@@ -28,11 +28,11 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kdnctl.allocate.rate import clamp_steps, fit_scale, relative_steps, step_floor  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
 from kdnctl.quant.entropy import EntropyQuantizer, dequantize_codes, encode_role, quantize_codes  # noqa: E402
 from kdnctl.quant.sensitivity import key_weights, value_weights  # noqa: E402
-from kdnctl.scoring import REPEAT_PROMPT  # noqa: E402
+from kdnctl.scorers.reconstruct import REPEAT_PROMPT  # noqa: E402
 
 PROBE_TOKENS = 192
 

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from kdnctl.kernels.quant import reference as ref  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
+from kdnctl.quant import layer_kv
 
 
 def fq(x: torch.Tensor, fmt: str, g: int, layout: str) -> torch.Tensor:
@@ -121,8 +122,8 @@ def probe_setup(store_dir: str, kinds: str, limit: int, shard: str, task_set: st
     ``limit`` tasks of each of ``kinds`` (comma-separated), every Nth from the Ith (``shard``
     "I/N"), their documents ingested into ``store_dir``."""
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks
-    from kdnctl.model import load_model
-    from kdnctl.prompting import PromptFormat
+    from kdnctl.models.load import load_model
+    from kdnctl.ingest.prompting import PromptFormat
     from kdnctl.store import Store
 
     i, n = (int(x) for x in shard.split("/"))
@@ -135,12 +136,12 @@ def probe_setup(store_dir: str, kinds: str, limit: int, shard: str, task_set: st
 
 def full_cache(store, doc_id: str):
     """(bundles, keys [L x [H, T, D]], values, token ids) of a document's stored ``full`` version, fp32."""
-    from kdnctl.bundle import decode_bundle
+    from kdnctl.format.bundle import decode_bundle
 
     ver = store.get_version(doc_id, "full")
     bundles = [decode_bundle(store.read_object(c.object)) for c in ver.chunks]
     n_layers = bundles[0].n_layers
-    dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]
+    dense = [[layer_kv(b, i) for i in range(n_layers)] for b in bundles]
     keys = [torch.cat([d[i][0] for d in dense], 1).float() for i in range(n_layers)]
     values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(n_layers)]
     return bundles, keys, values, [int(t) for b in bundles for t in b.token_ids.tolist()]
@@ -158,12 +159,12 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from bench.quality import cache_reconstruct_scores
-    from kdnctl.compress import _cat_stats
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import load_tasks, run_task
-    from kdnctl.model import load_model
-    from kdnctl.prompting import PromptFormat
-    from kdnctl.scoring import compute_importance
+    from kdnctl.models.load import load_model
+    from kdnctl.ingest.prompting import PromptFormat
+    from kdnctl.scorers import compute_importance
     from kdnctl.store import Store
 
     tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit + args.skip)[args.skip:]

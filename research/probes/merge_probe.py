@@ -176,14 +176,14 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from bench.lowbit_probe import full_cache
-    from kdnctl.compress import _cat_stats
-    from kdnctl.compress_ec import shared_keep
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
+    from kdnctl.compress.stages.select import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import ingest_tasks, load_tasks, run_task
-    from kdnctl.model import load_model
-    from kdnctl.prompting import PromptFormat
+    from kdnctl.models.load import load_model
+    from kdnctl.ingest.prompting import PromptFormat
     from kdnctl.quant.sensitivity import key_weights, value_weights
-    from kdnctl.scoring import compute_importance
+    from kdnctl.scorers import compute_importance
     from kdnctl.store import Store
 
     tasks = load_tasks("realtext", kinds=args.kinds.split(","), limit=args.limit + args.skip)[args.skip:]
@@ -219,7 +219,7 @@ def main() -> None:
             kw = key_weights(lm, token_ids, L, H, D, rope=True)
             vw = value_weights(lm, L, H, D)
         if any(x.startswith("refit:") for x in variants):
-            from kdnctl.value_refit import QUESTION_OFFSET, document_queries, refit_values
+            from kdnctl.compress.refit import QUESTION_OFFSET, document_queries, refit_values
             queries, scales = document_queries(lm, token_ids, L, T + QUESTION_OFFSET)
         for var in variants:
             t0 = time.perf_counter()

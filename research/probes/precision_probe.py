@@ -38,6 +38,7 @@ import time
 from pathlib import Path
 
 import torch
+from kdnctl.quant import layer_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -73,7 +74,7 @@ def stored_rows(bundles) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.T
         p = torch.cat([b.layer_positions(i) for b in bundles], 1)
         if not bool((p == pos).all()):
             raise SystemExit("the version has more than one kept set (wide heads?): not read here")
-        kv = [b.layer_kv(i) for b in bundles]
+        kv = [layer_kv(b, i) for b in bundles]
         ks.append(torch.cat([k for k, _ in kv], 1).float()), vs.append(torch.cat([v for _, v in kv], 1).float())
     return pos, ks, vs
 
@@ -151,12 +152,12 @@ def main() -> None:
 
     from bench.lowbit_probe import full_cache, probe_setup
     from bench.quality import run_compress
-    from kdnctl.bundle import decode_bundle
+    from kdnctl.format.bundle import decode_bundle
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.errors import NotFoundError
     from kdnctl.evaluation.tasks import run_task
-    from kdnctl.literal_scores import has_digit
-    from kdnctl.sentence_scores import sentence_bounds, token_texts
+    from kdnctl.scorers.literals import has_digit
+    from kdnctl.scorers.sentences import sentence_bounds, token_texts
 
     recipes = [shlex.split(r) for r in (args.recipe or ["--budget 0.083 --label q083"])]
     labels = [r[r.index("--label") + 1] for r in recipes]

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kdnctl.allocate.rate import relative_steps  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant.entropy import encode_role  # noqa: E402
 from kdnctl.models import adapter_for  # noqa: E402
 from kdnctl.quant.sensitivity import key_weights, value_weights  # noqa: E402

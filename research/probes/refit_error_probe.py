@@ -46,12 +46,12 @@ def main() -> None:
     ap.add_argument("--store", required=True)
     ap.add_argument("--threads", type=int, default=0)
     args = ap.parse_args()
-    import kdnctl.compress_ec as ce
-    from kdnctl.compress import CompressRecipe, compress_document
+    import kdnctl.compress.stages.refit as ce
+    from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.engine.hf import load_document
-    from kdnctl.model import load_model
+    from kdnctl.models.load import load_model
     from kdnctl.store import Store
-    from kdnctl.value_refit import QUESTION_OFFSET, document_queries
+    from kdnctl.compress.refit import QUESTION_OFFSET, document_queries
 
     if args.threads:
         torch.set_num_threads(args.threads)

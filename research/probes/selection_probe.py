@@ -106,14 +106,14 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from bench.lowbit_probe import full_cache, probe_setup
-    from kdnctl.compress import _cat_stats
-    from kdnctl.compress_ec import shared_keep
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
+    from kdnctl.compress.stages.select import shared_keep
     from kdnctl.engine.hf import LoadedContext
     from kdnctl.evaluation.tasks import run_task
-    from kdnctl.prefill import prefill
-    from kdnctl.sentence_scores import (GAP_WEIGHT, local_sentence_surprisal, sentence_bounds, token_texts,
+    from kdnctl.engine.prefill import prefill
+    from kdnctl.scorers.sentences import (GAP_WEIGHT, local_sentence_surprisal, sentence_bounds, token_texts,
                                         two_rank_scores)
-    from kdnctl.tail_reads import TAIL_WINDOW, sentence_reads
+    from kdnctl.scorers.tail_reads import TAIL_WINDOW, sentence_reads
 
     lm, store, tasks, fmt = probe_setup(args.store, args.kinds, args.limit, args.shard)
     for task in tasks:

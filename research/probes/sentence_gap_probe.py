@@ -2,10 +2,10 @@
 
 ``dump`` writes, per needle or multi-fact task already ingested in a store, each sentence's mean
 surprisal given the whole document and given only its preceding ``--windows`` tokens
-(``kdnctl.sentence_scores.local_sentence_surprisal``; window 0: the sentence alone), the token
+(``kdnctl.scorers.sentences.local_sentence_surprisal``; window 0: the sentence alone), the token
 surprisals, and the token ranges of the answer and of the distractors. ``analyze`` reads such
 dumps and, for each weight a in ``--weights``, takes the kept set ``compress --quant ec --keep K
---protect P`` would store (``kdnctl.compress_ec.shared_keep``) with every sentence scored by the
+--protect P`` would store (``kdnctl.compress.stages.select.shared_keep``) with every sentence scored by the
 better of two ranks, its whole-document surprisal and ``local + a x (local - whole)`` (a = 0 is
 ``sentences-local``, ``GAP_WEIGHT`` is ``sentences-gap``), and reports whether every token of the
 answer is kept, and the mean rank at which the kept set is cut. No quantization, no generation::
@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 def dump(args) -> None:
     from bench.lowbit_probe import full_cache
-    from kdnctl.compress import _cat_stats
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.evaluation.tasks import load_tasks
-    from kdnctl.model import load_model
-    from kdnctl.prompting import PromptFormat
-    from kdnctl.sentence_scores import local_sentence_surprisal, sentence_bounds, token_texts
+    from kdnctl.models.load import load_model
+    from kdnctl.ingest.prompting import PromptFormat
+    from kdnctl.scorers.sentences import local_sentence_surprisal, sentence_bounds, token_texts
     from kdnctl.steer.highlight import find_highlight
     from kdnctl.store import Store
 
@@ -65,8 +65,8 @@ def dump(args) -> None:
 
 
 def analyze(args) -> None:
-    from kdnctl.compress_ec import shared_keep
-    from kdnctl.sentence_scores import two_rank_scores
+    from kdnctl.compress.stages.select import shared_keep
+    from kdnctl.scorers.sentences import two_rank_scores
 
     right = set()
     if args.results:

@@ -1,7 +1,7 @@
 """Where do offline scores put the planted answers? For needle and multi-fact tasks already in a
 bench store (``bench/quality.py`` ingests them), the fraction of the answer's tokens that each
 token ranking keeps at ``--keep``, and the rank of the planted sentences among the document's
-sentences by mean surprisal (``kdnctl.sentence_scores``). No model forward: surprisal is read
+sentences by mean surprisal (``kdnctl.scorers.sentences``). No model forward: surprisal is read
 from the stored ingest statistics (``--reconstruct`` adds the offline reconstruction scorer,
 cached like ``bench/quality.py`` does).
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from kdnctl.quant import layer_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -32,13 +33,14 @@ def main() -> None:
 
     import torch
 
-    from kdnctl.bundle import decode_bundle
-    from kdnctl.compress import _cat_stats
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
     from kdnctl.errors import NotFoundError
     from kdnctl.evaluation.tasks import load_tasks
-    from kdnctl.model import load_model
-    from kdnctl.scoring import _rank01, compute_importance
-    from kdnctl.sentence_scores import local_sentence_scores, sentence_bounds, sentence_surprisal, token_texts
+    from kdnctl.models.load import load_model
+    from kdnctl.scorers.rank import rank01 as _rank01
+    from kdnctl.scorers import compute_importance
+    from kdnctl.scorers.sentences import local_sentence_scores, sentence_bounds, sentence_surprisal, token_texts
     from kdnctl.store import Store
 
     torch.set_num_threads(1)
@@ -65,7 +67,7 @@ def main() -> None:
             scores[f"sentences-local W={w}"] = local_sentence_scores(lm, s, ids, window=w)
         if args.reconstruct:
             n_layers = bundles[0].n_layers
-            dense = [[b.layer_kv(i) for i in range(n_layers)] for b in bundles]
+            dense = [[layer_kv(b, i) for i in range(n_layers)] for b in bundles]
             keys = [torch.cat([d[i][0] for d in dense], 1).float() for i in range(n_layers)]
             values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(n_layers)]
             rec = compute_importance("reconstruct", stats, lm=lm, keys=keys, values=values, token_ids=ids,

@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     from kdnctl.engine.hf import forward_suffix, generate
-    from kdnctl.model import load_model
+    from kdnctl.models.load import load_model
 
     lm = load_model()
     text = (REPO / "examples" / "corpus" / "faq.md").read_text()

@@ -23,10 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from kdnctl.bundle import decode_bundle  # noqa: E402
+from kdnctl.format.bundle import decode_bundle  # noqa: E402
 from kdnctl.kernels.quant import reference as ref  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
+from kdnctl.quant import layer_kv
 
 THETA = 100000.0  # SmolLM2-135M rope_theta
 
@@ -35,8 +36,8 @@ def load_full(store: Store, doc: str):
     v = store.get_version(doc, "full")
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
     n = bundles[0].n_layers
-    keys = [torch.cat([b.layer_kv(i)[0] for b in bundles], 1).float() for i in range(n)]
-    values = [torch.cat([b.layer_kv(i)[1] for b in bundles], 1).float() for i in range(n)]
+    keys = [torch.cat([layer_kv(b, i)[0] for b in bundles], 1).float() for i in range(n)]
+    values = [torch.cat([layer_kv(b, i)[1] for b in bundles], 1).float() for i in range(n)]
     pos = torch.cat([b.layer_positions(0)[0] for b in bundles])
     return keys, values, pos
 

@@ -18,13 +18,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import kdnctl.compress as compress_mod  # noqa: E402
-from kdnctl import scoring  # noqa: E402
-from kdnctl.compress import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.corpus import read_corpus  # noqa: E402
+import kdnctl.compress.document as compress_mod  # noqa: E402
+from kdnctl.scorers import reconstruct as scoring  # noqa: E402
+from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.ingest.corpus import read_corpus  # noqa: E402
 from kdnctl.evaluation.qa import evaluate, load_qa  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.model import load_model  # noqa: E402
+from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 NO_HEADER = {"header": False}  # marks a variant that prunes the prompt header like any text
@@ -73,7 +73,7 @@ def main() -> None:
     for i, (name, v) in enumerate((n, VARIANTS[n]) for n in chosen):
         label = f"variant-{i}"
         recipe = CompressRecipe(budget=None, keep=args.budget, method=v.get("method", "kvcrush"),
-                                scorer=v.get("scorer", scoring.DEFAULT_SCORER), method_options=v.get("options", {}),
+                                scorer=v.get("scorer", "hybrid"), method_options=v.get("options", {}),
                                 allocator=v.get("allocator", "uniform"))
         t = time.perf_counter()
         with store.writer():

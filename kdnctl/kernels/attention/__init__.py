@@ -27,15 +27,8 @@ def _tensors(x) -> tuple[torch.Tensor, ...]:
     return (x.q, x.scale, x.zero) if isinstance(x, QuantizedKV) else (x,)
 
 
-def decode_attention(
-    query: torch.Tensor,
-    k,
-    v,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, k, v, bias: torch.Tensor | None = None, scale: float | None = None, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token's ``query [Hq, D]`` (or a few, ``[Hq, Q, D]``) over cached
     ``k``/``v`` (each a float ``[Hkv, T, D]`` tensor or a :class:`QuantizedKV`), plus an optional
     additive ``bias [Hq, T]`` (or ``[Hq, Q, T]``); ``scale`` defaults to ``1/sqrt(D)``.

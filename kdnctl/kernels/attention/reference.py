@@ -124,15 +124,8 @@ def _dense(x) -> torch.Tensor:
     return x.dense() if isinstance(x, QuantizedKV) else x.to(torch.float32)
 
 
-def decode_attention(
-    query: torch.Tensor,
-    k,
-    v,
-    bias: torch.Tensor | None = None,
-    scale: float | None = None,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, k, v, bias: torch.Tensor | None = None, scale: float | None = None, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
     """float32 ``[Hq, D]`` (or ``[Hq, Q, D]``) attention of ``query`` over the cached K/V."""
     q3, bias3, squeeze = check_args(query, k, v, bias)
     hq, nq, d = q3.shape

@@ -28,13 +28,8 @@ __all__ = [
 ]
 
 
-def quantize(
-    x: torch.Tensor,
-    fmt: str,
-    group_size: int,
-    layout: str,
-    scale_dtype: torch.dtype = torch.float16,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fmt: str, group_size: int, layout: str,
+             scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``x [H, T, D]`` -> (codes uint8, scale, zero); fmt int8|int4|fp8, layout channel|token."""
     if use_triton(x):
         from . import triton as tr
@@ -43,16 +38,8 @@ def quantize(
     return reference.quantize(x, fmt, group_size, layout, scale_dtype)
 
 
-def dequantize(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    fmt: str,
-    group_size: int,
-    layout: str,
-    shape: tuple[int, int, int],
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: str, group_size: int, layout: str,
+               shape: tuple[int, int, int], out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Dense ``shape`` tensor from (codes, scale, zero) produced by :func:`quantize`."""
     if use_triton(q, scale, zero):
         from . import triton as tr

@@ -235,13 +235,8 @@ def _natural(y: torch.Tensor, layout: str) -> torch.Tensor:
     return (y.transpose(1, 2) if layout == "channel" else y).contiguous()
 
 
-def quantize(
-    x: torch.Tensor,
-    fmt: str,
-    group_size: int,
-    layout: str,
-    scale_dtype: torch.dtype = torch.float16,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, fmt: str, group_size: int, layout: str,
+             scale_dtype: torch.dtype = torch.float16) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize float ``x [H, T, D]`` -> (codes uint8, scale, zero) in ``layout``."""
     check_args(fmt, group_size, layout, scale_dtype)
     if x.dim() != 3 or not x.is_floating_point():
@@ -270,16 +265,8 @@ def quantize(
     )
 
 
-def dequantize(
-    q: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor,
-    fmt: str,
-    group_size: int,
-    layout: str,
-    shape: tuple[int, int, int],
-    out_dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, fmt: str, group_size: int, layout: str,
+               shape: tuple[int, int, int], out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rebuild the dense ``shape`` tensor from (codes, scale, zero)."""
     check_args(fmt, group_size, layout, scale.dtype)
     shape = tuple(int(s) for s in shape)

@@ -1,0 +1,132 @@
+"""Value refit: what eviction takes from attention, given back through the kept tokens' values.
+
+Offline the question is unknown but the document's own queries are not. Placed after the
+document (RoPE at the position a question would take), they stand in for the queries that will
+read the cache. Per layer and KV head the kept tokens' values are refitted by ridge least
+squares so that attention over the kept keys alone gives those queries the full cache's
+attention output:
+
+    minimise  || A_S V' - A V ||^2 + lam || V' - V_S ||^2,   lam = rho * ||A_S||_F^2 / |S|
+
+with ``A = softmax(Q K^T * scale)`` over every token and ``A_S`` the same over the kept tokens
+(the group's query heads pooled). The keys, and so which tokens a query reads, are untouched;
+the same solution holds for every value channel, so ec's channel weights do not change it. The
+fit is solved in whichever of the kept tokens or the queries is the smaller space (the
+push-through identity), so its cost grows linearly with the document beyond ``MAX_QUERY_TOKENS``.
+Measured in docs/compression.md ("Values refitted to the full attention"): at 0.083 it lowers
+continuation NLL but loses needles and facts; with the lifted tokens' values held (``hold``,
+``--refit-hold``) it keeps them, and the auto recipe below 0.25 refits that way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import adapter_for
+from ..quant.transforms import rotate_half
+
+QUESTION_OFFSET = 16  # the queries' position: this many tokens after the document (a prompt's question)
+MAX_QUERY_TOKENS = 1024  # document tokens whose queries are used (evenly spaced); x the group's query heads
+_BLOCK = 1024  # query rows per block of the full attention (memory: block x document tokens)
+
+
+def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
+                     max_tokens: int = MAX_QUERY_TOKENS) -> tuple[list[torch.Tensor], list[float]]:
+    """(queries ``[Hq, N, D]`` per layer, RoPE'd at ``position``; the attention scale per layer)
+    for ``max_tokens`` evenly spaced tokens of the document, from one forward pass."""
+    model = lm.model
+    adapter = adapter_for(model)
+    pick = torch.linspace(0, len(token_ids) - 1, min(len(token_ids), max_tokens)).round().long().unique()
+    raw: list[torch.Tensor | None] = [None] * n_layers
+
+    def on(i, _role, q):  # [T, Hq, D], before RoPE
+        raw[i] = q[pick.to(q.device)].float().transpose(0, 1).cpu()
+
+    device = next(model.parameters()).device
+    with adapter.capture(("q",), on=on), torch.no_grad():
+        adapter.decoder(torch.tensor([token_ids], device=device), use_cache=False)
+    out = []
+    for i, q in enumerate(raw):
+        # the model's own RoPE for this layer (any rope type, per layer type) at the question's position
+        cos, sin = adapter.rope_cos_sin(i, torch.tensor([position]))
+        cos, sin = cos.cpu(), sin.cpu()  # [1, rotary_dim]
+        r = cos.shape[-1]
+        if r == q.shape[-1]:
+            out.append(q * cos + rotate_half(q) * sin)
+        else:  # partial rotary: the first r channels rotate, the rest pass through
+            out.append(torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], -1))
+    scales = [a.scaling for a in adapter.layer_attention()]
+    return out, scales
+
+
+def read_together(queries: torch.Tensor, kept_keys: torch.Tensor, scale: float, rho: float) -> tuple[torch.Tensor, float]:
+    """``(A_S [N, S], lam)`` of one KV head: the attention of its group's ``queries [g, N, D]``
+    over ``kept_keys [S, D]``, and the ridge weight ``lam`` of the fit (also the feedback's, ``kdnctl.compress.feedback``)."""
+    a = torch.softmax(queries.reshape(-1, kept_keys.shape[-1]).float() @ kept_keys.float().T * scale, -1)
+    return a, rho * float(a.pow(2).sum()) / max(kept_keys.shape[0], 1)
+
+
+def refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
+                 scale: float, rho: float, hold: torch.Tensor | None = None,
+                 kept_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Refitted values ``[H, |S|, D]`` of the ``kept`` tokens (float32).
+
+    queries ``[Hq, N, D]`` (RoPE'd), keys ``[H, T, D]`` (RoPE'd, as stored), values ``[H, T, D]``;
+    ``hold`` (bool ``[|S|]``): kept tokens whose values stay as they are, the others absorb the fit
+    (a planted number the document's own queries rarely read would otherwise move almost freely);
+    ``kept_keys`` ``[H, |S|, D]``: the keys the kept tokens are read with (e.g. as the loader
+    decodes them), default ``keys[:, kept]``; the target is always the full, exact attention."""
+    H, _, D = keys.shape
+    group = queries.shape[0] // H
+    out = []
+    for h in range(H):
+        q = queries[h * group:(h + 1) * group].reshape(-1, D).float()
+        k, v = keys[h].float(), values[h].float()
+        target = torch.cat([torch.softmax(b @ k.T * scale, -1) @ v for b in q.split(_BLOCK)])
+        a, lam = read_together(q, k[kept] if kept_keys is None else kept_keys[h], scale, rho)  # [N, S]
+        vs = v[kept]
+        resid = target - a @ vs
+        moves = slice(None) if hold is None else ~hold
+        free = a[:, moves]  # the held columns' values are fixed: part of the target
+        if free.shape[1] <= free.shape[0]:  # (A^T A + lam I) dV = A^T r
+            g = free.T @ free
+            g.diagonal().add_(lam)
+            dv = torch.linalg.solve(g, free.T @ resid)
+        else:  # the same, through A^T (A A^T + lam I)^-1 r: the queries' space is the smaller
+            g = free @ free.T
+            g.diagonal().add_(lam)
+            dv = free.T @ torch.linalg.solve(g, resid)
+        fitted = vs.clone()
+        fitted[moves] += dv
+        out.append(fitted)
+    return torch.stack(out)
+
+
+def naive_refit_values(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, kept: torch.Tensor,
+                       scale: float, rho: float, hold: torch.Tensor | None = None,
+                       kept_keys: torch.Tensor | None = None) -> torch.Tensor:
+    """Reference for :func:`refit_values`: the normal equations summed one query at a time (held
+    tokens: their values subtracted from the target, then the free tokens' system solved)."""
+    H, _, D = keys.shape
+    group = queries.shape[0] // H
+    S = kept.numel()
+    hold = torch.zeros(S, dtype=torch.bool) if hold is None else hold
+    free = ~hold
+    out = []
+    for h in range(H):
+        lhs, rhs, norm = torch.zeros(S, S, dtype=torch.float64), torch.zeros(S, D, dtype=torch.float64), 0.0
+        k, v = keys[h].double(), values[h].double()
+        vs = v[kept]
+        ks = k[kept] if kept_keys is None else kept_keys[h].double()
+        for q in queries[h * group:(h + 1) * group].reshape(-1, D).double():
+            w = torch.softmax(k @ q * scale, 0)
+            ws = torch.softmax(ks @ q * scale, 0)
+            lhs += torch.outer(ws, ws)
+            rhs += torch.outer(ws, w @ v - ws[hold] @ vs[hold])
+            norm += float(ws.pow(2).sum())
+        lam = rho * norm / S
+        sub = lhs[free][:, free] + lam * torch.eye(int(free.sum()), dtype=torch.float64)
+        fitted = vs.clone()
+        fitted[free] = torch.linalg.solve(sub, rhs[free] + lam * vs[free])
+        out.append(fitted)
+    return torch.stack(out).float()

@@ -1,0 +1,50 @@
+"""Refit: what eviction takes from attention, given back through the kept tokens' values.
+
+The kept tokens' values are refitted (``kdnctl.compress.refit``) so that attention over the kept
+keys alone gives the document's own queries, placed after it, the full cache's output. With
+``refit_decoded`` the fit waits for the keys' steps: the encode stage calls ``refitted`` again
+with the keys as the loader will decode them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...format.bundle import KVBundle
+from ..refit import QUESTION_OFFSET, document_queries, refit_values
+from .base import Job, Stage
+
+
+def refit_queries(lm, token_ids: list[int], bundles: list[KVBundle], n_layers: int):
+    """(queries per layer, attention scale per layer) the value refit fits to: the document's
+    own, placed after it (``kdnctl.compress.refit.document_queries``)."""
+    last = max(int(b.layer_positions(0).max()) for b in bundles)
+    return document_queries(lm, token_ids, n_layers, last + 1 + QUESTION_OFFSET)
+
+
+def refitted(rho: float, queries: list[torch.Tensor], scales: list[float], keys: list[torch.Tensor],
+             values: list[torch.Tensor], rows: torch.Tensor, hold: torch.Tensor | None = None,
+             kept_keys: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """The kept ``rows``' values per layer, refitted to the full attention; the kept tokens
+    ``hold`` marks keep theirs; ``kept_keys`` per layer: the keys they are read with (default:
+    ``keys``' rows)."""
+    kept_keys = kept_keys or [None] * len(keys)
+    return [refit_values(q, k, v, rows, s, rho, hold, kk).to(v.dtype)
+            for q, k, v, s, kk in zip(queries, keys, values, scales, kept_keys)]
+
+
+class RefitValues(Stage):
+    """Evicting recipes with ``refit``: the document's queries, and (unless ``refit_decoded``)
+    the kept values refitted to them."""
+
+    name = "refit"
+
+    def run(self, job: Job) -> None:
+        recipe = job.recipe
+        if job.rows is None or not recipe.refit:
+            return
+        job.fit_queries = refit_queries(job.lm, job.token_ids, job.bundles, job.n_layers)
+        if recipe.refit_decoded:  # after the keys' steps are known (the encode stage)
+            job.values = [v[:, job.rows] for v in job.values]
+        else:
+            job.values = refitted(recipe.refit, *job.fit_queries, job.all_keys, job.all_values, job.rows, job.hold)
