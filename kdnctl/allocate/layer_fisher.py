@@ -28,6 +28,7 @@ every planted fact moved by +0.017 nats on average with 0.25 and +0.062 with 0.5
 from __future__ import annotations
 
 import torch
+from kdnctl.models.cache_args import cache_arg
 
 PROBE_TOKENS = 192
 EXPONENT, CLIP = 0.25, 4.0
@@ -51,7 +52,7 @@ def _log_probs(lm, keys, values, probe: list[int], start: int) -> torch.Tensor:
     cache = DynamicCache(config=model.config)
     for i, (k, v) in enumerate(zip(keys, values)):
         cache.update(k[None].to(device, lm.dtype), v[None].to(device, lm.dtype), i)
-    out = model(input_ids=torch.tensor([probe], device=device), past_key_values=cache, use_cache=True,
+    out = model(input_ids=torch.tensor([probe], device=device), **cache_arg(model, cache), use_cache=True,
                 position_ids=torch.arange(start, start + len(probe), device=device)[None]).logits[0]
     return torch.log_softmax(out.float(), -1)
 

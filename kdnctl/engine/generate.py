@@ -11,6 +11,7 @@ import torch
 
 from ..models import adapter_for
 from .attention import AttentionState, own_or_kdn_attention
+from kdnctl.models.cache_args import cache_arg, cache_out
 
 if TYPE_CHECKING:
     from kdnctl.models.load import LoadedModel
@@ -53,9 +54,9 @@ def forward_suffix(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[
     ids = torch.tensor([suffix_ids], device=lm.device)
     pos = torch.arange(start, start + len(suffix_ids), device=lm.device)[None]
     with _attention(model, ctx, own_attention):
-        out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+        out = model(input_ids=ids, **cache_arg(model, cache), position_ids=pos, use_cache=True,
                     logits_to_keep=1 if last_only else 0)
-    return out.logits[0].float(), out.past_key_values
+    return out.logits[0].float(), cache_out(out)
 
 
 def _attention(model, ctx: LoadedContext | None, own: bool):
@@ -83,11 +84,11 @@ def generate(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], 
             out_ids.append(nxt)
             out = model(
                 input_ids=torch.tensor([[nxt]], device=lm.device),
-                past_key_values=cache,
+                **cache_arg(model, cache),
                 position_ids=torch.tensor([[pos]], device=lm.device),
                 use_cache=True,
             )
-            cache = out.past_key_values
+            cache = cache_out(out)
             pos += 1
             nxt = int(out.logits[0, -1].argmax())
     answer = lm.tokenizer.decode(out_ids, skip_special_tokens=True).strip()

@@ -52,6 +52,7 @@ from ..models import adapter_for
 from .attention import AttentionState, kdn_attention
 from .hf import LoadedContext
 from ..quant import layer_kv
+from kdnctl.models.cache_args import cache_arg
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DEFAULT_CHECK_LAYER = 1
@@ -146,7 +147,7 @@ def fresh_first_layers(lm: LoadedModel, token_ids: list[int], upto: int) -> list
     pos = torch.arange(len(token_ids), device=lm.device)[None]
     with kdn_attention(model, AttentionState(observer=stop)):
         try:
-            adapter.decoder(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            adapter.decoder(input_ids=ids, position_ids=pos, **cache_arg(adapter.decoder, cache), use_cache=True)
         except _StopForward:
             pass
     return [(cache.layers[i].keys, cache.layers[i].values) for i in range(upto + 1)]
@@ -180,7 +181,7 @@ def recompute_tokens(lm: LoadedModel, ctx: LoadedContext, selected: torch.Tensor
         state = AttentionState(query_positions=sel.to(device), key_positions=key_pos.to(device))
         with kdn_attention(model, state):
             adapter.decoder(input_ids=ids[sel][None].to(device), position_ids=sel[None].to(device),
-                        past_key_values=cache, use_cache=True)
+                        **cache_arg(adapter.decoder, cache), use_cache=True)
     order = torch.argsort(key_pos).to(device)
     ctx.keys = [cache.layers[i].keys[:, :, order] for i in range(len(ctx.keys))]
     ctx.values = [cache.layers[i].values[:, :, order] for i in range(len(ctx.values))]

@@ -24,6 +24,7 @@ import torch
 
 from .attention import AttentionState, kdn_attention
 from ..models import adapter_for
+from kdnctl.models.cache_args import cache_arg
 
 QUERY_TILE = 256
 # Queries per forward block. One sdpa call over a whole block is the fastest attention (a later
@@ -262,7 +263,7 @@ def prefill(
                 state.bias = {layer: b[:, :e].to(device) for layer, b in bias.items()}
             out = adapter.decoder(
                 input_ids=ids[:, s:e],
-                past_key_values=cache,
+                **cache_arg(adapter.decoder, cache),
                 use_cache=True,
                 position_ids=torch.arange(s, e, device=device)[None],
             )

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from .base import Scorer, ScorerInput
+from kdnctl.models.cache_args import cache_arg
 
 if TYPE_CHECKING:
     from kdnctl.models.load import LoadedModel
@@ -48,7 +49,7 @@ def reconstruct_scores(lm: LoadedModel, keys: list[torch.Tensor], values: list[t
             piece = prompt + list(token_ids[s : s + chunk_tokens])
             ids = torch.tensor([piece], device=device)
             pos = torch.arange(t, t + len(piece), device=device)[None]
-            adapter.decoder(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True)
+            adapter.decoder(input_ids=ids, **cache_arg(adapter.decoder, cache), position_ids=pos, use_cache=True)
             cache.crop(-len(piece))  # back to the document alone (transformers 5: negative = drop)
             if on_progress:
                 on_progress(min(chunk_tokens, t - s))

@@ -41,6 +41,7 @@ from .base import pasta_bias
 from .checks import score_check
 from .heads import FORMAT, heads_list
 from .highlight import find_highlight
+from kdnctl.models.cache_args import cache_arg, cache_out
 
 ATTN_NAME = "kdnctl-steer-batch"
 _BATCH_BIAS: contextvars.ContextVar[dict | None] = contextvars.ContextVar("kdn_steer_batch_bias", default=None)
@@ -100,7 +101,7 @@ def batched_answers(lm: LoadedModel, keys, values, suffix_ids: list[int], biases
     toks: list[list[int]] = [[] for _ in range(rows)]
     done = [False] * rows
     with _batched(model, stacked):
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1,
+        out = model(input_ids=ids, **cache_arg(model, cache), use_cache=True, logits_to_keep=1,
                     position_ids=torch.arange(n, pos, device=lm.device)[None].expand(rows, -1))
         while True:
             nxt = out.logits[:, -1].argmax(-1).tolist()
@@ -113,7 +114,7 @@ def batched_answers(lm: LoadedModel, keys, values, suffix_ids: list[int], biases
                         done[r] = len(toks[r]) >= max_new_tokens
             if all(done):
                 break
-            out = model(input_ids=torch.tensor(nxt, device=lm.device)[:, None], past_key_values=out.past_key_values,
+            out = model(input_ids=torch.tensor(nxt, device=lm.device)[:, None], **cache_arg(model, cache_out(out)),
                         use_cache=True, position_ids=torch.full((rows, 1), pos, device=lm.device))
             pos += 1
     return [lm.tokenizer.decode(t, skip_special_tokens=True).strip() for t in toks]
