@@ -11,23 +11,10 @@ import pytest
 import torch
 
 from conftest import run_cli
-from test_models import DOC, SUFFIX, TOL, build_model_dir, own_forward_logits
+from test_models import DOC, SUFFIX, TOL, own_forward_logits
+from test_models import built as models  # noqa: F401 (the matrix's module-scoped model builder)
 
 WINDOWED = ["mistral", "gemma2", "gemma3"]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory, lm):
-    made = {}
-
-    def get(name):
-        if name not in made:
-            from kdnctl.models.load import load_model
-
-            path = build_model_dir(name, tmp_path_factory.mktemp(name), lm.tokenizer)
-            made[name] = (path, load_model(path))
-        return made[name]
-    return get
 
 
 def _windowed(name, models, tmp_path, *args):
