@@ -7,7 +7,7 @@ stores the shipped default (``kdnctl compress`` with no options: ``--budget 0.25
 times, as medians of ``--repeats`` in one run:
 
 * inflate: the time spent inside the frame decoder (``entropy.decompress_frame``) during a host
-  decode of every chunk, with zlib's inflate and with ISA-L's (``entropy.INFLATER``, the
+  decode of every chunk, with zlib's inflate and with ISA-L's (``deflate.INFLATER``, the
   default where python-isal is installed), which decode the same streams to the same bytes;
 * host decode: every layer and role of every chunk to integers, step, mean and levels
   (``EntropyQuantizer.host_decode``: inflate + unpack + reorder), what a GPU load does on the
@@ -53,6 +53,7 @@ from kdnctl.engine.hf import load_document  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import entropy  # noqa: E402
+from kdnctl.quant.coders import deflate  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def host_decode_all(bundles, n_layers: int, threads: int) -> None:
 
 def inflate_seconds(bundles, n_layers: int) -> float:
     """Seconds inside ``decompress_frame`` during one single-threaded host decode (the inflate
-    of ``entropy.INFLATER``)."""
+    of ``deflate.INFLATER``)."""
     spent = [0.0]
     real = entropy.decompress_frame
 
@@ -137,14 +138,14 @@ def main() -> None:
         n_layers = bundles[0].n_layers
         n_tokens = sum(b.n_tokens for b in bundles)
         stored = sum(c.nbytes for c in version.chunks)
-        inflaters = ["zlib", "isal"] if entropy.inflate_module("isal") is not entropy.inflate_module("zlib") else ["zlib"]
-        default_inflater = entropy.INFLATER
+        inflaters = ["zlib", "isal"] if deflate.inflate_module("isal") is not deflate.inflate_module("zlib") else ["zlib"]
+        default_inflater = deflate.INFLATER
         inflate, host = {}, {}
         for name in inflaters:
-            entropy.INFLATER = name
+            deflate.INFLATER = name
             inflate[name] = statistics.median(inflate_seconds(bundles, n_layers) for _ in range(args.repeats))
             host[name] = med(lambda: host_decode_all(bundles, n_layers, 1), args.repeats)
-        entropy.INFLATER = default_inflater
+        deflate.INFLATER = default_inflater
         rows = [(th, med(lambda: host_decode_all(bundles, n_layers, th), args.repeats))
                 for th in (int(x) for x in args.threads.split(","))]
         from kdnctl.quant import ec_batch
@@ -180,7 +181,7 @@ def main() -> None:
     base = host["zlib"]
     print(f"{n_tokens} tokens, {n_chunks} chunks, default version {stored / 1e6:.1f} MB "
           f"({res.fraction_of_fp16:.3f} of fp16); loads onto {lm.device}; torch threads {args.torch_threads}; "
-          f"medians of {args.repeats}; the loader inflates with {entropy.inflate_module(default_inflater).__name__}\n")
+          f"medians of {args.repeats}; the loader inflates with {deflate.inflate_module(default_inflater).__name__}\n")
     print("| step | seconds | ms per chunk | / host decode with zlib (1 thread) |")
     print("|---|---:|---:|---:|")
     for name in inflaters:

@@ -231,8 +231,8 @@ def test_mutated_blobs_raise_only_format_errors(coding, inflater, monkeypatch):
     inflate (ISA-L's errors are not zlib's)."""
     import random
 
-    from kdnctl.quant import entropy
-    monkeypatch.setattr(entropy, "INFLATER", inflater)
+    from kdnctl.quant.coders import deflate
+    monkeypatch.setattr(deflate, "INFLATER", inflater)
     torch.manual_seed(7)
     k, v = torch.randn(3, 29, 16) * 2, torch.randn(3, 29, 16)
     tensors, meta = EntropyQuantizer(coding=coding).quantize_layer(k, v)
@@ -269,17 +269,38 @@ def test_both_inflaters_decode_the_same_bytes(monkeypatch):
     """ISA-L's inflate (the default where python-isal is installed) and zlib's give the same
     bytes for the same frames, and both refuse a truncated frame with a format error."""
     from kdnctl.quant import entropy
+    from kdnctl.quant.coders import deflate
     pytest.importorskip("isal")
-    assert entropy.inflate_module("isal") is not entropy.inflate_module("zlib")
+    assert deflate.inflate_module("isal") is not deflate.inflate_module("zlib")
     data = bytes(torch.randint(0, 9, (10_000,), generator=torch.Generator().manual_seed(8)).to(torch.uint8).tolist())
-    frame = entropy.deflate_compress(data)
+    frame = deflate.deflate_compress(data)
     for name in ("isal", "zlib"):
-        monkeypatch.setattr(entropy, "INFLATER", name)
+        monkeypatch.setattr(deflate, "INFLATER", name)
         assert entropy.decompress_frame(frame, len(data), "x", "deflate") == data
         with pytest.raises(BundleFormatError):
             entropy.decompress_frame(frame[:-3], len(data), "x", "deflate")
     with pytest.raises(InputError):
-        entropy.inflate_module("gzip")
+        deflate.inflate_module("gzip")
+
+
+@pytest.mark.parametrize("name", ["deflate", "zstd"])
+def test_every_frame_coder_round_trips_and_refuses_a_cut_frame(name):
+    """Each registered frame coder gives back exactly the bytes it coded (codes and params), and
+    a truncated frame is a BundleFormatError, never another exception; an unknown coder is named."""
+    from kdnctl.quant import entropy
+    from kdnctl.quant.coders import CODERS
+
+    assert set(CODERS) == set(entropy.CODINGS) and name in CODERS
+    data = bytes(torch.randint(0, 13, (7_001,), generator=torch.Generator().manual_seed(11)).to(torch.uint8).tolist())
+    for codes in (True, False):
+        frame = entropy.compress_frame(data, name, codes=codes)
+        assert entropy.decompress_frame(frame, len(data), "x", name) == data
+        with pytest.raises(BundleFormatError):
+            entropy.decompress_frame(frame[: len(frame) // 2], len(data), "x", name)
+    with pytest.raises(BundleFormatError, match="unknown coding 'lz4'"):
+        entropy.decompress_frame(frame, len(data), "x", "lz4")
+    with pytest.raises(InputError):
+        entropy.compress_frame(data, "lz4")
 
 
 def test_huffman_only_frames_are_smaller_than_zstd_on_noise_like_codes():

@@ -40,7 +40,6 @@ RoPE (``key_rope_theta``) and rotated back to their positions after decoding.
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,94 +52,26 @@ from kdnctl.errors import BundleFormatError, InputError
 from . import transforms as tf
 from .base import Quantizer, check_kv, need
 from ..format.key_basis import basis_on
+from .coders import CODERS
 from .frames import codes_per_byte, frame_blob  # noqa: F401 (codes_per_byte: re-exported)
 from .grid import dequantize_codes, quantize_codes, roundtrip_role, stored_step_mean  # noqa: F401 (re-exported)
 
 ROLES = ("keys", "values")
-ZSTD_LEVEL = 3  # how bundles before format 1.6 were written
-CODINGS = ("deflate", "zstd")  # "deflate" is written; "zstd" is read (and written for research/probes/ec_coders.py)
+CODINGS = tuple(CODERS)  # "deflate" is written; "zstd" is read (bundles before format 1.6)
 DEFAULT_CODING = "deflate"
-DEFLATE_LEVEL = 6  # zlib's default; with Huffman coding only nothing is matched, so it hardly matters
 MAX_LEVEL = 6  # finest token level (step / 64)
 
 
-def _zstd():
-    try:
-        import zstandard
-    except ImportError as exc:  # a core dependency; a broken install should say so plainly
-        raise InputError("the 'zstandard' package is missing", hint="pip install zstandard") from exc
-    return zstandard
-
-
-def zstd_compress(data: bytes, level: int = ZSTD_LEVEL) -> bytes:
-    return _zstd().ZstdCompressor(level=level).compress(data)
-
-
-def zstd_decompress(blob: bytes, size: int, what: str) -> bytes:
-    z = _zstd()
-    try:
-        out = z.ZstdDecompressor().decompress(blob, max_output_size=size)
-    except z.ZstdError:
-        raise BundleFormatError(f"{what} is not a valid zstd frame") from None
-    if len(out) != size:
-        raise BundleFormatError(f"{what} decodes to {len(out)} bytes, expected {size}")
-    return out
-
-
-def deflate_compress(data: bytes, huffman_only: bool = True) -> bytes:
-    """Raw deflate (no zlib header or checksum: the store hashes every object). Huffman coding
-    only for codes (a matcher finds nothing in them but spends bits on spurious matches)."""
-    z = zlib.compressobj(DEFLATE_LEVEL, zlib.DEFLATED, -15, 9,
-                         zlib.Z_HUFFMAN_ONLY if huffman_only else zlib.Z_DEFAULT_STRATEGY)
-    return z.compress(data) + z.flush()
-
-
-# Which inflate decodes the frames: "isal" (ISA-L, python-isal) where installed, else "zlib".
-# Both decode the same raw deflate streams to the same bytes; ISA-L's inflate runs ~1.9x as
-# fast on these Huffman-only frames (bench/ec_decode.py measures both in one run).
-INFLATER = "isal"
-
-
-@functools.lru_cache(maxsize=4)
-def inflate_module(name: str):
-    """The zlib-compatible module (``decompressobj``, ``error``) that inflates for ``name``."""
-    if name == "isal":
-        try:
-            from isal import isal_zlib
-        except ImportError:  # optional: the frames decode the same with zlib, only slower
-            return zlib
-        return isal_zlib
-    if name == "zlib":
-        return zlib
-    raise InputError(f"unknown inflater {name!r}", hint="isal or zlib")
-
-
-def deflate_decompress(blob, size: int, what: str) -> bytes:
-    mod = inflate_module(INFLATER)
-    z = mod.decompressobj(-15)
-    try:
-        out = z.decompress(blob, size)
-    except (zlib.error, mod.error):
-        raise BundleFormatError(f"{what} is not a valid deflate stream") from None
-    if len(out) != size or not z.eof or z.unconsumed_tail or z.unused_data:
-        raise BundleFormatError(f"{what} does not decode to exactly {size} bytes")
-    return out
-
-
 def compress_frame(data: bytes, coding: str, codes: bool = True) -> bytes:
-    if coding == "deflate":
-        return deflate_compress(data, huffman_only=codes)
-    if coding == "zstd":
-        return zstd_compress(data)
-    raise InputError(f"unknown ec coding {coding!r}", hint=f"one of {', '.join(CODINGS)}")
+    if coding not in CODERS:
+        raise InputError(f"unknown ec coding {coding!r}", hint=f"one of {', '.join(CODINGS)}")
+    return CODERS[coding].compress(data, codes)
 
 
 def decompress_frame(blob: bytes, size: int, what: str, coding: str) -> bytes:
-    if coding == "deflate":
-        return deflate_decompress(blob, size, what)
-    if coding == "zstd":
-        return zstd_decompress(blob, size, what)
-    raise BundleFormatError(f"{what}: unknown coding {coding!r} (this kdnctl reads {', '.join(CODINGS)})")
+    if coding not in CODERS:
+        raise BundleFormatError(f"{what}: unknown coding {coding!r} (this kdnctl reads {', '.join(CODINGS)})")
+    return CODERS[coding].decompress(blob, size, what)
 
 
 def _u8(data: bytes) -> torch.Tensor:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kdnctl.kernels.quant import reference as ref  # noqa: E402
 from kdnctl.quant import transforms as tf  # noqa: E402
-from kdnctl.quant.entropy import deflate_compress  # noqa: E402
+from kdnctl.quant.coders.deflate import deflate_compress  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 from tiers import THETA, load_full  # noqa: E402
 

@@ -4,7 +4,7 @@ The kernels release the GIL, so a loader runs chunks on both cores with plain th
 second thread pool beside torch's). The frames are inflated by ISA-L's stateless inflate,
 called straight from the compiled loop (the library python-isal ships; bound by name once per
 process): no Python per frame. A frame must decode to exactly the bytes its header implies and
-consume exactly its bytes, as ``entropy.deflate_decompress`` demands.
+consume exactly its bytes, as ``coders.deflate.deflate_decompress`` demands.
 
 ``isal_inflate_stateless`` reads and writes the first fields of ISA-L's ``struct inflate_state``:
 ``next_out`` (offset 0), ``avail_out`` (8), ``next_in`` (16), ``avail_in`` (32); these have kept
