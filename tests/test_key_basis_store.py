@@ -166,13 +166,13 @@ def test_rebuild_catalog_recovers_the_basis_record(calibrated):
 
 def test_a_model_with_a_shipped_basis_uses_it_and_stores_none(lm, tmp_path):
     from kdnctl.compress.recipe import CompressRecipe
-    from kdnctl.quant.store_basis import ensure_key_basis
+    from kdnctl.compress.key_basis import ensure_key_basis
     from kdnctl.store import Store
 
     shipped = kb.shipped_basis_for_model(lm.fingerprint)
     assert shipped is not None
     with Store(tmp_path / "s") as st, st.writer():
-        assert ensure_key_basis(st, lm, CompressRecipe(budget=0.25, quant="ec")) == shipped
+        assert ensure_key_basis(st, lm, CompressRecipe(budget=0.25, quant="ec").uses_key_basis) == shipped
         from kdnctl.store.bases import basis_records
 
         assert basis_records(st) == []

@@ -23,10 +23,10 @@ import torch
 from ..errors import UnsupportedError
 from ..format.bundle import decode_bundle
 from ..quant import layer_kv
-from ..quant.store_basis import key_basis_scope
 from ..store import Store
 from ..versions import commit, existing_version, write_derived
 from . import sizing
+from .key_basis import key_basis_scope
 from .recipe import CompressRecipe  # noqa: F401 (re-exported: callers import it from here)
 from .stages import Job, pipeline_for, run_pipeline
 
@@ -64,7 +64,7 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     if done is not None:
         return done
     src = store.get_version(doc_id, source)
-    with key_basis_scope(store, lm, recipe):  # a model with no basis gets one now (kdnctl/quant/store_basis.py)
+    with key_basis_scope(store, lm, recipe.uses_key_basis):  # a model with no basis gets one now (compress/key_basis.py)
         record, score_s, extra = build_compressed_version(store, src, recipe, label, source, lm=lm,
                                                           fingerprint=fingerprint, with_sizes=True)
     commit(store, record)

@@ -406,6 +406,11 @@ class CompressRecipe:
         return get_allocator(self.allocator, **self.allocator_options)
 
     @property
+    def uses_key_basis(self) -> bool:
+        """Whether this recipe codes keys with ``ec`` and may use a model's key basis."""
+        return self.sized and self.quant == "ec" and self.key_basis != "none"
+
+    @property
     def uses_scorer(self) -> bool:
         """The scorer ranks tokens for presses, weighs the ladder's damage, picks ``mixed``'s int8 tokens."""
         if self.sized and self.quant in ("ladder", "floor", "ec"):

@@ -13,7 +13,6 @@ reads the object (local file or remote fetch, both verified) before decoding.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -29,7 +28,7 @@ CAL_TOKENS = 1500  # tokens of each (the shipped bases read 16 pages of up to 15
 
 def wants_basis(recipe) -> bool:
     """Whether ``recipe`` codes keys with ``ec`` and may use a model's key basis."""
-    return bool(getattr(recipe, "sized", False)) and recipe.quant == "ec" and recipe.key_basis != "none"
+    return bool(getattr(recipe, "uses_key_basis", False))
 
 
 def calibration_texts(store, fingerprint: str, max_docs: int = CAL_DOCS) -> list[str]:
@@ -97,31 +96,6 @@ def basis_for_workers(store, recipe, fingerprint: str | None, calibrate) -> byte
     data, n_docs, n_tokens = calibrate(texts)
     store_basis(store, fingerprint, data, f"calibrated on {n_docs} document(s) of this store ({n_tokens} tokens)")
     return data
-
-
-def ensure_key_basis(store, lm, recipe) -> str | None:
-    """Before a compress: the sha256 of the key basis ``recipe`` will code keys in, its file made
-    known to this process (a basis directory's, else the store's, else calibrated now and
-    stored), or None. Compress inside ``with kb.model_basis(lm.fingerprint, sha)``."""
-    if lm is None or not wants_basis(recipe):
-        return None
-    fp = lm.fingerprint
-    sha = kb.shipped_basis_for_model(fp)
-    if sha is not None:
-        return sha
-    from kdnctl.store.bases import basis_record
-
-    rec = basis_record(store, fp)
-    if rec is not None:
-        return kb.provide(store.read_object(rec.object))
-    return calibrate_into_store(store, lm)
-
-
-def key_basis_scope(store, lm, recipe):
-    """A context for one compress in ``store``: the model's key basis as :func:`ensure_key_basis`
-    finds or makes it is the one ``basis_for_model`` answers within it."""
-    sha = ensure_key_basis(store, lm, recipe)
-    return kb.model_basis(lm.fingerprint, sha) if sha is not None else contextlib.nullcontext()
 
 
 def basis_shas(metas) -> list[str]:
