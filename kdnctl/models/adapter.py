@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -313,13 +312,16 @@ def _recording(model, seen: dict):
         model.config._attn_implementation = previous
 
 
-_ADAPTERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+ADAPTER_ATTR = "_kdnctl_adapter"
 
 
 def adapter_for(model) -> ModelAdapter:
-    """The adapter of a transformers model (built once per model object)."""
+    """The adapter of a transformers model (built once per model object). It is kept on the model
+    itself: an adapter holds its model, so a cache keyed by the model (even a weak one) would keep
+    every model a process ever loaded alive."""
     model = getattr(model, "model", model) if not isinstance(model, torch.nn.Module) else model
-    found = _ADAPTERS.get(model)
+    found = model.__dict__.get(ADAPTER_ATTR)
     if found is None:
-        found = _ADAPTERS[model] = ModelAdapter(model)
+        found = ModelAdapter(model)
+        object.__setattr__(model, ADAPTER_ATTR, found)  # plain attribute: not a submodule, not saved
     return found
