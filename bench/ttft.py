@@ -57,6 +57,7 @@ from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.engine.prefill import bare_prefill_seconds  # noqa: E402
 from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
+from kdnctl.models.cache_args import cache_arg  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "corpus"
 QUESTION = "How long does it take to charge the battery to 80 %?"
@@ -103,7 +104,7 @@ def oracle_seconds(lm, ctx, question, *, old: bool) -> float:
     sync(lm)
     t = time.perf_counter()
     with attn:
-        out = model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True,
+        out = model(input_ids=ids, **cache_arg(model, cache), position_ids=pos, use_cache=True,
                     logits_to_keep=0 if old else 1)
     int(out.logits[0, -1].argmax())
     return time.perf_counter() - t
@@ -119,7 +120,7 @@ def user_ttft(lm, load, question, start: int) -> tuple[float, float]:
     sync(lm)
     t_load = time.perf_counter() - t
     cache = DynamicCache(ddp_cache_data=kv, config=lm.model.config)
-    out = lm.model(input_ids=torch.tensor([question], device=lm.device), past_key_values=cache,
+    out = lm.model(input_ids=torch.tensor([question], device=lm.device), **cache_arg(lm.model, cache),
                    position_ids=torch.arange(start, start + len(question), device=lm.device)[None],
                    use_cache=True, logits_to_keep=1)
     int(out.logits[0, -1].argmax())
@@ -181,7 +182,7 @@ def profile_row(lm, store, doc_id, label, question, repeats: int) -> dict:
         sync(lm)
         t = time.perf_counter()
         with kdn_attention(lm.model, AttentionState(bias=dict(ctx.bias))):  # as forward_suffix runs it
-            out = lm.model(input_ids=ids, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=1)
+            out = lm.model(input_ids=ids, **cache_arg(lm.model, cache), position_ids=pos, use_cache=True, logits_to_keep=1)
         sync(lm)
         suffix = time.perf_counter() - t
         t = time.perf_counter()

@@ -19,6 +19,7 @@ from kdnctl.ingest.corpus import Document
 
 from conftest import cli_json, run_cli
 from kdnctl.quant import layer_kv
+from kdnctl.models.cache_args import cache_arg
 
 P1 = ("The Orrin valley cooperative grows pears and quinces on terraces above the river. Its members "
       "meet every spring to agree on picking dates and on the price of cider for the coming year.")
@@ -71,7 +72,7 @@ def _keys_at(lm, ids: torch.Tensor, start: int) -> list[torch.Tensor]:
     cache = DynamicCache(config=lm.model.config)
     with torch.inference_mode():
         lm.model.model(input_ids=ids, position_ids=torch.arange(start, start + ids.shape[1])[None],
-                       past_key_values=cache, use_cache=True)
+                       **cache_arg(lm.model.model, cache), use_cache=True)
     return [layer.keys[0] for layer in cache.layers]
 
 

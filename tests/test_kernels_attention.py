@@ -21,6 +21,7 @@ from kdnctl.kernels import attention as ka  # noqa: E402  (after the triton chec
 from kdnctl.kernels.attention import QuantizedKV  # noqa: E402
 from kdnctl.kernels.attention import reference as ref  # noqa: E402
 from kdnctl.kernels.attention import triton as tr  # noqa: E402  (TRITON_INTERPRET set in conftest)
+from kdnctl.models.cache_args import cache_arg  # noqa: E402
 
 # The one tolerance table. Under the interpreter the dequantized tiles equal the reference's bit
 # for bit; what differs is float32 summation order in the dots and exp2-vs-exp softmax (~1e-7).
@@ -325,11 +326,11 @@ def test_engine_decode_steps_run_the_kernel_via_dispatch(monkeypatch):
         out, tok = [], None
         with torch.inference_mode(), kdn_attention(model, AttentionState(bias=bias)):
             cache = DynamicCache(config=cfg)
-            logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=ids, **cache_arg(model, cache), use_cache=True).logits[0, -1]
             for step in range(4):
                 tok = int(logits.argmax())
                 out.append(logits)
-                logits = model(input_ids=torch.tensor([[tok]]), past_key_values=cache, use_cache=True,
+                logits = model(input_ids=torch.tensor([[tok]]), **cache_arg(model, cache), use_cache=True,
                                position_ids=torch.tensor([[11 + step]])).logits[0, -1]
         return torch.stack(out + [logits])
 

@@ -7,6 +7,7 @@ JSON and lone surrogates are 400s; a `/` grant is refused."""
 
 from __future__ import annotations
 
+import http.client
 import socket
 import threading
 import time
@@ -57,7 +58,9 @@ def _closed_by_server(s: socket.socket, guard_s: float) -> bool:
 
 
 def test_slow_and_idle_clients_are_dropped_while_32_real_clients_are_served(ns_store):
-    limits = Limits(header_timeout_s=1.0, body_timeout_s=2.0, keep_alive_s=1.0, max_connections=64)
+    # the header timeout also bounds a real client's gap between its keep-alive requests: 2 s
+    # leaves room for 33 threads sharing one interpreter on a loaded machine
+    limits = Limits(header_timeout_s=2.0, body_timeout_s=2.0, keep_alive_s=5.0, max_connections=64)
     with ThreadServer(ns_store, limits=limits) as srv:
         partial = b"GET /v1/docs HTTP/1.1\r\nHost: x\r\nX-Slow: "  # a header that never ends
         attackers = [_slow_socket(srv.port, partial if i % 3 else b"") for i in range(150)]
@@ -82,8 +85,32 @@ def test_slow_and_idle_clients_are_dropped_while_32_real_clients_are_served(ns_s
         late = _slow_socket(srv.port, b"GET /v1/health HTTP/1.1\r\n")
         t0 = time.monotonic()
         assert _closed_by_server(late, guard_s=20)
-        print(f"late slow-header client dropped after {time.monotonic() - t0:.2f}s (header timeout 1.0s)")
+        print(f"late slow-header client dropped after {time.monotonic() - t0:.2f}s (header timeout 2.0s)")
         assert httpx.get(f"{srv.url}/v1/health").status_code == 200
+
+
+def test_the_cap_evicts_a_never_served_socket_before_a_keep_alive_client(ns_store):
+    # A's keep-alive connection has waited longest, but it has been served; B and C never sent
+    # a request. The fourth connection over a cap of three evicts B, and A's next request goes
+    # out on the same socket.
+    limits = Limits(header_timeout_s=30.0, keep_alive_s=30.0, max_connections=3)
+    with ThreadServer(ns_store, limits=limits) as srv:
+        a = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=20)
+        a.request("GET", "/v1/health")
+        assert a.getresponse().read() is not None
+        sock = a.sock
+        b = _slow_socket(srv.port, b"")
+        time.sleep(0.3)
+        c = _slow_socket(srv.port, b"GET /v1/docs HTTP/1.1\r\n")
+        time.sleep(0.3)
+        d = _slow_socket(srv.port, b"")
+        assert _closed_by_server(b, guard_s=10)
+        a.request("GET", "/v1/health")
+        resp = a.getresponse()
+        assert resp.status == 200 and a.sock is sock
+        resp.read()
+        assert not _closed_by_server(c, guard_s=0.5) and not _closed_by_server(d, guard_s=0.5)
+        a.close()
 
 
 def test_a_slow_body_gets_408(ns_store):

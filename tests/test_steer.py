@@ -24,6 +24,7 @@ from kdnctl.steer.base import SteerSpec, get_edit, pasta_bias, steer_document
 from kdnctl.steer.heads import from_value, parse_pairs, resolve_heads
 from kdnctl.steer.highlight import find_highlight, parse_markers
 from kdnctl.store import Store
+from kdnctl.models.cache_args import cache_arg
 
 pytestmark = pytest.mark.model
 
@@ -214,9 +215,9 @@ def test_decode_bias_equals_reference_attention():
     AttentionInterface.register("kdn_test_reference", reference)
     with torch.inference_mode():
         cache = DynamicCache(config=cfg)
-        model(input_ids=ids[:, :n], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :n], **cache_arg(model, cache), use_cache=True)
         with kdn_attention(model, AttentionState(bias=bias)):
-            got = model(input_ids=ids[:, n:], past_key_values=cache, use_cache=True,
+            got = model(input_ids=ids[:, n:], **cache_arg(model, cache), use_cache=True,
                         position_ids=torch.arange(n, n + q)[None]).logits[0]
         model.config._attn_implementation = "kdn_test_reference"
         want = model(input_ids=ids).logits[0, n:]

@@ -14,6 +14,8 @@ from conftest import run_cli
 from test_models import DOC, SUFFIX, TOL, own_forward_logits
 from test_models import built as models  # noqa: F401 (the matrix's module-scoped model builder)
 
+from kdnctl.models.cache_args import cache_arg
+
 WINDOWED = ["mistral", "gemma2", "gemma3"]
 
 
@@ -64,7 +66,7 @@ def test_window_layers_store_their_window_and_load_as_the_model_computes(name, m
         # the model's own forward over its own cache types, filled from the window version
         cache = model_cache(mlm, ctx)
         with torch.inference_mode():
-            out = mlm.model(input_ids=torch.tensor([suffix]), past_key_values=cache, use_cache=True,
+            out = mlm.model(input_ids=torch.tensor([suffix]), **cache_arg(mlm.model, cache), use_cache=True,
                             cache_position=torch.arange(n, n + len(suffix)))
         assert (out.logits[0, -1].float() - want).abs().max().item() < TOL
 

@@ -7,9 +7,12 @@ few hundred of them lock everyone out. ``GuardedH11`` adds what is missing:
 
 - a header timeout, armed when a connection opens and again after every response, cleared
   only when a complete request head has arrived (not on the first byte);
-- a connection cap: at the cap, a new connection evicts the connection that has waited longest
-  without sending a complete request head (an idle or slow-header one); if every connection
-  is busy with a real request, the new one is closed instead.
+- a connection cap over open connections (one already being closed no longer counts, so a
+  burst of timeouts or evictions does not evict again): at the cap, a new connection evicts
+  the connection that has waited longest without sending a complete request head, taking
+  one that never completed a request (idle from connect, or a slow header) before a
+  keep-alive connection between a client's requests; if every connection is busy with a real
+  request, the new one is closed instead.
 Slow request bodies are bounded by the app (``Limits.body_timeout_s`` -> 408).
 """
 
@@ -45,9 +48,10 @@ def guarded_protocol(limits: Limits) -> type:
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._timer = None
+            self._served = False  # True once a response went out on this connection
             self._waiting_since = self.loop.time()
             self._arm()
-            if len(self.connections) > self._limits.max_connections:
+            if sum(not p.transport.is_closing() for p in self.connections) > self._limits.max_connections:
                 self._make_room()
 
         def _arm(self) -> None:
@@ -70,9 +74,10 @@ def guarded_protocol(limits: Limits) -> type:
                 self.transport.close()  # no answer: a client that sends no request gets none
 
         def _make_room(self) -> None:
-            idle = [p for p in self.connections if p is not self and getattr(p, "waiting_for_head", False)]
+            idle = [p for p in self.connections if p is not self and getattr(p, "waiting_for_head", False)
+                    and not p.transport.is_closing()]
             if idle:
-                victim = min(idle, key=lambda p: p._waiting_since)
+                victim = min(idle, key=lambda p: (p._served, p._waiting_since))
                 victim._disarm()
                 victim.transport.close()
             else:  # every other connection is serving a real request
@@ -86,6 +91,7 @@ def guarded_protocol(limits: Limits) -> type:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._served = True
             if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
                 self._arm()  # the next request's head must arrive in time too
 
