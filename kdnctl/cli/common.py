@@ -18,7 +18,7 @@ StoreOpt = typer.Option(None, "--store", envvar="KDN_STORE", help="Store directo
 ModelOpt = typer.Option(None, "--model", help="HF model directory or .gguf file (default: SmolLM2-135M-Instruct).")
 JsonOpt = typer.Option(False, "--json", help="Print machine-readable JSON on stdout.")
 RayOpt = typer.Option(None, "--ray", help="Run on a Ray cluster: its address (e.g. 10.0.0.5:6379, or auto), or "
-                      "`local` to start one here (needs `pip install 'kdnctl[ray]'`; see docs/scale-out.md).")
+                      "`local` to start one here (needs `pip install 'kdnctl\\[ray]'`; see docs/scale-out.md).")
 WorkersOpt = typer.Option(None, "--workers", help="With --ray: model-holding workers (default: one per GPU, or 1).")
 BatchOpt = typer.Option(16, "--batch", help="With --ray: commit the catalog every N finished documents (or every "
                         "5 s); a driver crash loses at most the uncommitted batch.")

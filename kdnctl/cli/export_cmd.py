@@ -24,7 +24,7 @@ def lmcache(
     hash_seed: str = typer.Option("0", "--hash-seed", help="PYTHONHASHSEED the engine runs with."),
     none_hash: Optional[int] = typer.Option(None, "--none-hash", help="Override the chain's initial hash (default: what LMCache computes)."),
     world_size: int = typer.Option(1, "--world-size", help="Tensor-parallel workers (KV heads are split across them)."),
-    check: bool = typer.Option(False, "--check", help="Read every file back with LMCache's own code (needs kdnctl[lmcache])."),
+    check: bool = typer.Option(False, "--check", help="Read every file back with LMCache's own code (needs kdnctl\\[lmcache])."),
     store: Optional[Path] = StoreOpt,
     as_json: bool = JsonOpt,
 ) -> None:
@@ -58,7 +58,7 @@ def llama_cpp(
     flash_attn: Optional[bool] = typer.Option(None, "--flash-attn/--no-flash-attn", help="The context's flash attention (default: off for f16, on for q8_0)."),
     kv_rotation: bool = typer.Option(True, "--kv-rotation/--no-kv-rotation", help="q8_0: Hadamard-rotate K/V as llama.cpp (attn_rot, default since PR 21038) does; off for older builds or LLAMA_ATTN_ROT_DISABLE=1."),
     gguf: Optional[str] = typer.Option(None, "--gguf", help="GGUF llama.cpp loads (default: the default model's)."),
-    check: bool = typer.Option(False, "--check", help="Load the file with llama.cpp's own code and decode a question after it (needs kdnctl[llamacpp])."),
+    check: bool = typer.Option(False, "--check", help="Load the file with llama.cpp's own code and decode a question after it (needs kdnctl\\[llamacpp])."),
     store: Optional[Path] = StoreOpt,
     model: Optional[str] = ModelOpt,
     as_json: bool = JsonOpt,
