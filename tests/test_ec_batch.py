@@ -225,3 +225,21 @@ def test_frames_cut_in_numpy_are_the_reference_bytes(h, t, d):
         fast, bins = encode_codes(codes)
         ref, bins_ref = encode_codes(codes, reference=True)
         assert torch.equal(bins, bins_ref) and torch.equal(fast, ref), spread
+
+
+def test_warm_decodes_like_the_reference_and_a_second_process_compiles_nothing(tmp_path):
+    # numba keeps the kernels on disk; a kernel whose cache key differs per process (a closure
+    # over a jitted function or an external symbol) is compiled again by every load: seconds
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "NUMBA_DEBUG_CACHE": "1"}
+    code = "from kdnctl.quant import ec_batch; assert ec_batch.warm()"
+    first = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "data saved" in first.stdout + first.stderr  # the fresh cache directory was filled
+    second = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-2000:]
+    log = second.stdout + second.stderr
+    assert "data loaded" in log and "data saved" not in log, log[-3000:]

@@ -279,3 +279,43 @@ def _basis_t(sha: str | None, n_layers: int, h: int, d: int) -> torch.Tensor | N
     if tuple(bt.shape[1:]) != (h, d, d) or bt.shape[0] < n_layers:
         raise BundleFormatError(f"key basis {sha[:12]} is {list(bt.shape)}, the bundle needs [{n_layers}, {h}, {d}, {d}]")
     return bt
+
+
+def warm() -> bool:
+    """Compile every kernel the CPU load runs, on a small made-up version, so that a first load
+    after installing pays no compile (numba keeps the machine code on disk; ``scripts/install.sh``
+    calls this). True when the compiled decode of it, with and without a key basis, equals the
+    reference decoder's; False where the compiled path is absent or off."""
+    if not enabled():
+        return False
+    from kdnctl.format.bundle import KVBundle
+    from kdnctl.kernels.ec import cpu
+
+    from .entropy import EntropyQuantizer, encode_role
+
+    h, t, d, n_layers = 2, 7, 8, 2
+    g = torch.Generator().manual_seed(0)
+    quant = {**EntropyQuantizer(key_rope_theta=10000.0).meta(h, d), "scheme": "ec"}
+    levels = torch.tensor([0, 1, 2, 3, 0, 1, 2], dtype=torch.uint8)
+    tensors = {"token_ids": torch.arange(t), "token_levels": levels, "positions": torch.arange(3, 3 + t)}
+    for i in range(n_layers):
+        for role in ROLES:
+            x = torch.randn(h, t, d, generator=g)
+            if i == 1:
+                x[0, 3, 0] = 500.0  # two-byte codes in this layer, one-byte codes in the other
+            tensors[f"{tensor_name(i, role)}.codes"], tensors[f"{tensor_name(i, role)}.params"] = encode_role(
+                x, torch.full((h, d), 0.3), levels)
+    b = KVBundle(meta={"quant": quant}, tensors=tensors)
+    want = [torch.stack([EntropyQuantizer.dequantize(tensors, tensor_name(i, role), quant) for i in range(n_layers)])
+            for role in ROLES]
+    out = tuple(torch.zeros(n_layers, h, t, d) for _ in ROLES)
+    if not eligible([b], n_layers, quant, out):
+        return False
+    decode_into(out, [b], [0], quant, workers=1)
+    # the key-basis path (scaled codes, the matmul, RoPE into the cache); the identity basis
+    # gives the keys the reference decodes without one
+    keys = torch.zeros(n_layers, h, t, d)
+    _decode_chunk_role(b, "keys", t, 0, keys, quant, h, d, torch.eye(d).expand(n_layers, h, d, d).contiguous(),
+                       np.empty(2 * h * d * t, np.uint8), (np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16)),
+                       cpu.new_state(), n_layers, torch.empty(2 * n_layers * h * t * d))
+    return all(torch.allclose(got, w, rtol=1e-5, atol=1e-4) for got, w in zip((*out, keys), (*want, want[0])))

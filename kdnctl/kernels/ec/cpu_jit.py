@@ -1,0 +1,238 @@
+"""The compiled kernels of :mod:`kdnctl.kernels.ec.cpu`, at module level so that numba's disk
+cache finds them again in the next process. (A closure's cells are part of numba's cache key,
+and a cell holding a jitted function or an external symbol hashes differently in every process:
+kernels built inside a function compiled again in every process, seconds before a first load.)
+
+``init`` and ``stateless`` are ISA-L's functions, bound by name: import this module only after
+``cpu._kernels`` has loaded the library into the process (``llvmlite.binding.load_library_permanently``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+from numba import types
+
+from . import digits
+from .errors import ERR_FRAMES, ERR_INFLATE, ERR_RANGE, ERR_SIZES, ERR_WIDTH, ERR_ZERO
+
+njit = functools.partial(numba.njit, nogil=True, cache=True)
+init = types.ExternalFunction("isal_inflate_init", types.void(types.voidptr))
+stateless = types.ExternalFunction("isal_inflate_stateless", types.int32(types.voidptr))
+
+
+@njit
+def inflate_one(state, src_ptr, n_in, dst_ptr, n_out) -> bool:
+    s64, s32 = state.view(np.uint64), state.view(np.uint32)
+    s64[0] = dst_ptr
+    s32[2] = n_out
+    s64[2] = src_ptr
+    s32[8] = n_in
+    r = stateless(state.ctypes.data)
+    return r == 0 and s32[2] == 0 and s32[8] == 0
+
+@njit
+def inflate_frames(src, s_off, s_len, dst, d_off, d_len, state, ok):
+    """Frame f: ``src[s_off[f]:+s_len[f]]`` inflated to exactly ``d_len[f]`` bytes at ``d_off[f]``."""
+    init(state.ctypes.data)
+    sp, dp = src.ctypes.data, dst.ctypes.data
+    for f in range(s_off.shape[0]):
+        ok[f] = inflate_one(state, sp + s_off[f], s_len[f], dp + d_off[f], d_len[f])
+
+codes_per_byte = njit(digits.codes_per_byte)
+
+@njit
+def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> bool:
+    """A frame's ``m`` codes (rows of ``t``, already inflated into ``scratch``) as int16 at
+    ``zs[base:base + m]``; packed digits may write up to ``per - 1`` codes past the end (the
+    next frame overwrites them; ``zs`` has room). False: a byte holds digits out of range."""
+    if per == 1 and width == 1:
+        for i in range(m):
+            v = np.int16(scratch[i])
+            zs[base + i] = v - 256 if v >= 128 else v
+    elif per == 1:
+        for i in range(m):
+            v = np.int32(scratch[2 * i]) | (np.int32(scratch[2 * i + 1]) << 8)
+            zs[base + i] = v - 65536 if v >= 32768 else v
+    else:
+        radix, lim = 2 * peak + 1, 1
+        for _ in range(per):
+            lim *= radix
+        top = 0
+        for i in range(n_bytes):
+            if scratch[i] > top:
+                top = scratch[i]
+        if top >= lim:
+            return False
+        tab = tables[peak]
+        for i in range(n_bytes):
+            row = tab[scratch[i]]
+            k = base + i * per
+            for e in range(per):
+                zs[k + e] = row[e]
+    return True
+
+@njit
+def dequant_rows(zs, slot, t, step, mean, lv, plain, out, lay, tok, cos, sin, ci, z, y):
+    """``out[lay, h, tok + j] = zs[slot[h*D + c] + j] * lv[j] * step + mean`` (then RoPE'd
+    where ``ci >= 0``), or ``plain`` False: the scaled codes alone."""
+    h_n, d = out.shape[1], out.shape[3]
+    half = d // 2
+    for h in range(h_n):
+        rb = slot[h * d:(h + 1) * d]
+        st = step[h * d:(h + 1) * d]
+        mu = mean[h * d:(h + 1) * d]
+        hc = h if cos.shape[1] > 1 else 0
+        for j in range(t):
+            sc = lv[j]
+            for c in range(d):
+                z[c] = np.float32(zs[rb[c] + j]) * sc
+            row = out[lay, h, tok + j]
+            if not plain:
+                for c in range(d):
+                    row[c] = z[c]
+                continue
+            for c in range(d):
+                y[c] = z[c] * st[c] + mu[c]
+            if ci >= 0:
+                rope_row(row, y, cos[ci, hc, j], sin[ci, hc, j], half)
+            else:
+                for c in range(d):
+                    row[c] = y[c]
+
+@njit
+def rope_row(row, y, cr, sr, half):
+    """``row = y * cos + rotate_half(y) * sin``, as ``transforms.rope`` computes it: each
+    product rounded, then the sum."""
+    for i in range(half):
+        a, c2 = y[i], y[i + half]
+        row[i] = a * cr[i] + (-c2) * sr[i]
+        row[i + half] = c2 * cr[i + half] + a * sr[i + half]
+
+@njit
+def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, plain, cos, sin, cs_idx,
+                 tables, scratch, zs8, zs16, state, err):
+    """Blob b (one layer of one role of a chunk): its codes at ``raw[c_off[b]:+c_len[b]]``,
+    ``step``/``mean``/``bins`` ``[n, H*D]`` from its params, ``lsc [n, t]`` = 2**-level,
+    written to ``out[layer[b], :, tok:tok + t, :]``: ``code * 2**-level * step + mean``
+    where ``plain``, else ``code * 2**-level`` (the caller rotates those out of a key
+    basis); ``cs_idx[b] >= 0`` (and ``plain``): then RoPE by ``cos``/``sin[cs_idx[b]]``
+    (``[Hc, t, D]``, Hc 1 or H). Two passes per blob: every frame inflated and unpacked to
+    rows of codes in bin order (``zs8``, or ``zs16`` for two-byte codes; a frame of one
+    code per byte inflates straight there), then the token rows of each head dequantized,
+    RoPE'd and written once, in order.
+    ``err[b]``: 0 or an error code (nothing of that blob is written)."""
+    init(state.ctypes.data)
+    h_n, d = out.shape[1], out.shape[3]
+    hd = h_n * d
+    counts = np.zeros(256, np.int64)
+    start = np.zeros(256, np.int64)
+    slot = np.zeros(hd, np.int64)  # channel -> its row in bin order
+    z = np.zeros(d, np.float32)
+    y = np.zeros(d, np.float32)
+    sp, scr, z8 = raw.ctypes.data, scratch.ctypes.data, zs8.ctypes.data
+    for b in range(c_off.shape[0]):
+        p, n_raw, lay = c_off[b], c_len[b], layer[b]
+        width, n_frames = raw[p], raw[p + 1]
+        if width != 1 and width != 2:
+            err[b] = ERR_WIDTH
+            continue
+        counts[:] = 0
+        for c in range(hd):
+            counts[bins[b, c]] += 1
+        n_bins, acc = 0, 0
+        for v in range(256):
+            start[v] = acc
+            acc += counts[v]
+            if counts[v] > 0:
+                n_bins += 1
+        head = 2 + 6 * n_frames
+        if n_bins != n_frames or n_raw < head:
+            err[b] = ERR_FRAMES
+            continue
+        total, bad = 0, False
+        for f in range(n_frames):
+            q = p + 2 + 4 * f
+            size = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8) | (np.int64(raw[q + 2]) << 16) | (np.int64(raw[q + 3]) << 24)
+            if size >= 2 ** 31:
+                bad = True
+            q = p + 2 + 4 * n_frames + 2 * f
+            if raw[q + 1] >= 128:  # a negative peak
+                bad = True
+            total += size
+        if bad or head + total != n_raw:
+            err[b] = ERR_SIZES
+            continue
+        for c in range(hd):  # channels in bin order, ascending within a bin (a stable sort)
+            v = bins[b, c]
+            slot[c] = start[v]
+            start[v] += 1
+        o, pos, fb = 0, p + head, 0
+        for f in range(n_frames):
+            q = p + 2 + 4 * f
+            size = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8) | (np.int64(raw[q + 2]) << 16) | (np.int64(raw[q + 3]) << 24)
+            q = p + 2 + 4 * n_frames + 2 * f
+            peak = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8)
+            while counts[fb] == 0:  # the f-th bin that has channels
+                fb += 1
+            n = counts[fb]
+            fb += 1
+            per = codes_per_byte(peak)
+            m = n * t
+            if per == 0:
+                if size:
+                    err[b] = ERR_ZERO
+                    break
+                if width == 1:
+                    zs8[o * t:(o + n) * t] = 0
+                else:
+                    zs16[o * t:(o + n) * t] = 0
+            elif m > 0:
+                n_bytes = (m + per - 1) // per if per > 1 else width * m
+                if per == 1 and width == 1:  # one code per byte: inflated straight into its rows
+                    if not inflate_one(state, sp + pos, size, z8 + o * t, n_bytes):
+                        err[b] = ERR_INFLATE
+                        break
+                else:
+                    if n_bytes > scratch.shape[0] or not inflate_one(state, sp + pos, size, scr, n_bytes):
+                        err[b] = ERR_INFLATE
+                        break
+                    if width == 1:
+                        good = unpack_frame(scratch, n_bytes, width, per, peak, tables, zs8, o * t, m)
+                    else:
+                        good = unpack_frame(scratch, n_bytes, width, per, peak, tables, zs16, o * t, m)
+                    if not good:
+                        err[b] = ERR_RANGE
+                        break
+            o += n
+            pos += size
+        if err[b] != 0:
+            continue
+        for c in range(hd):
+            slot[c] *= t  # (row -> its first code)
+        if width == 1:
+            dequant_rows(zs8, slot, t, step[b], mean[b], lsc[b], plain, out, lay, tok, cos, sin, cs_idx[b], z, y)
+        else:
+            dequant_rows(zs16, slot, t, step[b], mean[b], lsc[b], plain, out, lay, tok, cos, sin, cs_idx[b], z, y)
+
+@njit
+def rope_blobs(src, out, layer, tok, t, cos, sin, cs_idx):
+    """``out[layer[b], :, tok:tok + t] = src[layer[b], :, :t]`` RoPE'd by ``cos``/``sin[cs_idx[b]]``
+    (copied as they are where ``cs_idx[b] < 0``): each row of the cache written once."""
+    d = out.shape[3]
+    y = np.zeros(d, np.float32)
+    for b in range(layer.shape[0]):
+        ci, lay = cs_idx[b], layer[b]
+        for h in range(out.shape[1]):
+            hc = h if cos.shape[1] > 1 else 0
+            for j in range(t):
+                row, s_row = out[lay, h, tok + j], src[lay, h, j]
+                if ci < 0:
+                    for c in range(d):
+                        row[c] = s_row[c]
+                    continue
+                for c in range(d):
+                    y[c] = s_row[c]
+                rope_row(row, y, cos[ci, hc, j], sin[ci, hc, j], d // 2)
