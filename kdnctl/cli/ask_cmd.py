@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from kdnctl.models.load import LoadedModel
 
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -64,6 +65,11 @@ def ask(
     picked = None
     if chunks is not None or (not composing and version == "independent"):
         picked = _pick_chunks(st, doc, chunks)  # before loading the model: bad ids fail fast
+    from ..quant import ec_batch
+
+    # the compiled decoder of compressed versions loads (from numba's disk cache) while the model
+    # does, not inside the time to first token
+    threading.Thread(target=ec_batch.enabled, daemon=True).start()
     lm = load_lm(model)
     suffix = PromptFormat.for_tokenizer(lm.tokenizer).question_ids(lm.tokenizer, question)
     if not composing and version != "independent":
