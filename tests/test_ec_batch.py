@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -243,3 +244,23 @@ def test_warm_decodes_like_the_reference_and_a_second_process_compiles_nothing(t
     assert second.returncode == 0, second.stderr[-2000:]
     log = second.stdout + second.stderr
     assert "data loaded" in log and "data saved" not in log, log[-3000:]
+
+
+def test_the_kernels_see_one_numba_type_whichever_way_the_blobs_lie():
+    # a second type is a second compile on a load (seconds), and a miss in numba's disk cache
+    # for a process whose heap put the blobs apart
+    numba = pytest.importorskip("numba")
+    from kdnctl.quant.ec_batch import _level_scales, _span
+
+    big = torch.arange(4 << 20, dtype=torch.int32).view(torch.uint8)
+    near, _ = _span([big[:10], big[10:30]])
+    apart, offs = _span([big[:10], big[-20:]])
+    assert near.base is not None and apart.base is None  # a view in one case, a copy in the other
+    assert numba.typeof(near) == numba.typeof(apart)
+    assert bytes(apart[offs[1]:offs[1] + 20]) == bytes(big[-20:].numpy())
+    levels = torch.tensor([0, 1, 2], dtype=torch.uint8)
+    shared = {"token_levels": levels}
+    own = {"layers.0.levels": levels, "layers.1.levels": levels.clone()}
+    a = _level_scales(shared, ["layers.0.keys", "layers.1.keys"], 3)
+    b = _level_scales(own, ["layers.0.keys", "layers.1.keys"], 3)
+    assert numba.typeof(a) == numba.typeof(b) and np.array_equal(a, b)

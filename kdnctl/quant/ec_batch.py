@@ -200,15 +200,18 @@ def _span(blobs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
 
 class _Memory:
     """``n`` bytes at ``address`` as a numpy array (no copy): the object the blobs are views of,
-    which the bundle's tensors keep alive while the kernels read it."""
+    which the bundle's tensors keep alive while the kernels read it. Flagged writable (the kernels
+    only read it) so that it has the numba type of the copy ``_span`` makes of scattered blobs:
+    one compiled kernel, found in numba's disk cache whichever way a process's heap lies."""
 
     def __init__(self, address: int, n: int):
-        self.__array_interface__ = {"data": (address, True), "shape": (n,), "typestr": "|u1", "version": 3}
+        self.__array_interface__ = {"data": (address, False), "shape": (n,), "typestr": "|u1", "version": 3}
 
 
 def _level_scales(tensors, prefixes: list[str], t: int) -> np.ndarray:
-    """float32 ``[L, t]``: ``2**-level`` of each layer's tokens (one row, broadcast, where the
-    layers share one levels tensor)."""
+    """float32 ``[L, t]``, C-contiguous: ``2**-level`` of each layer's tokens (one row, copied
+    per layer, where the layers share one levels tensor: a broadcast view would be a second
+    numba type, so a second compiled kernel)."""
     levels = []
     for p in prefixes:
         layer, role = p.rsplit(".", 1)
@@ -224,7 +227,7 @@ def _level_scales(tensors, prefixes: list[str], t: int) -> np.ndarray:
     if lv.size and int(lv.max()) > MAX_LEVEL:
         raise BundleFormatError(f"{prefixes[0].rsplit('.', 1)[0]}: a token level above {MAX_LEVEL}")
     sc = np.ldexp(np.float32(1.0), -lv.astype(np.int32)).astype(np.float32)
-    return np.broadcast_to(sc, (len(prefixes), t)) if sc.shape[0] == 1 else sc
+    return np.ascontiguousarray(np.broadcast_to(sc, (len(prefixes), t))) if sc.shape[0] == 1 else sc
 
 
 def _rope_tables(tensors, prefixes: list[str], t: int, h: int, d: int, theta: float):
