@@ -53,13 +53,16 @@ def test_rope_keys_decode_to_their_positions():
     assert (y - k).abs().max() < 0.02  # RoPE removed before coding, put back after
 
 
-def test_wide_codes_use_int16_and_stay_exact():
+@pytest.mark.parametrize("own_widths,width", [(True, 3), (False, 2)])
+def test_wide_codes_use_int16_and_stay_exact(own_widths, width):
+    """Codes beyond a byte: int16 in the frame that needs it (1.11, width 3), or in every frame
+    (before 1.11, width 2, still read)."""
     torch.manual_seed(2)
     x = torch.randn(2, 50, 8)
     x[0, 3, 2] = 900.0  # an outlier far beyond 127 steps
     step = torch.full((2, 8), 0.05)
-    codes, params = encode_role(x, step, torch.zeros(50, dtype=torch.uint8))
-    assert int(codes[0]) == 2
+    codes, params = encode_role(x, step, torch.zeros(50, dtype=torch.uint8), own_widths=own_widths)
+    assert int(codes[0]) == width
     tensors = {"layers.0.values.codes": codes, "layers.0.values.params": params,
                "token_levels": torch.zeros(50, dtype=torch.uint8)}
     meta = EntropyQuantizer().meta(2, 8)
@@ -141,7 +144,7 @@ def test_stacked_layers_decode_as_each_layer_alone(own_positions):
         tensors[f"layers.{i}.values.levels"] = lv
         if own_positions:
             tensors[f"layers.{i}.positions"] = torch.stack([torch.randperm(60)[:t].sort().values for _ in range(h)])
-    assert int(tensors["layers.2.values.codes"][0]) == 2 and int(tensors["layers.1.values.codes"][0]) == 1
+    assert int(tensors["layers.2.values.codes"][0]) == 3 and int(tensors["layers.1.values.codes"][0]) == 1
     for role in ("keys", "values"):
         names = [f"layers.{i}.{role}" for i in range(n_layers)]
         alone = torch.stack([EntropyQuantizer.dequantize(tensors, n, meta) for n in names])

@@ -30,7 +30,7 @@ class Chunk:
 
 
 def _chunk(seed: int, h: int, t: int, d: int, n_layers: int, *, theta=10000.0, basis=None, own_positions=False,
-           spread=1.0, start=0):
+           spread=1.0, start=0, own_widths=True):
     g = torch.Generator().manual_seed(seed)
     q = EntropyQuantizer(key_rope_theta=theta, key_basis="test" if basis is not None else None)
     meta = {"quant": {**q.meta(h, d), "scheme": "ec"}}
@@ -47,7 +47,7 @@ def _chunk(seed: int, h: int, t: int, d: int, n_layers: int, *, theta=10000.0, b
             lv = tensors["token_levels"]
             axes = basis[i] if basis is not None and role == "keys" else None
             tensors[f"layers.{i}.{role}.codes"], tensors[f"layers.{i}.{role}.params"] = encode_role(
-                x, torch.full((h, d), 0.3), lv, basis=axes)
+                x, torch.full((h, d), 0.3), lv, basis=axes, own_widths=own_widths)
         if own_positions:
             tensors[f"layers.{i}.positions"] = torch.stack(
                 [torch.randperm(3 * t + 1, generator=g)[:t].sort().values + start for _ in range(h)])
@@ -86,15 +86,18 @@ def with_basis(monkeypatch):
     return basis
 
 
-@pytest.mark.parametrize("h,t,d,theta,own,workers", [
-    (3, 37, 16, 10000.0, False, 2), (1, 1, 8, 10000.0, False, 1), (2, 129, 10, None, False, 2),
-    (3, 64, 16, 500.0, True, 2), (2, 0, 8, 10000.0, False, 1)])
-def test_batch_decoder_equals_the_reference(h, t, d, theta, own, workers):
+@pytest.mark.parametrize("h,t,d,theta,own,workers,own_widths", [
+    (3, 37, 16, 10000.0, False, 2, True), (1, 1, 8, 10000.0, False, 1, True), (2, 129, 10, None, False, 2, True),
+    (3, 64, 16, 500.0, True, 2, True), (2, 0, 8, 10000.0, False, 1, True), (3, 37, 16, 10000.0, False, 2, False),
+    (2, 129, 10, None, True, 1, False)])
+def test_batch_decoder_equals_the_reference(h, t, d, theta, own, workers, own_widths):
+    """Every code width: one byte, each frame its own (1.11), two bytes for every frame (before 1.11)."""
     n_layers = 3
-    chunks = [_chunk(11 + j, h, t + j, d, n_layers, theta=theta, own_positions=own, start=j * 300) for j in range(3)]
+    chunks = [_chunk(11 + j, h, t + j, d, n_layers, theta=theta, own_positions=own, start=j * 300, own_widths=own_widths)
+              for j in range(3)]
     widths = {int(c.tensors[f"layers.{i}.{r}.codes"][0]) for c in chunks for i in range(n_layers) for r in ("keys", "values")}
     if t > 1:
-        assert widths == {1, 2}  # both code widths appear
+        assert widths == ({1, 3} if own_widths else {1, 2})  # both code widths appear
     ref = _reference(chunks, n_layers, h, d)
     fast = _fast(chunks, n_layers, h, d, workers)
     for a, b in zip(ref, fast):
@@ -216,16 +219,17 @@ def test_a_load_decodes_like_the_reference(lm, tmp_path_factory, monkeypatch):
 @pytest.mark.parametrize("h,t,d", [(3, 37, 16), (1, 1, 8), (2, 256, 64), (3, 0, 8)])
 def test_frames_cut_in_numpy_are_the_reference_bytes(h, t, d):
     """The encoder's numpy frame cutting writes exactly the bytes of the plain per-frame loop:
-    every packing, both code widths (stored bytes of existing versions do not move)."""
+    every packing, every code width (stored bytes of existing versions do not move)."""
     from kdnctl.quant.entropy import encode_codes
 
     g = torch.Generator().manual_seed(h * 1000 + t)
     for spread in (0.2, 3.0, 400.0):
         scale = torch.logspace(-2, 0, d)[torch.randperm(d, generator=g)] * spread
         codes = torch.round(torch.randn(h, t, d, generator=g) * scale)
-        fast, bins = encode_codes(codes)
-        ref, bins_ref = encode_codes(codes, reference=True)
-        assert torch.equal(bins, bins_ref) and torch.equal(fast, ref), spread
+        for own_widths in (True, False):
+            fast, bins = encode_codes(codes, own_widths=own_widths)
+            ref, bins_ref = encode_codes(codes, reference=True, own_widths=own_widths)
+            assert torch.equal(bins, bins_ref) and torch.equal(fast, ref), (spread, own_widths)
 
 
 def test_warm_decodes_like_the_reference_and_a_second_process_compiles_nothing(tmp_path):
@@ -264,3 +268,29 @@ def test_the_kernels_see_one_numba_type_whichever_way_the_blobs_lie():
     a = _level_scales(shared, ["layers.0.keys", "layers.1.keys"], 3)
     b = _level_scales(own, ["layers.0.keys", "layers.1.keys"], 3)
     assert numba.typeof(a) == numba.typeof(b) and np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("h,t,d", [(3, 37, 16), (2, 256, 64), (1, 5, 8)])
+def test_frames_of_their_own_width_hold_the_same_codes_in_fewer_bytes(h, t, d):
+    """A role whose largest code needs two bytes: its frames at their own widths (1.11) decode to
+    the codes of the blob whose frames all take two bytes, in fewer bytes where a frame's peak
+    fits a byte; rewriting the two-byte blob (what a compress does after fitting its scale)
+    gives the bytes the encoder writes."""
+    from kdnctl.quant.entropy import decode_role_ints, encode_codes, encode_params, own_width_frames
+
+    g = torch.Generator().manual_seed(7 * t + d)
+    scale = torch.logspace(-1, 1.3, d)[torch.randperm(d, generator=g)]
+    codes = torch.round(torch.randn(h, t, d, generator=g) * scale)
+    codes[0, t // 2, 0] = 3000.0  # two-byte codes in one frame
+    own, bins = encode_codes(codes)
+    two, _ = encode_codes(codes, own_widths=False)
+    assert int(own[0]) == 3 and int(two[0]) == 2
+    assert torch.equal(own_width_frames(two), own)
+    assert own.numel() < two.numel()
+    params = encode_params(torch.ones(h, d), torch.zeros(h, d), bins)
+    ints_own = decode_role_ints(own, params, h, d, t, "x")[0]
+    ints_two = decode_role_ints(two, params, h, d, t, "x")[0]
+    assert torch.equal(ints_own, ints_two)
+    assert torch.equal(ints_own.view(h, d, t).transpose(1, 2).float(), codes)
+    one, _ = encode_codes(codes.clamp(-100, 100))
+    assert int(one[0]) == 1 and torch.equal(own_width_frames(one), one)  # one-byte blobs stay as they are

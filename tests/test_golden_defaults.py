@@ -1,10 +1,14 @@
 """The two size-budget defaults store exactly what they stored before: every tensor of every chunk
-of the 0.25 and 0.083 versions of one short real document, hashed byte for byte against digests
-pinned below, and the chunk metadata apart from the version's name and the writer's stamps.
+of the 0.25 and 0.083 versions of one short real document, hashed against digests pinned below,
+and the chunk metadata apart from the version's name and the writer's stamps.
 
-A change to these digests is a change to what the defaults store: make it on purpose, measure it
-(bench/quality.py), and pin the new digests with ``python tests/test_golden_defaults.py``. A
-version's name does not change them."""
+The first digest takes ec's code blobs as the integer codes they decode to (what the loader
+rebuilds the K/V from), every other tensor byte for byte: it does not move when the same codes
+are framed in other bytes. The third takes the code blobs byte for byte.
+
+A change to the first two digests is a change to what the defaults store: make it on purpose,
+measure it (bench/quality.py), and pin the new digests with ``python tests/test_golden_defaults.py``.
+A version's name does not change them."""
 
 from __future__ import annotations
 
@@ -20,14 +24,18 @@ from budgetkit import trimmed_store
 
 from kdnctl.format.bundle import STAMPED_META_KEYS, decode_bundle
 from kdnctl.compress.document import CompressRecipe, compress_document
+from kdnctl.quant.entropy import decode_role_ints
 
 DOC, N_TOKENS = "faq.md", 300
-# budget -> (sha256 of every chunk's tensors, sha256 of every chunk's meta without name and stamps)
+# budget -> (sha256 of every chunk's tensors, codes as integers; sha256 of every chunk's meta
+# without name and stamps; sha256 of every chunk's code blobs)
 GOLDEN = {
-    0.25: ("0543f1ca94eaa09956586ba74b7349df3f7e478b9ea247a5059034ce9663f005",
-           "96f889996e979f1f0a31f2592593d93864d863021f6c09fbccceaf5aa07f6d07"),
-    0.083: ("29df25cec4c97e62d4bab86801adb5493d737d6f16e8b1c7d5a904202306d81f",
-            "c3661997504fa5f898772c59c4baff266012f1820e163890f8f4779a6ced92e3"),
+    0.25: ("063e8ff401f889648df36eabca00cf63fe870eae9bb972c795a2b54a9ed34cb3",
+           "96f889996e979f1f0a31f2592593d93864d863021f6c09fbccceaf5aa07f6d07",
+           "ecbf897e252e70b805cc0fb0f72a62c159f9f334f89722fa1ee381118f0d246c"),
+    0.083: ("856408953aebe5ff1970c58b75dc170789f57ea421021b8933c69241188501d4",
+            "c3661997504fa5f898772c59c4baff266012f1820e163890f8f4779a6ced92e3",
+            "5eea825a702458f7237e8f7e1985d51d385262be3551ae15245b6055721b2cce"),
 }
 # The writer's stamp (`created`, a float whose printed length varies) counts toward the byte cap
 # the scale is fitted to: a fixed stamp makes what a recipe stores a function of its input alone.
@@ -35,14 +43,32 @@ STAMP = "1764000000"
 NAME_KEYS = ("label",)  # the only metadata a version's name may change
 
 
-def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
-    """sha256 over every tensor's name, dtype, shape and raw bytes, in name order."""
-    h = hashlib.sha256()
+def _update(h, name: str, t: torch.Tensor) -> None:
+    t = t.contiguous()
+    h.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+
+
+def tensor_digests(tensors: dict[str, torch.Tensor], meta: dict) -> tuple[str, str]:
+    """(sha256 over every tensor's name, dtype, shape and bytes, in name order, each ec code blob
+    as its int16 codes ``[H * D, T]``; sha256 over the code blobs' bytes)."""
+    q = meta.get("quant") or {}
+    decoded, blobs = hashlib.sha256(), hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}|{t.dtype}|{list(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+        t = tensors[name]
+        if name.endswith(".codes") and q.get("scheme") == "ec":
+            _update(blobs, name, t)
+            layer = int(name.split(".")[1])
+            n_tokens = layer_tokens(tensors, layer)
+            t = decode_role_ints(t, tensors[name[:-len("codes")] + "params"], q["n_heads"], q["head_dim"], n_tokens,
+                                 name, q["coding"])[0].to(torch.int16)
+        _update(decoded, name, t)
+    return decoded.hexdigest(), blobs.hexdigest()
+
+
+def layer_tokens(tensors: dict[str, torch.Tensor], layer: int) -> int:
+    pos = tensors.get(f"layers.{layer}.positions")
+    return int((pos if pos is not None else tensors["positions"]).shape[-1])
 
 
 def meta_digest(meta: dict) -> str:
@@ -50,13 +76,15 @@ def meta_digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()
 
 
-def version_digests(st, label: str) -> tuple[str, str]:
-    tensors, metas = hashlib.sha256(), hashlib.sha256()
+def version_digests(st, label: str) -> tuple[str, str, str]:
+    tensors, metas, blobs = hashlib.sha256(), hashlib.sha256(), hashlib.sha256()
     for c in st.get_version(DOC, label).chunks:
         b = decode_bundle(st.read_object(c.object))
-        tensors.update(tensor_digest(b.tensors).encode())
+        decoded, blob = tensor_digests(b.tensors, b.meta)
+        tensors.update(decoded.encode())
         metas.update(meta_digest(b.meta).encode())
-    return tensors.hexdigest(), metas.hexdigest()
+        blobs.update(blob.encode())
+    return tensors.hexdigest(), metas.hexdigest(), blobs.hexdigest()
 
 
 @pytest.fixture(scope="module")

@@ -29,11 +29,11 @@ from .layout import layout_views, parse_head_cached
 from .names import REQUIRED_META_KEYS, REQUIRED_MODEL_KEYS, tensor_name, role_levels
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.10"  # each version's tensors: docs/bundle-format.md, section 2; in short
+FORMAT_VERSION = "1.11"  # each version's tensors: docs/bundle-format.md, section 2; in short
 # 1.1 ladder layout, int16/int32 positions; 1.2 ladder "zlib+params"; 1.3 the entropy-coded ec layout;
 # 1.4 ec layers of different lengths (--backfill, layers.i.levels); 1.5 per-role levels; 1.6 deflate
 # frames; 1.7 a per-model key basis; 1.8 narrow heads (layers.i.narrow, kept); 1.9 kept_layers;
-# 1.10 token_levels.keys (a lift of the keys alone)
+# 1.10 token_levels.keys (a lift of the keys alone); 1.11 ec code frames of their own widths (codes width 3)
 
 QUANT_SUFFIXES = (".q", ".scale", ".zero")
 

@@ -5,7 +5,8 @@ spec), :func:`decode_into` does for a whole version: per chunk and role, the par
 every layer inflated in one call, converted with numpy, then one kernel
 (``kdnctl.kernels.ec.cpu.decode_blobs``) inflates every code frame, unpacks its digits,
 dequantizes and RoPEs, writing each element once into the cache (keys in a key basis: scaled
-codes, one batched matmul, then one RoPE pass into the cache). Two threads take (chunk, role)
+codes channel by channel, one batched matmul that reads them transposed, then one RoPE pass
+into the cache). Two threads take (chunk, role)
 jobs as they free up (the kernels hold no GIL). The bytes were checked against their
 digests before this runs (the loader reads, checks, then decodes); each frame is still parsed
 as untrusted: a malformed one raises BundleFormatError, never garbage in the cache.
@@ -126,10 +127,11 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
                        n_layers: int, zbuf: torch.Tensor | None = None) -> None:
     """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``, every layer in one kernel call
     that writes each token row once, dequantized and RoPE'd. In a key basis the kernel writes
-    the scaled codes to the first half of ``zbuf`` (flat, room for ``2 L H t D``); one batched
-    matmul with the basis (its columns scaled by the steps) and the mean rotates them into its
-    second half (a BLAS matmul: several times the speed of a loop in the kernel), and a last
-    pass RoPEs them into the cache."""
+    the scaled codes channel by channel (``[L, H, D, t]``) to the first half of ``zbuf`` (flat,
+    room for ``2 L H t D``); one batched matmul with the basis (its columns scaled by the steps)
+    and the mean, reading them transposed, rotates them into token rows in its second half (a
+    BLAS matmul: several times the speed of a loop in the kernel), and a last pass RoPEs them
+    into the cache."""
     from kdnctl.kernels.ec import cpu
 
     inflate_frames, decode_blobs, rope_blobs = cpu.kernels()
@@ -173,7 +175,8 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
         decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out.numpy(), layers, tok, True,
                      cos, sin, cs_idx, tables, scratch, *zs, state, err)
     else:
-        z, y = zbuf[:2 * n_layers * h * t * d].view(2, n_layers, h, t, d)
+        zy = zbuf[:2 * n_layers * h * t * d]
+        z, y = zy[:n_layers * h * d * t].view(n_layers, h, d, t), zy[n_layers * h * t * d:].view(n_layers, h, t, d)
         decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, z.numpy(), layers, 0, False,
                      cos, sin, cs_idx, tables, scratch, *zs, state, err)
     if err.any():
@@ -181,7 +184,8 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
         raise BundleFormatError(f"{prefixes[i]}.{cpu.MESSAGES[int(err[i])]}")
     if basis_t is not None and t:
         m = basis_t[:n_layers] * torch.from_numpy(step).view(n_layers, h, 1, d)
-        torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, t, d),
+        # the codes lie channel by channel: the matmul reads them transposed (no gather into token rows)
+        torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, d, t).transpose(1, 2),
                       m.view(n_layers * h, d, d), out=y.view(n_layers * h, t, d))
         rope_blobs(y.numpy(), out.numpy(), layers, tok, t, cos, sin, cs_idx)  # (the cache written once)
 

@@ -18,7 +18,8 @@ output error ~3.9 instead of 5.0.
 
 Tensors per layer ``i`` and role (``keys``/``values``):
 
-- ``layers.i.<role>.codes`` uint8 ``[n]``: the code width (1: int8, 2: int16), the number of
+- ``layers.i.<role>.codes`` uint8 ``[n]``: the code width (1: int8; 3: each frame int8 where
+  its peak is at most 127, else int16, format 1.11; 2: every frame int16, before 1.11), the number of
   frames F, F int32 frame sizes, F int16 peaks (largest ``|code|`` of the frame), then F frames
   (deflate; zstd before 1.6): the channels (rows of ``T`` codes) of each spread bin in bin order,
   ``(head, channel)``-ascending within a bin. A frame whose codes lie in ``[-p, p]`` with
@@ -40,6 +41,7 @@ RoPE (``key_rope_theta``) and rotated back to their positions after decoding.
 from __future__ import annotations
 
 import functools
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -53,7 +55,8 @@ from . import transforms as tf
 from .base import Quantizer, check_kv, need
 from ..format.key_basis import basis_on
 from .coders import CODERS
-from .frames import codes_per_byte, frame_blob  # noqa: F401 (codes_per_byte: re-exported)
+from .frames import codes_per_byte, frame_blob, frame_width  # noqa: F401 (codes_per_byte: re-exported)
+from ..kernels.ec.digits import OWN_WIDTHS
 from .grid import dequantize_codes, quantize_codes, roundtrip_role, stored_step_mean  # noqa: F401 (re-exported)
 
 ROLES = ("keys", "values")
@@ -122,21 +125,22 @@ def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torc
 
 def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, coding: str = DEFAULT_CODING,
                 compress: Callable[[bytes], bytes] | None = None, basis: torch.Tensor | None = None,
-                stored: torch.Tensor | None = None, mean: torch.Tensor | None = None):
+                stored: torch.Tensor | None = None, mean: torch.Tensor | None = None, own_widths: bool = True):
     """``(codes blob, params blob)`` of one role of one layer (``x [H, T, D]``, already
     transformed). ``step [H, D]`` is rounded to float16 first: what is stored is used.
     ``compress`` (bytes -> bytes) replaces the coder of the code frames, for measuring
     other coders on the same frames (``research/probes/rate_probe.py``); bundles use ``coding``.
     ``basis [H, D, D]``: code in these axes (:func:`quantize_codes`). ``stored`` (bool ``[H, T]``):
     only these rows are coded (the others decode to the mean). ``mean [H, D]``: the grid's
-    centre, default ``x``'s mean (``kdnctl.compress.feedback`` rounds to a grid of its own first)."""
+    centre, default ``x``'s mean (``kdnctl.compress.feedback`` rounds to a grid of its own first).
+    ``own_widths``: see :func:`encode_codes`."""
     step, mean = stored_step_mean(x, step, mean)
     codes = quantize_codes(x, step, mean, levels, basis)
     lim = float(codes.abs().max()) if codes.numel() else 0.0
     if lim > 32767:
         raise InputError(f"a quantization step of {float(step.min()):.3g} is too fine for values up to "
                          f"{float(x.abs().max()):.3g}", hint="use a smaller --budget or --quant auto")
-    blob, bins = encode_codes(codes, coding, compress, stored)
+    blob, bins = encode_codes(codes, coding, compress, stored, own_widths=own_widths)
     return blob, encode_params(step, mean, bins, coding)
 
 
@@ -147,18 +151,20 @@ def encode_params(step: torch.Tensor, mean: torch.Tensor, bins: torch.Tensor, co
 
 
 def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Callable[[bytes], bytes] | None = None,
-                 stored: torch.Tensor | None = None, reference: bool = False):
+                 stored: torch.Tensor | None = None, reference: bool = False, own_widths: bool = True):
     """``(codes blob, bins [H, D])`` of integer ``codes [H, T, D]`` (as float, within int16), of
     the ``stored`` rows only (bool ``[H, T]``) where given. Every row stored: the frames are cut
     by :func:`frame_blob` (numpy, the same bytes); ``reference`` (or ``stored``) takes the plain
-    loop below, the spec it is tested against.
+    loop below, the spec it is tested against. Where a code needs two bytes, each frame takes its
+    own width (``OWN_WIDTHS``, format 1.11), or with ``own_widths`` False every frame two (the
+    blob before 1.11: the same codes in more bytes).
 
     The channels are grouped by the spread of their codes (:func:`spread_bins`) and each group is
     one frame: one Huffman table over channels whose steps differ by orders of magnitude
     spends ~0.9 bits per element more than their entropy (``research/probes/ec_probe.py``)."""
     h, t, d = codes.shape
     lim = float(codes.abs().max()) if codes.numel() else 0.0
-    width, dtype = (1, torch.int8) if lim <= 127 else (2, torch.int16)
+    width = 1 if lim <= 127 else OWN_WIDTHS if own_widths else 2
     bins = spread_bins(codes, stored)
     if stored is None and not reference:
         return _u8(frame_blob(codes, bins, width, lambda data: compress(data) if compress else compress_frame(data, coding))), bins
@@ -172,6 +178,7 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
         rows = flat[idx].reshape(-1) if keep is None else flat[idx][keep[idx]]
         peak = int(rows.abs().max()) if rows.numel() else 0
         per = codes_per_byte(peak)
+        dtype = torch.int8 if frame_width(width, peak) == 1 else torch.int16
         data = b"" if per == 0 else pack_codes(rows, peak, per) if per > 1 else rows.to(dtype).numpy().tobytes()
         frames.append((compress(data) if compress else compress_frame(data, coding)) if data else b"")
         peaks.append(peak)
@@ -180,6 +187,29 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
     blob = bytes([width, len(frames)]) + sizes.numpy().tobytes() + \
         torch.tensor(peaks, dtype=torch.int16).numpy().tobytes() + b"".join(frames)
     return _u8(blob), bins
+
+
+def own_width_frames(blob: torch.Tensor, coding: str = DEFAULT_CODING) -> torch.Tensor:
+    """A codes blob of two-byte codes (width 2) rewritten with each frame at its own width
+    (``OWN_WIDTHS``): the frames of one code per byte-group whose peak fits a byte re-coded a byte
+    per code, the others as they are. The same codes, what :func:`encode_codes` writes with
+    ``own_widths``; other blobs (and other codings) are returned as they are."""
+    raw = blob.numpy().tobytes()
+    if coding != "deflate" or len(raw) < 2 or raw[0] != 2:
+        return blob
+    n = raw[1]
+    sizes = np.frombuffer(raw, dtype="<i4", count=n, offset=2)
+    peaks = np.frombuffer(raw, dtype="<i2", count=n, offset=2 + 4 * n)
+    pos, frames = 2 + 6 * n, []
+    for size, peak in zip(sizes.tolist(), peaks.tolist()):
+        frame = raw[pos:pos + size]
+        pos += size
+        if size and codes_per_byte(peak) == 1 and frame_width(OWN_WIDTHS, peak) == 1:
+            codes = np.frombuffer(zlib.decompressobj(-15).decompress(frame), dtype="<i2")  # this process's own frame
+            frame = compress_frame(codes.astype(np.int8).tobytes(), coding)
+        frames.append(frame)
+    return _u8(bytes([OWN_WIDTHS, n]) + np.array([len(f) for f in frames], "<i4").tobytes() + peaks.tobytes()
+               + b"".join(frames))
 
 
 def decode_params(params: torch.Tensor, h: int, d: int, what: str, coding: str = DEFAULT_CODING):
@@ -202,7 +232,7 @@ def decode_role_ints(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, 
         raise BundleFormatError(f"{what}: codes and params must be uint8 [n]")
     raw = memoryview(codes.numpy())  # frames are sliced out without copies
     width, n_frames = raw[0], raw[1]
-    if width not in (1, 2):
+    if width not in (1, 2, OWN_WIDTHS):
         raise BundleFormatError(f"{what}.codes has an unknown code width {width}")
     step, mean, bins = decode_params(params, h, d, what, coding)
     order = np.argsort(bins.numpy(), kind="stable")
@@ -215,17 +245,18 @@ def decode_role_ints(codes: torch.Tensor, params: torch.Tensor, h: int, d: int, 
     peaks = np.frombuffer(raw, dtype="<i2", count=n_frames, offset=2 + 4 * n_frames).tolist()
     if any(s < 0 for s in sizes) or any(p < 0 for p in peaks) or head + sum(sizes) != len(raw):
         raise BundleFormatError(f"{what}.codes: its frame sizes do not add up")
-    dtype = np.int8 if width == 1 else np.dtype("<i2")
-    ints = np.zeros((h * d, t), dtype=dtype)
+    ints = np.zeros((h * d, t), dtype=np.int8 if width == 1 else np.int16)
     keep = None if stored is None else np.repeat(stored.numpy().astype(bool), d, axis=0)  # [H * D, T]
     o, pos = 0, head
     for n, size, peak in zip(counts, sizes, peaks):  # each bin's channels, in bin order
         per, rows = codes_per_byte(peak), order[o:o + n]
         m = n * t if keep is None else int(keep[rows].sum())  # the codes the frame holds
         if per:
-            n_bytes = -(-m // per) if per > 1 else width * m
+            fw = frame_width(width, peak)
+            n_bytes = -(-m // per) if per > 1 else fw * m
             frame = decompress_frame(raw[pos:pos + size], n_bytes, f"{what}.codes", coding) if m else b""
-            vals = unpack_codes(frame, m, peak, per, what) if per > 1 else np.frombuffer(frame, dtype=dtype)
+            vals = unpack_codes(frame, m, peak, per, what) if per > 1 else \
+                np.frombuffer(frame, dtype=np.int8 if fw == 1 else np.dtype("<i2"))
             if keep is None:
                 ints[rows] = vals.reshape(n, t)
             else:  # the stored rows of the frame's channels, in order

@@ -12,19 +12,19 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kdnctl.kernels.ec.digits import codes_per_byte  # noqa: F401  (re-exported: the encoder's name for it)
+from kdnctl.kernels.ec.digits import codes_per_byte, frame_width  # noqa: F401  (re-exported: the encoder's names for them)
 
 
 def frame_payloads(codes: torch.Tensor, bins: torch.Tensor, width: int) -> tuple[list[bytes], list[int]]:
     """(uncompressed frame bytes, peaks) of ``codes [H, T, D]`` (every row stored) grouped by
-    ``bins [H, D]``: what :func:`encode_codes` compresses, in numpy over contiguous rows (one
-    gather into bin order, then a slice per frame)."""
+    ``bins [H, D]`` in a blob of ``width`` (``frame_width``): what :func:`encode_codes`
+    compresses, in numpy over contiguous rows (one gather into bin order, then a slice per frame)."""
     h, t, d = codes.shape
     order = torch.argsort(bins.flatten(), stable=True)
     counts = torch.bincount(bins.flatten().long(), minlength=256)
     counts = counts[counts > 0].tolist()
     rows = codes.permute(0, 2, 1).reshape(h * d, t)[order]  # channel-major rows in bin order
-    rows = rows.to(torch.int16 if width == 2 else torch.int8).numpy()
+    rows = rows.to(torch.int8 if width == 1 else torch.int16).numpy()
     row_peak = np.abs(rows.astype(np.int32)).max(1) if t else np.zeros(h * d, np.int32)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
     peaks = np.maximum.reduceat(row_peak, starts).tolist() if len(counts) else []
@@ -35,7 +35,7 @@ def frame_payloads(codes: torch.Tensor, bins: torch.Tensor, width: int) -> tuple
         if per == 0:
             out.append(b"")
         elif per == 1:
-            out.append(vals.astype(np.int8 if width == 1 else "<i2", copy=False).tobytes())
+            out.append(vals.astype(np.int8 if frame_width(width, peak) == 1 else "<i2", copy=False).tobytes())
         else:
             out.append(pack_digits(vals, peak, per))
     return out, peaks

@@ -14,6 +14,7 @@ from ...errors import UsageError
 from ...format.bundle import KVBundle, derived_meta, encode_bundle
 from ...format.names import tensor_name
 from ...format.kept import kept_positions_dtype
+from ...quant.entropy import own_width_frames
 from ...presses.window_layers import first_row
 from ...versions import child_recipe
 from . import quantize as qz
@@ -78,9 +79,13 @@ class Encode(Stage):
         n_heads, n_all, d = job.all_keys[0].shape
         n_tokens, cap = job.keys[0].shape[1], job.cap
 
+        # The scale is fitted on the bytes of the blobs that give a role's frames one width
+        # (``own_widths`` False); the frames then take their own widths (``own_width_frames``):
+        # the same codes in fewer bytes, so a version stores the K/V its budget's acceptance
+        # table measured, under its cap.
         @functools.lru_cache(maxsize=None)  # sizes only: a long document's blobs are tens of MB per scale
         def payload(alpha: float) -> int:
-            return sum(t.numel() for chunk in qz.codes_at(job, alpha) for t in chunk.values())
+            return sum(t.numel() for chunk in qz.codes_at(job, alpha, own_widths=False) for t in chunk.values())
 
         overhead = len(job.bundles) * (6144 + 200 * job.n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
         kept_keys = first = None
@@ -114,7 +119,7 @@ class Encode(Stage):
                                  f"coarsest steps: the smallest it reaches here is {math.ceil(smallest * 1000) / 1000:g}",
                                  hint="raise --budget, or --keep fewer tokens first")
             new_tensors, metas = [], []
-            codes = qz.codes_at(job, alpha, rows is not None and recipe.refit_feedback, kept_keys)
+            codes = qz.codes_at(job, alpha, rows is not None and recipe.refit_feedback, kept_keys, own_widths=False)
             for b, bounds, kept, chunk in zip(job.bundles, job.local_bounds, job.kept_bounds, codes):
                 ls, le = bounds
                 ks, ke = kept
@@ -130,6 +135,9 @@ class Encode(Stage):
                 n_rows = sum(n_heads * n_all - len(narrow.get(i, ())) * (n_all - n_tokens) if i in backfill
                              else n_heads * (n_tokens - first_row(job.wins, i, 0, n_tokens)) for i in range(job.n_layers))
                 mix = {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}
+                coding = job.quantizer.coding
+                new_tensors = [{k: own_width_frames(v, coding) if k.endswith(".codes") else v for k, v in t.items()}
+                               for t in new_tensors]
                 job.result = (new_tensors, metas, n_rows / (n_heads * job.n_layers * n_all), mix)
                 return
             overhead = total - payload(alpha) + 256

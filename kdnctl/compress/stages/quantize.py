@@ -79,15 +79,16 @@ def steps_at(job: Job, alpha: float, i: int):
     return tuple(clamp_steps(alpha * b, f) for b, f in zip(job.base[i], job.floors[i]))
 
 
-def codes_at(job: Job, alpha: float, feedback: bool = False, kept_keys=None) -> list[dict[str, torch.Tensor]]:
+def codes_at(job: Job, alpha: float, feedback: bool = False, kept_keys=None, own_widths: bool = True
+             ) -> list[dict[str, torch.Tensor]]:
     """Every chunk's codes and params at scale ``alpha``. With ``feedback`` the values are rounded
     with feedback at these steps (``refit_feedback``; the sizes are fitted without it: the same
-    grid, codes a little apart)."""
+    grid, codes a little apart). ``own_widths``: see ``entropy.encode_codes``."""
     with one_torch_thread():  # hundreds of small tensors: fork-join costs more than it gives
-        return _codes_at(job, alpha, feedback, kept_keys)
+        return _codes_at(job, alpha, feedback, kept_keys, own_widths)
 
 
-def _codes_at(job: Job, alpha: float, feedback: bool, kept_keys) -> list[dict[str, torch.Tensor]]:
+def _codes_at(job: Job, alpha: float, feedback: bool, kept_keys, own_widths: bool) -> list[dict[str, torch.Tensor]]:
     recipe, xs, basis = job.recipe, job.xs, job.basis
     fed = [feedback_values(job.fit_queries[0][i], kept_keys[i] if kept_keys else job.keys[i], xs[i][1],
                            job.fit_queries[1][i], recipe.refit, steps_at(job, alpha, i)[1], job.levels_by_role[1],
@@ -109,7 +110,8 @@ def _codes_at(job: Job, alpha: float, feedback: bool, kept_keys) -> list[dict[st
                 if fed is not None and role == "values":  # the grid is centred where plain rounding's is
                     x, mean = fed[i], x[:, a:b].mean(1)
                 chunk[tensor_name(i, f"{role}.codes")], chunk[tensor_name(i, f"{role}.params")] = \
-                    encode_role(x[:, a:b], s, lv, job.quantizer.coding, basis=axes, stored=rows_here, mean=mean)
+                    encode_role(x[:, a:b], s, lv, job.quantizer.coding, basis=axes, stored=rows_here, mean=mean,
+                                own_widths=own_widths)
         return chunk
 
     # chunks on both cores: deflate and torch's kernels release the GIL (the same bytes, in order)

@@ -42,11 +42,13 @@ def inflate_frames(src, s_off, s_len, dst, d_off, d_len, state, ok):
         ok[f] = inflate_one(state, sp + s_off[f], s_len[f], dp + d_off[f], d_len[f])
 
 codes_per_byte = njit(digits.codes_per_byte)
+frame_width = njit(digits.frame_width)
+OWN_WIDTHS = digits.OWN_WIDTHS
 
 @njit
 def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> bool:
-    """A frame's ``m`` codes (rows of ``t``, already inflated into ``scratch``) as int16 at
-    ``zs[base:base + m]``; packed digits may write up to ``per - 1`` codes past the end (the
+    """A frame's ``m`` codes (rows of ``t``, already inflated into ``scratch``; ``width``: the
+    frame's bytes per code) at ``zs[base:base + m]``; packed digits may write up to ``per - 1`` codes past the end (the
     next frame overwrites them; ``zs`` has room). False: a byte holds digits out of range."""
     if per == 1 and width == 1:
         for i in range(m):
@@ -75,9 +77,9 @@ def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> boo
     return True
 
 @njit
-def dequant_rows(zs, slot, t, step, mean, lv, plain, out, lay, tok, cos, sin, ci, z, y):
-    """``out[lay, h, tok + j] = zs[slot[h*D + c] + j] * lv[j] * step + mean`` (then RoPE'd
-    where ``ci >= 0``), or ``plain`` False: the scaled codes alone."""
+def dequant_rows(zs, slot, t, step, mean, lv, out, lay, tok, cos, sin, ci, z, y):
+    """``out[lay, h, tok + j] = zs[slot[h*D + c] + j] * lv[j] * step + mean``, then RoPE'd
+    where ``ci >= 0``."""
     h_n, d = out.shape[1], out.shape[3]
     half = d // 2
     for h in range(h_n):
@@ -90,10 +92,6 @@ def dequant_rows(zs, slot, t, step, mean, lv, plain, out, lay, tok, cos, sin, ci
             for c in range(d):
                 z[c] = np.float32(zs[rb[c] + j]) * sc
             row = out[lay, h, tok + j]
-            if not plain:
-                for c in range(d):
-                    row[c] = z[c]
-                continue
             for c in range(d):
                 y[c] = z[c] * st[c] + mu[c]
             if ci >= 0:
@@ -101,6 +99,19 @@ def dequant_rows(zs, slot, t, step, mean, lv, plain, out, lay, tok, cos, sin, ci
             else:
                 for c in range(d):
                     row[c] = y[c]
+
+@njit
+def scaled_rows(zs, slot, t, lv, out, lay):
+    """``out[lay, h, c, :t] = zs[slot[h*D + c]:+t] * lv``: a channel's codes scaled by their
+    tokens' ``2**-level``, row by row (contiguous on both sides, so the loop vectorizes; the
+    caller's matmul reads the rows transposed)."""
+    h_n, d = out.shape[1], out.shape[2]
+    for h in range(h_n):
+        for c in range(d):
+            r = slot[h * d + c]
+            o = out[lay, h, c]
+            for j in range(t):
+                o[j] = np.float32(zs[r + j]) * lv[j]
 
 @njit
 def rope_row(row, y, cr, sr, half):
@@ -115,18 +126,20 @@ def rope_row(row, y, cr, sr, half):
 def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, plain, cos, sin, cs_idx,
                  tables, scratch, zs8, zs16, state, err):
     """Blob b (one layer of one role of a chunk): its codes at ``raw[c_off[b]:+c_len[b]]``,
-    ``step``/``mean``/``bins`` ``[n, H*D]`` from its params, ``lsc [n, t]`` = 2**-level,
-    written to ``out[layer[b], :, tok:tok + t, :]``: ``code * 2**-level * step + mean``
-    where ``plain``, else ``code * 2**-level`` (the caller rotates those out of a key
-    basis); ``cs_idx[b] >= 0`` (and ``plain``): then RoPE by ``cos``/``sin[cs_idx[b]]``
-    (``[Hc, t, D]``, Hc 1 or H). Two passes per blob: every frame inflated and unpacked to
-    rows of codes in bin order (``zs8``, or ``zs16`` for two-byte codes; a frame of one
-    code per byte inflates straight there), then the token rows of each head dequantized,
-    RoPE'd and written once, in order.
+    ``step``/``mean``/``bins`` ``[n, H*D]`` from its params, ``lsc [n, t]`` = 2**-level.
+    Where ``plain``: ``code * 2**-level * step + mean`` written to
+    ``out[layer[b], :, tok:tok + t, :]`` (``[L, H, T, D]``), RoPE'd by ``cos``/``sin[cs_idx[b]]``
+    (``[Hc, t, D]``, Hc 1 or H) where ``cs_idx[b] >= 0``. Else ``code * 2**-level`` channel by
+    channel to ``out[layer[b], :, :, :t]`` (``[L, H, D, t]``; the caller rotates those out of a
+    key basis). Two passes per blob: every frame inflated and unpacked to rows of codes in bin
+    order (``zs8``, or ``zs16`` for two-byte codes; a frame of one code per byte inflates
+    straight there), then each head's rows dequantized (and RoPE'd) token by token, each cache
+    row written once, in order, or scaled channel by channel.
     ``err[b]``: 0 or an error code (nothing of that blob is written)."""
     init(state.ctypes.data)
-    h_n, d = out.shape[1], out.shape[3]
-    hd = h_n * d
+    h_n = out.shape[1]
+    hd = step.shape[1]
+    d = hd // h_n
     counts = np.zeros(256, np.int64)
     start = np.zeros(256, np.int64)
     slot = np.zeros(hd, np.int64)  # channel -> its row in bin order
@@ -136,7 +149,7 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
     for b in range(c_off.shape[0]):
         p, n_raw, lay = c_off[b], c_len[b], layer[b]
         width, n_frames = raw[p], raw[p + 1]
-        if width != 1 and width != 2:
+        if width != 1 and width != 2 and width != OWN_WIDTHS:
             err[b] = ERR_WIDTH
             continue
         counts[:] = 0
@@ -190,7 +203,8 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
                 else:
                     zs16[o * t:(o + n) * t] = 0
             elif m > 0:
-                n_bytes = (m + per - 1) // per if per > 1 else width * m
+                fw = frame_width(width, peak)
+                n_bytes = (m + per - 1) // per if per > 1 else fw * m
                 if per == 1 and width == 1:  # one code per byte: inflated straight into its rows
                     if not inflate_one(state, sp + pos, size, z8 + o * t, n_bytes):
                         err[b] = ERR_INFLATE
@@ -200,9 +214,9 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
                         err[b] = ERR_INFLATE
                         break
                     if width == 1:
-                        good = unpack_frame(scratch, n_bytes, width, per, peak, tables, zs8, o * t, m)
+                        good = unpack_frame(scratch, n_bytes, fw, per, peak, tables, zs8, o * t, m)
                     else:
-                        good = unpack_frame(scratch, n_bytes, width, per, peak, tables, zs16, o * t, m)
+                        good = unpack_frame(scratch, n_bytes, fw, per, peak, tables, zs16, o * t, m)
                     if not good:
                         err[b] = ERR_RANGE
                         break
@@ -212,27 +226,36 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
             continue
         for c in range(hd):
             slot[c] *= t  # (row -> its first code)
-        if width == 1:
-            dequant_rows(zs8, slot, t, step[b], mean[b], lsc[b], plain, out, lay, tok, cos, sin, cs_idx[b], z, y)
+        if not plain:
+            if width == 1:
+                scaled_rows(zs8, slot, t, lsc[b], out, lay)
+            else:
+                scaled_rows(zs16, slot, t, lsc[b], out, lay)
+        elif width == 1:
+            dequant_rows(zs8, slot, t, step[b], mean[b], lsc[b], out, lay, tok, cos, sin, cs_idx[b], z, y)
         else:
-            dequant_rows(zs16, slot, t, step[b], mean[b], lsc[b], plain, out, lay, tok, cos, sin, cs_idx[b], z, y)
+            dequant_rows(zs16, slot, t, step[b], mean[b], lsc[b], out, lay, tok, cos, sin, cs_idx[b], z, y)
 
 @njit
 def rope_blobs(src, out, layer, tok, t, cos, sin, cs_idx):
     """``out[layer[b], :, tok:tok + t] = src[layer[b], :, :t]`` RoPE'd by ``cos``/``sin[cs_idx[b]]``
-    (copied as they are where ``cs_idx[b] < 0``): each row of the cache written once."""
+    (copied as they are where ``cs_idx[b] < 0``): each row of the cache written once. ``src`` is
+    not ``out``: the loops index both directly (no row copy), so the inner one vectorizes."""
     d = out.shape[3]
-    y = np.zeros(d, np.float32)
+    half = d // 2
     for b in range(layer.shape[0]):
         ci, lay = cs_idx[b], layer[b]
         for h in range(out.shape[1]):
-            hc = h if cos.shape[1] > 1 else 0
-            for j in range(t):
-                row, s_row = out[lay, h, tok + j], src[lay, h, j]
-                if ci < 0:
+            s2, o2 = src[lay, h], out[lay, h]
+            if ci < 0:
+                for j in range(t):
                     for c in range(d):
-                        row[c] = s_row[c]
-                    continue
-                for c in range(d):
-                    y[c] = s_row[c]
-                rope_row(row, y, cos[ci, hc, j], sin[ci, hc, j], d // 2)
+                        o2[tok + j, c] = s2[j, c]
+                continue
+            hc = h if cos.shape[1] > 1 else 0
+            cr, sr = cos[ci, hc], sin[ci, hc]
+            for j in range(t):  # transforms.rope's arithmetic: each product rounded, then the sum
+                for i in range(half):
+                    a, c2 = s2[j, i], s2[j, i + half]
+                    o2[tok + j, i] = a * cr[j, i] + (-c2) * sr[j, i]
+                    o2[tok + j, i + half] = c2 * cr[j, i + half] + a * sr[j, i + half]
