@@ -7,13 +7,17 @@ For every chunk of each version in each store, every codes blob is rewritten by
 ``entropy.own_width_frames`` (what a compress now does after fitting its scale), decoded by the
 reference decoder before and after (the integer codes must be equal), and the whole object
 encoded again (``encode_bundle``). Prints, per version: documents, chunks, blobs of two-byte
-codes, the objects' bytes before and after, and their ratio.
+codes, the objects' bytes before and after, and their ratio. With ``--time N``, the first N
+documents of each version are also loaded both ways by the CPU batch decoder
+(``ec_batch.decode_into``, two threads, best of 5, alternating), whose K/V must be equal: the
+decode seconds before and after, and GB/s of the fp32 cache.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -22,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from kdnctl.format.bundle import KVBundle, decode_bundle, encode_bundle  # noqa: E402
+from kdnctl.quant import ec_batch  # noqa: E402
 from kdnctl.quant.entropy import decode_role_ints, own_width_frames  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
@@ -35,8 +40,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", action="append", required=True)
     ap.add_argument("--versions", default="b0.25,b0.083")
+    ap.add_argument("--time", type=int, default=0, help="time the decode of the first N documents of each version")
     args = ap.parse_args()
     rows = {v: [0, 0, 0, 0, 0] for v in args.versions.split(",")}  # docs, chunks, two-byte blobs, before, after
+    timed = {v: [0.0, 0.0, 0] for v in rows}  # seconds before, after, fp32 bytes
     for root in args.store:
         store = Store(root, create=False)
         for doc in store.list_documents():
@@ -46,6 +53,7 @@ def main() -> None:
                 if version is None:
                     continue
                 row[0] += 1
+                pairs = []
                 for c in version.chunks:
                     raw = store.read_object(c.object)
                     b = decode_bundle(raw)
@@ -65,12 +73,45 @@ def main() -> None:
                     row[1] += 1
                     row[3] += len(raw)
                     row[4] += len(encode_bundle(KVBundle(meta=b.meta, tensors=tensors)))
+                    pairs.append((b, KVBundle(meta=b.meta, tensors=tensors)))
+                if row[0] <= args.time:
+                    before, after, nbytes = time_decodes(pairs)
+                    timed[label][0] += before
+                    timed[label][1] += after
+                    timed[label][2] += nbytes
         store.close()
     print("| version | documents | chunks | blobs of two-byte codes | bytes before | bytes after | after / before |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for label, (docs, chunks, blobs, before, after) in rows.items():
         if docs:
             print(f"| {label} | {docs} | {chunks} | {blobs} | {before} | {after} | {after / before:.4f} |")
+    if args.time:
+        print("\n| version | documents | fp32 MB | decode s before | after | after / before | GB/s before | after |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for label, (before, after, nbytes) in timed.items():
+            if nbytes:
+                print(f"| {label} | {min(args.time, rows[label][0])} | {nbytes / 1e6:.0f} | {before:.3f} | {after:.3f} | "
+                      f"{after / before:.3f} | {nbytes / before / 1e9:.2f} | {nbytes / after / 1e9:.2f} |")
+
+
+def time_decodes(pairs) -> tuple[float, float, int]:
+    """Best-of-5 seconds of the batch decoder over a version's chunks, as stored and re-framed
+    (alternating), and the fp32 bytes it fills; the two caches must be equal."""
+    q = pairs[0][0].meta["quant"]
+    n_layers = sum(1 for k in pairs[0][0].tensors if k.endswith(".keys.codes"))
+    lens = [b.layer_len(0) for b, _ in pairs]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    outs = [tuple(torch.zeros(n_layers, q["n_heads"], sum(lens), q["head_dim"]) for _ in range(2)) for _ in range(2)]
+    best = [float("inf"), float("inf")]
+    for _ in range(5):
+        for j in range(2):
+            chunks = [p[j] for p in pairs]
+            assert ec_batch.eligible(chunks, n_layers, q, outs[j])
+            t = time.perf_counter()
+            ec_batch.decode_into(outs[j], chunks, starts, q)
+            best[j] = min(best[j], time.perf_counter() - t)
+    assert all(torch.equal(a, b) for a, b in zip(*outs)), "the re-framed chunks decode to other K/V"
+    return best[0], best[1], 2 * outs[0][0].numel() * 4
 
 
 if __name__ == "__main__":
