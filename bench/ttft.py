@@ -16,7 +16,9 @@ Columns (time to first token, seconds):
   before (``DynamicCache``, whose forward concatenates the whole cache, the model's default
   attention with transformers' masks, and logits for every question token).
 * kdnctl full / b1-int8 / default: ``load_document`` (read, check every byte, decode, dequantize,
-  place into the cache) + the question + the first token. ``default`` is what ``kdnctl compress``
+  place into the cache) + the question + the first token, as ``kdnctl ask`` runs them: an ec
+  version's decode runs behind the question's forward, layer group by layer group
+  (``overlap=True``; the per-step profile below decodes first, so its steps add up). ``default`` is what ``kdnctl compress``
   with no options stores (``--budget 0.25``: ``ec``, entropy-coded codes decoded on the host).
 * torch.load / safetensors: what a user would do without kdnctl: ``torch.load`` of the raw
   per-layer K/V (``weights_only``) or safetensors ``load_file`` (no integrity check either),
@@ -161,8 +163,10 @@ def st_loader(path: Path, n_layers: int, device):
 
 
 def stored_ttft(lm, store, doc_id, label, question, profile=None, workers=None) -> float:
+    """What ``kdnctl ask`` does: load (an ec decode behind the question's forward, layer group by
+    layer group) and answer."""
     t0 = time.perf_counter()
-    ctx = load_document(lm, store, doc_id, label, workers=workers, profile=profile)
+    ctx = load_document(lm, store, doc_id, label, workers=workers, profile=profile, overlap=True)
     return generate(lm, ctx, question, max_new_tokens=1, t0=t0).ttft_s
 
 

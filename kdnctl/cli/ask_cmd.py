@@ -96,7 +96,7 @@ def _ask_document(lm: LoadedModel, st, doc, version, suffix, compare, max_new_to
     from ..engine.hf import full_prefill_generate, generate, load_document
 
     t0 = time.perf_counter()
-    ctx = load_document(lm, st, doc, version)
+    ctx = load_document(lm, st, doc, version, overlap=True)  # the decode of the last layers behind the first layers' forward
     result = generate(lm, ctx, suffix, max_new_tokens=max_new_tokens, t0=t0)
     out = {"answer": result.answer, "ttft_s": round(result.ttft_s, 4), "context_tokens": ctx.n_tokens,
            "label": version, "kept_tokens": round(ctx.kept_tokens, 1), "bundle_bytes": ctx.nbytes}

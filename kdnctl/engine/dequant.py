@@ -156,9 +156,11 @@ def _decode_groups(out: torch.Tensor, q, s, z, fmt: str, g: int, layout: str) ->
             dst.copy_(codes.to(torch.float32).mul_(sc.float()).add_(ze.float()))
 
 
-def ec_batch_into(bundles, n_layers: int, stacked, offsets, lens, profile=None) -> bool:
+def ec_batch_into(bundles, n_layers: int, stacked, offsets, lens, profile=None, ready=None) -> bool:
     """Decode ec chunks (every layer of a chunk as many tokens) into the stacked CPU cache with
-    the compiled batch decoder; False where it does not apply (the caller then places chunk by chunk)."""
+    the compiled batch decoder; False where it does not apply (the caller then places chunk by chunk).
+    With ``ready`` (``kdnctl.engine.overlap.LayersReady``) the decode runs in the background, layer
+    group by layer group, and this returns at once."""
     quant = bundles[0].meta.get("quant") or {}
     if quant.get("scheme") != "ec" or any(len(set(o)) != 1 for o in offsets) or any(len(set(n)) != 1 for n in lens):
         return False
@@ -168,8 +170,12 @@ def ec_batch_into(bundles, n_layers: int, stacked, offsets, lens, profile=None) 
 
     if not ec_batch.eligible(bundles, n_layers, quant, stacked):
         return False
+    starts = [o[0] for o in offsets]
+    if ready is not None:
+        ready.start(lambda r: ec_batch.decode_into(stacked, bundles, starts, quant, groups=r.groups, on_group=r.done))
+        return True
     t0 = time.perf_counter()
-    ec_batch.decode_into(stacked, bundles, [o[0] for o in offsets], quant)
+    ec_batch.decode_into(stacked, bundles, starts, quant)
     if profile is not None:
         profile.dequantize += time.perf_counter() - t0
     return True

@@ -73,6 +73,8 @@ def generate(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[int], 
     t0 = time.perf_counter() if t0 is None else t0
     model = lm.model
     logits, cache = forward_suffix(lm, ctx, suffix_ids, last_only=True, own_attention=own_attention)
+    if ctx is not None:
+        ctx.settle()  # (the forward waited for every layer; a decode's error is raised here at the latest)
     first_logits = logits[-1]
     nxt = int(first_logits.argmax())  # the first token, and on a GPU the wait for its logits
     ttft = time.perf_counter() - t0

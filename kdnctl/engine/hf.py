@@ -40,6 +40,7 @@ from .attention import AttentionState
 from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into
 from .generate import GenerationResult, forward_suffix, full_prefill_generate, generate, stop_ids  # noqa: F401
 from ..quant import layer_kv
+from .overlap import LayersReady, layer_groups
 
 CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
 
@@ -60,6 +61,15 @@ class LoadedContext:
     buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
     # sliding-window layers: original positions of the cached keys (int64 [T_l])
     positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    # a decode still writing the buffers (``load_document(..., overlap=True)``): the first cache
+    # waits layer by layer, anything else calls ``settle`` first
+    pending: LayersReady | None = field(default=None, repr=False)
+
+    def settle(self) -> None:
+        """Wait until every layer's K/V is written (raises the decode's error, if any)."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            pending.wait_all()
 
     def attention_state(self) -> AttentionState:
         return AttentionState(bias=dict(self.bias), layer_positions=dict(self.positions),
@@ -81,15 +91,18 @@ class LoadedContext:
 
         layers = []
         claim = self.buffers is not None
+        if not claim:
+            self.settle()  # (copies below read the buffers)
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             own = self.buffers[i] if claim else None
             if own is not None and _is_prefix_view(own, k, v):
                 layers.append((own[0], own[1], k.shape[2]))
             else:
+                self.settle()
                 kb, vb = prealloc_buffers(k, v, room)
                 layers.append((kb, vb, k.shape[2]))
         self.buffers = None  # handed out: the next cache copies
-        return cache_over(config, layers)
+        return cache_over(config, layers, None if self.pending is None else self.pending.wait)
 
 
 def _is_prefix_view(own, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -144,12 +157,14 @@ def _alloc(lm: LoadedModel, totals: list[int], h_kv: int, d: int, room: int) -> 
 
 def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str = "full", doc_id: str | None = None,
                          room: int = CACHE_ROOM, workers: int = 1, profile: LoadProfile | None = None,
-                         bufs: list | None = None, placed: bool = False) -> LoadedContext:
+                         bufs: list | None = None, placed: bool = False, overlap: bool = False) -> LoadedContext:
     """Chunk bundles (in order) -> one context for ``lm``: each layer's K/V is allocated once
     (context length plus ``room`` spare tokens) and every chunk is copied (cast, dequantized)
     straight into its slice: no concatenation, no intermediate whole-context tensors. With
     ``bufs`` (from ``_alloc``) the buffers exist already, and layers a reader placed there
-    directly (kdnctl/engine/placed.py) are not copied again (``placed``: none needs a copy)."""
+    directly (kdnctl/engine/placed.py) are not copied again (``placed``: none needs a copy).
+    ``overlap``: where the compiled ec decode applies, it runs in the background layer group by
+    layer group (kdnctl/engine/overlap.py) and the context comes back at once, ``pending``."""
     if not bundles:
         raise NotFoundError("no chunks to load")
     n_layers, device = bundles[0].n_layers, lm.device
@@ -215,8 +230,10 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 profile.place += prof.place
 
     # ec on a CPU: every chunk decoded in one compiled pass per role (kdnctl/quant/ec_batch.py)
+    ready = LayersReady(layer_groups(n_layers)) if overlap and profile is None else None
     if not (device.type == "cpu" and stacked is not None and not placed
-            and ec_batch_into(bundles, n_layers, stacked, offsets, lens, profile)):
+            and ec_batch_into(bundles, n_layers, stacked, offsets, lens, profile, ready)):
+        ready = None
         _run(place, range(len(bundles)), workers)
     keys = [bufs[i][0][:, :, : totals[i]] for i in range(n_layers)]
     values = [bufs[i][1][:, :, : totals[i]] for i in range(n_layers)]
@@ -235,6 +252,7 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
         if att.window:
             ctx.positions[layer] = torch.cat([b.layer_positions(layer)[0] for b in bundles])
     ctx.buffers = bufs
+    ctx.pending = ready
     return ctx
 
 
@@ -340,10 +358,11 @@ def _load_placed(lm: LoadedModel, store: ReadStore, hits, profile: LoadProfile |
 
 
 def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full", doc_id: str | None = None,
-                workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
+                workers: int | None = None, profile: LoadProfile | None = None, overlap: bool = False) -> LoadedContext:
     """(version, chunk) hits -> a context (read + check + decode, then placement). Local dense
     chunks in the model's dtype are read straight into the cache (one pass over the bytes);
-    anything else is read whole, checked, decoded and copied (dequantized) into it."""
+    anything else is read whole, checked, decoded and copied (dequantized) into it. ``overlap``:
+    see :func:`context_from_bundles`."""
     t = time.perf_counter()
     if workers is None:
         # Local objects come from the page cache at memory speed: extra threads only contend
@@ -359,7 +378,7 @@ def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full",
         bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)
         provide_store_bases(store, basis_shas(b.meta for b in bundles))  # bases the store holds, not the package
     ctx = context_from_bundles(lm, bundles, label=label, doc_id=doc_id, workers=1, profile=profile, bufs=bufs,
-                               placed=direct is not None)
+                               placed=direct is not None, overlap=overlap)
     ctx.load_s = time.perf_counter() - t
     ctx.nbytes = nbytes
     if profile is not None:
@@ -369,15 +388,17 @@ def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full",
 
 
 def load_document(lm: LoadedModel, store: ReadStore, doc_id: str, label: str = "full", doc_version: str | None = None, *,
-                  workers: int | None = None, profile: LoadProfile | None = None) -> LoadedContext:
-    """Load every chunk of a stored document version into a context for ``lm``."""
+                  workers: int | None = None, profile: LoadProfile | None = None, overlap: bool = False) -> LoadedContext:
+    """Load every chunk of a stored document version into a context for ``lm``. ``overlap``:
+    the context may come back while its last layers are still being decoded (``ctx.pending``:
+    the first cache built over it waits layer by layer, ``ctx.settle()`` waits for all)."""
     t = time.perf_counter()
     return load_version(lm, store, store.get_version(doc_id, label, doc_version), t0=t, workers=workers,
-                        profile=profile)
+                        profile=profile, overlap=overlap)
 
 
 def load_version(lm: LoadedModel, store: ReadStore, version, *, t0: float | None = None, workers: int | None = None,
-                 profile: LoadProfile | None = None) -> LoadedContext:
+                 profile: LoadProfile | None = None, overlap: bool = False) -> LoadedContext:
     """Load a version record a caller already holds (``load_document`` looks it up)."""
     t = time.perf_counter() if t0 is None else t0
     doc_id, label = version.doc_id, version.label
@@ -390,7 +411,7 @@ def load_version(lm: LoadedModel, store: ReadStore, version, *, t0: float | None
         )
     try:
         ctx = load_chunks(lm, store, [(version, c) for c in version.chunks], label=label, doc_id=doc_id,
-                          workers=workers, profile=profile)
+                          workers=workers, profile=profile, overlap=overlap)
     except StoreCorruptError as exc:
         # a missing object of a version that is no longer current was reclaimed by gc (after its
         # grace period): the store is healthy, the load was just slower than the grace period

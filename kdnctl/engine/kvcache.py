@@ -17,9 +17,10 @@ from transformers.cache_utils import DynamicLayer
 class PreallocLayer(DynamicLayer):
     """``DynamicLayer`` whose keys/values are views ``[:, :, :n]`` of larger buffers."""
 
-    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor, n: int):
+    def __init__(self, kbuf: torch.Tensor, vbuf: torch.Tensor, n: int, wait=None):
         super().__init__()
         self._kbuf, self._vbuf, self._n = kbuf, vbuf, n
+        self._wait = wait  # called once before the first update: the loader may still be writing the buffers
         self.dtype, self.device = kbuf.dtype, kbuf.device
         self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
         self.is_initialized = True
@@ -33,6 +34,9 @@ class PreallocLayer(DynamicLayer):
             setattr(self, name, new)
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
         q = key_states.shape[2]
         end = self._n + q
         if end > self._kbuf.shape[2]:
@@ -58,11 +62,13 @@ def prealloc_buffers(keys: torch.Tensor, values: torch.Tensor, room: int) -> tup
     return kbuf, vbuf
 
 
-def cache_over(config, layers: list[tuple[torch.Tensor, torch.Tensor, int]]):
+def cache_over(config, layers: list[tuple[torch.Tensor, torch.Tensor, int]], wait=None):
     """A ``DynamicCache`` for ``config`` whose layers are :class:`PreallocLayer` s over
-    ``(kbuf, vbuf, n_tokens)``."""
+    ``(kbuf, vbuf, n_tokens)``; ``wait(i)`` (optional) blocks until layer ``i``'s buffers are
+    written."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=config)
-    cache.layers = [PreallocLayer(k, v, n) for k, v, n in layers]
+    cache.layers = [PreallocLayer(k, v, n, None if wait is None else (lambda i=i: wait(i)))
+                    for i, (k, v, n) in enumerate(layers)]
     return cache

@@ -21,6 +21,7 @@ def model_cache(lm, ctx):
     layers hold every token, or, in window layers, at least the window's last ``W - 1``)."""
     from transformers import DynamicCache
 
+    ctx.settle()  # (reads every layer's K/V)
     cache = DynamicCache(config=lm.model.config)
     n = ctx.next_position
     if len(cache.layers) != len(ctx.keys):

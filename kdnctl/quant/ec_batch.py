@@ -63,9 +63,12 @@ def eligible(bundles, n_layers: int, quant_meta: dict, out: tuple[torch.Tensor, 
 
 
 def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[int], quant_meta: dict,
-                workers: int = WORKERS) -> None:
+                workers: int = WORKERS, groups: list[range] | None = None, on_group=None) -> None:
     """Chunk ``c`` of ``bundles`` into ``out[role][:, :, starts[c]:starts[c] + T_c]`` (``out``:
-    keys and values ``[L, H, T_slot, D]`` float32); call :func:`eligible` first."""
+    keys and values ``[L, H, T_slot, D]`` float32); call :func:`eligible` first. With ``groups``
+    (consecutive layer ranges covering every layer) the work goes group by group, in order, and
+    ``on_group(g)`` is called once every chunk's keys and values of group ``g`` are written (a
+    question's forward can start on the first layers while the last are decoded)."""
     from kdnctl.kernels.ec import cpu
 
     h, d = quant_meta.get("n_heads"), quant_meta.get("head_dim")
@@ -75,8 +78,12 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     if tuple(out[0].shape[1:2]) != (h,) or out[0].shape[3] != d:
         raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
     basis_t = _basis_t(quant_meta.get("key_basis"), n_layers, h, d)
-    # the costlier keys first (a basis matmul and RoPE), so the last jobs left are short ones
-    jobs = [(c, role) for role in sorted(ROLES, key=lambda r: r != "keys") for c in range(len(bundles))]
+    groups = [range(n_layers)] if groups is None else groups
+    # group by group; in a group the costlier keys first (a basis matmul and RoPE), so the last
+    # jobs left are short ones
+    jobs = [(g, c, role) for g in range(len(groups)) for role in sorted(ROLES, key=lambda r: r != "keys")
+            for c in range(len(bundles))]
+    left = [2 * len(bundles)] * len(groups)  # jobs of each group not yet done
 
     pending = iter(jobs)
     lock = threading.Lock()
@@ -86,7 +93,7 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
             run_jobs()
 
     def run_jobs():
-        # each worker takes the next (chunk, role) when it is free: a keys job costs several
+        # each worker takes the next (group, chunk, role) when it is free: a keys job costs several
         # values jobs, and on a shared machine one core may be slower than the other
         scratch = zs8 = zs16 = zbuf = None
         state = cpu.new_state()
@@ -95,20 +102,25 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
                 job = next(pending, None)
             if job is None:
                 return
-            c, role = job
-            b = bundles[c]
+            g, c, role = job
+            b, layers = bundles[c], groups[g]
             t = b.layer_len(0)
             if scratch is None or scratch.shape[0] < 2 * h * d * t:
                 scratch = np.empty(max(2 * h * d * t, 1), np.uint8)
                 # codes in rows (+8: packed digits may run past a frame's end)
                 zs8, zs16 = np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16)
-            basis = basis_t if role == "keys" else None
-            if basis is not None and (zbuf is None or zbuf.numel() < 2 * n_layers * h * t * d):
+            basis = None if role != "keys" or basis_t is None else basis_t[layers.start:layers.stop]
+            if basis is not None and (zbuf is None or zbuf.numel() < 2 * len(layers) * h * t * d):
                 zbuf = torch.empty(2 * n_layers * h * t * d)  # the scaled codes, then the rotated keys
             _decode_chunk_role(b, role, t, starts[c], out[ROLES.index(role)], quant_meta, h, d, basis, scratch,
-                               (zs8, zs16), state, n_layers, zbuf)
+                               (zs8, zs16), state, layers, zbuf)
+            with lock:
+                left[g] -= 1
+                finished = left[g] == 0
+            if finished and on_group is not None:
+                on_group(g)
 
-    if workers <= 1 or len(bundles) <= 1:
+    if workers <= 1 or len(jobs) <= 1:
         run()
         return
     # the chunks are the parallel work: the key basis's matmuls run on one torch thread each
@@ -124,9 +136,9 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
 
 def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_meta: dict, h: int, d: int,
                        basis_t: torch.Tensor | None, scratch: np.ndarray, zs: tuple[np.ndarray, np.ndarray], state: np.ndarray,
-                       n_layers: int, zbuf: torch.Tensor | None = None) -> None:
-    """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``, every layer in one kernel call
-    that writes each token row once, dequantized and RoPE'd. In a key basis the kernel writes
+                       layers: range, zbuf: torch.Tensor | None = None) -> None:
+    """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``, the ``layers`` (``basis_t``:
+    theirs) in one kernel call that writes each token row once, dequantized and RoPE'd. In a key basis the kernel writes
     the scaled codes channel by channel (``[L, H, D, t]``) to the first half of ``zbuf`` (flat,
     room for ``2 L H t D``); one batched matmul with the basis (its columns scaled by the steps)
     and the mean, reading them transposed, rotates them into token rows in its second half (a
@@ -136,7 +148,8 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
 
     inflate_frames, decode_blobs, rope_blobs = cpu.kernels()
     tensors = b.tensors
-    prefixes = [tensor_name(i, role) for i in range(n_layers)]
+    n_layers = len(layers)
+    prefixes = [tensor_name(i, role) for i in layers]
     codes, params = [], []
     for p in prefixes:
         c, pa = tensors.get(f"{p}.codes"), tensors.get(f"{p}.params")
@@ -169,25 +182,25 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
     if role == "keys" and theta:
         cos, sin, cs_idx = _rope_tables(tensors, prefixes, t, h, d, float(theta))
     err = np.zeros(n_layers, np.int32)
-    layers = np.arange(n_layers, dtype=np.int64)
+    layer_idx = np.arange(layers.start, layers.stop, dtype=np.int64)
     tables = cpu.digit_tables()
     if basis_t is None:
-        decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out.numpy(), layers, tok, True,
+        decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out.numpy(), layer_idx, tok, True,
                      cos, sin, cs_idx, tables, scratch, *zs, state, err)
     else:
         zy = zbuf[:2 * n_layers * h * t * d]
         z, y = zy[:n_layers * h * d * t].view(n_layers, h, d, t), zy[n_layers * h * t * d:].view(n_layers, h, t, d)
-        decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, z.numpy(), layers, 0, False,
+        decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, z.numpy(), layer_idx, 0, False,
                      cos, sin, cs_idx, tables, scratch, *zs, state, err)
     if err.any():
         i = int(np.flatnonzero(err)[0])
         raise BundleFormatError(f"{prefixes[i]}.{cpu.MESSAGES[int(err[i])]}")
     if basis_t is not None and t:
-        m = basis_t[:n_layers] * torch.from_numpy(step).view(n_layers, h, 1, d)
+        m = basis_t * torch.from_numpy(step).view(n_layers, h, 1, d)
         # the codes lie channel by channel: the matmul reads them transposed (no gather into token rows)
         torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, d, t).transpose(1, 2),
                       m.view(n_layers * h, d, d), out=y.view(n_layers * h, t, d))
-        rope_blobs(y.numpy(), out.numpy(), layers, tok, t, cos, sin, cs_idx)  # (the cache written once)
+        rope_blobs(y.numpy(), out.numpy(), layer_idx, tok, t, cos, sin, cs_idx)  # (the cache written once)
 
 
 def _span(blobs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
@@ -324,5 +337,5 @@ def warm() -> bool:
     keys = torch.zeros(n_layers, h, t, d)
     _decode_chunk_role(b, "keys", t, 0, keys, quant, h, d, torch.eye(d).expand(n_layers, h, d, d).contiguous(),
                        np.empty(2 * h * d * t, np.uint8), (np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16)),
-                       cpu.new_state(), n_layers, torch.empty(2 * n_layers * h * t * d))
+                       cpu.new_state(), range(n_layers), torch.empty(2 * n_layers * h * t * d))
     return all(torch.allclose(got, w, rtol=1e-5, atol=1e-4) for got, w in zip((*out, keys), (*want, want[0])))

@@ -130,8 +130,8 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
     Where ``plain``: ``code * 2**-level * step + mean`` written to
     ``out[layer[b], :, tok:tok + t, :]`` (``[L, H, T, D]``), RoPE'd by ``cos``/``sin[cs_idx[b]]``
     (``[Hc, t, D]``, Hc 1 or H) where ``cs_idx[b] >= 0``. Else ``code * 2**-level`` channel by
-    channel to ``out[layer[b], :, :, :t]`` (``[L, H, D, t]``; the caller rotates those out of a
-    key basis). Two passes per blob: every frame inflated and unpacked to rows of codes in bin
+    channel to ``out[b, :, :, :t]`` (``[n, H, D, t]``, one row per blob; the caller rotates those
+    out of a key basis). Two passes per blob: every frame inflated and unpacked to rows of codes in bin
     order (``zs8``, or ``zs16`` for two-byte codes; a frame of one code per byte inflates
     straight there), then each head's rows dequantized (and RoPE'd) token by token, each cache
     row written once, in order, or scaled channel by channel.
@@ -226,11 +226,11 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
             continue
         for c in range(hd):
             slot[c] *= t  # (row -> its first code)
-        if not plain:
+        if not plain:  # (the scaled codes of blob b go to out[b])
             if width == 1:
-                scaled_rows(zs8, slot, t, lsc[b], out, lay)
+                scaled_rows(zs8, slot, t, lsc[b], out, b)
             else:
-                scaled_rows(zs16, slot, t, lsc[b], out, lay)
+                scaled_rows(zs16, slot, t, lsc[b], out, b)
         elif width == 1:
             dequant_rows(zs8, slot, t, step[b], mean[b], lsc[b], out, lay, tok, cos, sin, cs_idx[b], z, y)
         else:
@@ -238,7 +238,7 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
 
 @njit
 def rope_blobs(src, out, layer, tok, t, cos, sin, cs_idx):
-    """``out[layer[b], :, tok:tok + t] = src[layer[b], :, :t]`` RoPE'd by ``cos``/``sin[cs_idx[b]]``
+    """``out[layer[b], :, tok:tok + t] = src[b, :, :t]`` RoPE'd by ``cos``/``sin[cs_idx[b]]``
     (copied as they are where ``cs_idx[b] < 0``): each row of the cache written once. ``src`` is
     not ``out``: the loops index both directly (no row copy), so the inner one vectorizes."""
     d = out.shape[3]
@@ -246,7 +246,7 @@ def rope_blobs(src, out, layer, tok, t, cos, sin, cs_idx):
     for b in range(layer.shape[0]):
         ci, lay = cs_idx[b], layer[b]
         for h in range(out.shape[1]):
-            s2, o2 = src[lay, h], out[lay, h]
+            s2, o2 = src[b, h], out[lay, h]
             if ci < 0:
                 for j in range(t):
                     for c in range(d):

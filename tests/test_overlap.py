@@ -1,0 +1,105 @@
+"""A load whose ec decode runs behind the question's forward (``load_document(..., overlap=True)``,
+kdnctl/engine/overlap.py): the same K/V and logits as a load that decodes first, a decode error
+raised in the forward (no hang, no answer), and the layer groups the decode reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kdnctl.errors import BundleFormatError
+from kdnctl.engine.overlap import LayersReady, layer_groups
+from kdnctl.quant import ec_batch
+
+pytestmark = pytest.mark.skipif(not ec_batch.enabled(), reason="numba or ISA-L missing: loads take the reference path")
+
+
+@pytest.mark.parametrize("n_layers,n_groups", [(30, 6), (1, 6), (7, 3), (5, 5), (4, 6)])
+def test_layer_groups_cover_every_layer_once_in_order(n_layers, n_groups):
+    groups = layer_groups(n_layers, n_groups)
+    assert [i for g in groups for i in g] == list(range(n_layers))
+    assert len(groups) == min(n_groups, n_layers) and max(map(len, groups)) - min(map(len, groups)) <= 1
+
+
+def test_grouped_decode_writes_what_one_pass_writes_and_reports_each_group_once():
+    from test_ec_batch import _chunk, _fast
+
+    h, d, n_layers = 3, 16, 5
+    chunks = [_chunk(31 + j, h, 40 + 3 * j, d, n_layers, start=50 * j) for j in range(3)]
+    want = _fast(chunks, n_layers, h, d)
+    total = sum(c.layer_len(0) for c in chunks)
+    out = tuple(torch.full((n_layers, h, total, d), float("nan")) for _ in range(2))
+    starts = [sum(c.layer_len(0) for c in chunks[:i]) for i in range(len(chunks))]
+    seen = []
+    groups = layer_groups(n_layers, 3)
+    ec_batch.decode_into(out, chunks, starts, chunks[0].meta["quant"], groups=groups, on_group=seen.append)
+    assert sorted(seen) == list(range(len(groups)))
+    assert all(torch.equal(a, b) for a, b in zip(out, want))
+
+
+def test_a_failed_decode_reaches_every_waiter():
+    ready = LayersReady(layer_groups(6, 3))
+
+    def decode(r):
+        r.done(0)
+        raise BundleFormatError("layers.3.keys.codes has an unknown code width")
+
+    ready.start(decode)
+    with pytest.raises(BundleFormatError):
+        ready.wait(5)
+    with pytest.raises(BundleFormatError):
+        ready.wait_all()
+
+
+@pytest.fixture(scope="module")
+def store(lm, tmp_path_factory):
+    from budgetkit import trimmed_store
+
+    from kdnctl.compress.document import CompressRecipe, compress_document
+
+    st = trimmed_store(tmp_path_factory, lm, {"faq.md": 300})
+    with st.writer():
+        compress_document(st, "faq.md", CompressRecipe(budget=0.25), lm=lm)
+    return st
+
+
+@pytest.mark.model
+def test_an_overlapped_load_answers_as_a_load_that_decodes_first(lm, store):
+    from kdnctl.engine.hf import forward_suffix, generate, load_document
+
+    question = lm.tokenizer("How long does charging take?", add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        first = load_document(lm, store, "faq.md", "b0.25")
+        assert first.pending is None
+        want = forward_suffix(lm, first, question, last_only=True)[0]
+        ctx = load_document(lm, store, "faq.md", "b0.25", overlap=True)
+        assert ctx.pending is not None  # the decode runs behind the forward
+        got = forward_suffix(lm, ctx, question, last_only=True)[0]
+        ctx.settle()
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(ctx.keys + ctx.values, first.keys + first.values))
+        again = load_document(lm, store, "faq.md", "b0.25", overlap=True)
+        res = generate(lm, again, question, max_new_tokens=4)
+        assert again.pending is None and torch.equal(res.first_logits, want[-1])
+        # a second cache over the same context (copies the settled buffers)
+        assert torch.equal(forward_suffix(lm, again, question, last_only=True)[0], want)
+
+
+@pytest.mark.model
+def test_a_corrupt_frame_found_behind_the_forward_raises_in_it(lm, store):
+    from kdnctl.engine.hf import context_from_bundles, forward_suffix
+    from kdnctl.format.bundle import decode_bundle
+
+    bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version("faq.md", "b0.25").chunks]
+    last = bundles[0].n_layers - 1
+    blob = bundles[1].tensors[f"layers.{last}.values.codes"].clone()
+    blob[1] = 0  # no frames: its bins need some
+    bundles[1].tensors[f"layers.{last}.values.codes"] = blob
+    question = lm.tokenizer("How long does charging take?", add_special_tokens=False).input_ids
+    with torch.inference_mode():
+        ctx = context_from_bundles(lm, bundles, overlap=True)
+        assert ctx.pending is not None
+        with pytest.raises(BundleFormatError, match=f"layers.{last}.values"):
+            forward_suffix(lm, ctx, question, last_only=True)
+        with pytest.raises(BundleFormatError):
+            ctx.settle()
