@@ -123,15 +123,18 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     if workers <= 1 or len(jobs) <= 1:
         run()
         return
-    # the chunks are the parallel work: the key basis's matmuls run on one torch thread each
+    # the chunks are the parallel work: the key basis's matmuls run on one torch thread each. (Not
+    # behind a forward, on_group set: torch's thread count is the process's, and the forward's.)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if on_group is None:
+        torch.set_num_threads(1)
     try:
         with ThreadPoolExecutor(workers) as pool:
             for f in [pool.submit(run) for _ in range(workers)]:
                 f.result()
     finally:
-        torch.set_num_threads(threads)
+        if on_group is None:
+            torch.set_num_threads(threads)
 
 
 def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_meta: dict, h: int, d: int,
