@@ -22,9 +22,9 @@ OWN_WIDTHS = 3  # a codes blob's width byte (format 1.11): each frame of one cod
 def frame_width(width: int, peak: int) -> int:
     """Bytes per code of a frame that stores one code per byte-group, in a codes blob of
     ``width`` (1: int8, 2: int16, ``OWN_WIDTHS``: int8 where the frame's peak fits, else int16).
-    A role whose largest code needs two bytes used to give all its frames two: the second byte
-    of a small code costs at least a bit of Huffman code for nothing, ~12% of the 0.25 default's
-    bytes."""
+    Width 2 gives every frame of a role two bytes where any of its codes needs them; the second
+    byte of a small code costs at least a bit of Huffman code for nothing (~12% of the 0.25
+    default's bytes), so the encoder writes ``OWN_WIDTHS``."""
     if width == OWN_WIDTHS:
         return 1 if peak <= 127 else 2
     return width
