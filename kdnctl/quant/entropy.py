@@ -111,15 +111,17 @@ def _digit_table(peak: int, per: int) -> np.ndarray:
 def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torch.Tensor:
     """``[H, D]`` uint8 bin of every channel of ``codes [H, T, D]``: twice the log2 of its
     spread in steps (channels whose codes are alike share one entropy coder's table), over the
-    ``stored`` rows (bool ``[H, T]``) where only those are coded."""
-    if codes.shape[1] == 0:  # a chunk whose tokens were all evicted: one bin, no codes
-        return torch.full(codes.shape[::2], 4, dtype=torch.uint8)
+    ``stored`` rows (bool ``[H, T]``) where only those are coded. Without ``stored``, ``codes``
+    may have leading dimensions (chunks of one length: ``[C, H, T, D]`` -> ``[C, H, D]``, each
+    channel's spread reduced as alone)."""
+    if codes.shape[-2] == 0:  # a chunk whose tokens were all evicted: one bin, no codes
+        return torch.full(codes.shape[:-2] + codes.shape[-1:], 4, dtype=torch.uint8)
     if stored is not None:
         w, c = stored.unsqueeze(2).float(), codes.float()
         n = w.sum(1).clamp_min(1)
         spread = (((c - ((c * w).sum(1) / n).unsqueeze(1)) ** 2 * w).sum(1) / n).sqrt()
     else:
-        spread = codes.float().std(1, unbiased=False) if codes.shape[1] > 1 else codes.float().abs().amax(1)
+        spread = codes.float().std(-2, unbiased=False) if codes.shape[-2] > 1 else codes.float().abs().amax(-2)
     return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
 
 

@@ -10,12 +10,14 @@ def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, leve
                    basis: torch.Tensor | None = None) -> torch.Tensor:
     """Integer codes (as float) of ``x [H, T, D]``: ``round((x - mean) / (step / 2**level))``;
     with ``basis [H, D, D]`` (``kdnctl.format.key_basis``) the step-normalised rows are first rotated
-    into its axes: ``round(((x - mean) / step) @ basis * 2**level)``."""
+    into its axes: ``round(((x - mean) / step) @ basis * 2**level)``. Chunks of one length may
+    come together: ``x [C, H, T, D]``, ``mean [C, H, D]``, ``levels [C, T]`` (the same arithmetic
+    per element, so the same codes as one chunk at a time)."""
     if basis is None:
-        div = step[:, None, :] / torch.pow(2.0, levels.float())[None, :, None]
-        return torch.round((x - mean[:, None, :]) / div)
-    u = (x - mean[:, None, :]) / step[:, None, :]
-    return torch.round((u @ basis) * torch.pow(2.0, levels.float())[None, :, None])
+        div = step[..., None, :] / torch.pow(2.0, levels.float())[..., None, :, None]
+        return torch.round((x - mean[..., None, :]) / div)
+    u = (x - mean[..., None, :]) / step[..., None, :]
+    return torch.round((u @ basis) * torch.pow(2.0, levels.float())[..., None, :, None])
 
 
 def dequantize_codes(codes: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,

@@ -20,6 +20,7 @@ from ...versions import child_recipe
 from . import quantize as qz
 from .base import Job, Stage
 from .refit import refitted
+from .payload_size import PayloadSize
 
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
@@ -83,9 +84,17 @@ class Encode(Stage):
         # (``own_widths`` False); the frames then take their own widths (``own_width_frames``):
         # the same codes in fewer bytes, so a version stores the K/V its budget's acceptance
         # table measured, under its cap.
+        # The probes count the bytes (``PayloadSize``) where they can, else encode; the version
+        # stored is encoded at the fitted scale either way.
+        counted = [PayloadSize.for_job(job)]
+
+        def encoded_size(codes) -> int:
+            return sum(t.numel() for chunk in codes for t in chunk.values())
+
         @functools.lru_cache(maxsize=None)  # sizes only: a long document's blobs are tens of MB per scale
         def payload(alpha: float) -> int:
-            return sum(t.numel() for chunk in qz.codes_at(job, alpha, own_widths=False) for t in chunk.values())
+            n = None if counted[0] is None else counted[0](alpha)
+            return encoded_size(qz.codes_at(job, alpha, own_widths=False)) if n is None else n
 
         overhead = len(job.bundles) * (6144 + 200 * job.n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
         kept_keys = first = None
@@ -103,6 +112,7 @@ class Encode(Stage):
                 job.base = [(b[0], relative_steps(x[1], job.value_weights[i]) * (1.0 if job.mult is None else job.mult[i, 1]))
                             for i, (b, x) in enumerate(zip(job.base, job.xs))]
                 job.floors = [(f[0], step_floor(x[1], job.finest)) for f, x in zip(job.floors, job.xs)]
+                counted[0] = counted[0] and PayloadSize.for_job(job)  # (the values' means moved)
                 payload.cache_clear()
         recipe_meta = child_recipe(job.src, job.step)
         qmeta = job.quantizer.meta(n_heads, d)
@@ -119,7 +129,15 @@ class Encode(Stage):
                                  f"coarsest steps: the smallest it reaches here is {math.ceil(smallest * 1000) / 1000:g}",
                                  hint="raise --budget, or --keep fewer tokens first")
             new_tensors, metas = [], []
-            codes = qz.codes_at(job, alpha, rows is not None and recipe.refit_feedback, kept_keys, own_widths=False)
+            feedback = rows is not None and recipe.refit_feedback
+            codes = qz.codes_at(job, alpha, feedback, kept_keys, own_widths=False)
+            if counted[0] is not None and not feedback and encoded_size(codes) != payload(alpha):
+                # the counts missed the encoder's bytes: fit again from encodes (never expected;
+                # tests/test_payload_size.py holds the counts to the encoder's bytes)
+                counted[0] = None
+                payload.cache_clear()
+                alpha = None
+                continue
             for b, bounds, kept, chunk in zip(job.bundles, job.local_bounds, job.kept_bounds, codes):
                 ls, le = bounds
                 ks, ke = kept

@@ -1,0 +1,92 @@
+"""The bytes ``ec`` codes take at one scale, counted without deflating: the scale fit's probes.
+
+The encode stage fits one scale of the steps to the byte cap by probing scales (``kdnctl.allocate.rate``);
+each probe used to encode the whole document. What a probe needs is only the size: the codes
+are quantized as the encoder quantizes them (the same function, the same shapes), binned
+as it bins them, and the code frames' deflated bytes are counted from their byte histograms
+(``kdnctl.kernels.ec.deflate_size``, exact for zlib's Huffman-only blocks); only the small
+params frame of each blob is deflated. The stage still encodes the version it stores at the
+fitted scale, and checks the counted size against it.
+
+It applies where the encode stage codes every kept row of every layer in full (no backfilled,
+narrowed or window layers), with deflate frames and a zlib that writes what the counts
+describe; elsewhere :meth:`PayloadSize.for_job` returns None and the probes encode.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ...kernels.ec import deflate_size
+from ...quant.coders.deflate import deflate_compress
+from ...quant.entropy import spread_bins
+from ...quant.grid import quantize_codes, stored_step_mean
+from . import quantize as qz
+from .base import Job
+
+ROLES = ("keys", "values")
+
+
+class PayloadSize:
+    """``size(alpha)``: the summed bytes of every chunk's codes and params blobs at scale
+    ``alpha``, as ``codes_at(job, alpha, own_widths=False)`` would write them (None where a code
+    would overflow: the encoder's own error then comes from a real encode)."""
+
+    def __init__(self, job: Job):
+        self.job = job
+        # per layer and role, each chunk's stored mean (float16, as the blob keeps it) and its
+        # bytes, and the chunks in groups of one length (quantized and binned together)
+        n_chunks = len(job.kept_bounds)
+        by_len: dict[int, list[int]] = {}
+        for c, (a, b) in enumerate(job.kept_bounds):
+            by_len.setdefault(b - a, []).append(c)
+        self.mean_bytes, self.groups = [], []
+        for i in range(job.n_layers):
+            mean_bytes, groups = [], []
+            for x, levels in zip(job.xs[i], job.levels_by_role):
+                means = [stored_step_mean(x[:, a:b], torch.ones(x.shape[0], x.shape[2]))[1] for a, b in job.kept_bounds]
+                mean_bytes.append([m.half().numpy().tobytes() for m in means])
+                groups.append([(idx, torch.stack([x[:, job.kept_bounds[c][0]:job.kept_bounds[c][1]] for c in idx]),
+                                torch.stack([means[c] for c in idx]),
+                                torch.stack([levels[job.kept_bounds[c][0]:job.kept_bounds[c][1]] for c in idx]))
+                               for idx in by_len.values()])
+            assert sum(len(g[0]) for g in groups[0]) == n_chunks
+            self.mean_bytes.append(mean_bytes)
+            self.groups.append(groups)
+
+    @classmethod
+    def for_job(cls, job: Job) -> "PayloadSize | None":
+        if job.quantizer.coding != "deflate" or job.backfill or job.wins or job.narrow:
+            return None
+        if not deflate_size.matches_zlib():
+            return None
+        return cls(job)
+
+    def __call__(self, alpha: float) -> int | None:
+        with qz.one_torch_thread(), ThreadPoolExecutor(qz.ENCODE_WORKERS) as pool:
+            sizes = list(pool.map(lambda i: self._layer(alpha, i), range(self.job.n_layers)))
+        return None if any(s is None for s in sizes) else sum(sizes)
+
+    def _layer(self, alpha: float, i: int) -> int | None:
+        job = self.job
+        total = 0
+        for r, (x, step) in enumerate(zip(job.xs[i], qz.steps_at(job, alpha, i))):
+            step16 = step.to(torch.float16).float()
+            basis = job.basis[i] if job.basis is not None and ROLES[r] == "keys" else None
+            step_bytes = step16.half().numpy().tobytes()
+            for idx, xs, means, levels in self.groups[i][r]:
+                codes = quantize_codes(xs, step16, means, levels, basis)
+                bins = torch.empty(codes.shape[0], codes.shape[1] * codes.shape[3], dtype=torch.uint8)
+                peaks = np.empty(bins.shape[1], np.int64)
+                for c in range(len(idx)):
+                    if not deflate_size.spread_bins_exact(codes[c].numpy(), bins[c].numpy(), peaks):
+                        bins[c] = spread_bins(codes[c]).flatten()  # a spread at a bin's edge: torch's rounding
+                    n = deflate_size.codes_blob_bytes(codes[c].numpy(), bins[c].numpy(), peaks)
+                    if n < 0:
+                        return None
+                    params = step_bytes + self.mean_bytes[i][r][idx[c]] + bins[c].numpy().tobytes()
+                    total += n + len(deflate_compress(params, huffman_only=False))
+        return total
