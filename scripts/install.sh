@@ -45,6 +45,9 @@ fi
 # Compile the CPU decoder of compressed versions now (numba keeps it on disk), not in a user's
 # first load.
 python -c "from kdnctl.quant.ec_batch import warm; warm()" || say "the compiled CPU decoder is not available: loads use the reference decoder"
+# ... and the compress kernels (the scale fit's byte counts, rounding with feedback)
+python -c "import sys; from kdnctl.kernels.ec.deflate_size import warm; sys.exit(0 if warm() else 1)" || \
+  say "this zlib writes other bytes than the scale fit counts: compress encodes every probe (slower, the same versions)"
 [ "$engines" = 1 ] || exit 0
 
 # LMCache 0.5.6's wheel requires CUDA-only packages (cupy, cufile, nvtx), numpy<=2.2.6 and a dozen

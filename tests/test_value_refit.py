@@ -270,6 +270,33 @@ def test_rounding_with_feedback_equals_the_naive_optimum_after_each_rounding(s, 
     torch.testing.assert_close(k, k.round(), rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("s,d", [(1, 3), (2, 1), (9, 5), (23, 17), (130, 64)])
+def test_compiled_rounding_with_feedback_equals_its_torch_reference_bit_for_bit(s, d):
+    from kdnctl.compress.feedback import round_with_feedback
+
+    g = torch.Generator().manual_seed(100 + s + d)
+    a = torch.softmax(torch.randn(50, s, generator=g) * 2, -1)
+    h = (a.T @ a).double() + 0.01 * torch.eye(s, dtype=torch.float64)
+    x = torch.randn(s, d, generator=g) * 3
+    mean = torch.randn(d, generator=g) * 0.1
+    div = (torch.rand(s, d, generator=g) * 0.4 + 0.05) / torch.pow(2.0, torch.randint(0, 4, (s, 1), generator=g).float())
+    order = torch.randperm(s, generator=g)
+    fast = round_with_feedback(x, h, mean, div, order)
+    assert torch.equal(fast, round_with_feedback(x, h, mean, div, order, compiled=False))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_feedback_order_holds_first_then_the_most_read(seed):
+    """``rounding_order`` against its rule as a sort key, element by element (ties included)."""
+    from kdnctl.compress.feedback import rounding_order
+
+    g = torch.Generator().manual_seed(seed)
+    read = torch.randint(0, 4, (37,), generator=g).double() / 3  # many ties
+    held = torch.rand(37, generator=g) < 0.3
+    want = sorted(range(37), key=lambda t: (not bool(held[t]), -float(read[t]), t))
+    assert rounding_order(read, held).tolist() == want
+
+
 def test_feedback_costs_less_through_the_normal_matrix_than_plain_rounding():
     """Summed over cases, the quadratic cost (q - x)^T H (q - x) the refit's objective pays for
     rounding is lower with feedback than with each token rounded on its own."""

@@ -60,9 +60,18 @@ def check_name(kind: str, value: Optional[str], flag: str) -> None:
         raise UsageError(f"{flag}: {problem}")
 
 
-def load_lm(model: Optional[str], dtype: Optional[str] = None, device: Optional[str] = None):
+def load_lm(model: Optional[str], dtype: Optional[str] = None, device: Optional[str] = None,
+            compresses: bool = False):
+    """The model; with ``compresses`` the compress kernels load (or compile, where
+    ``scripts/install.sh`` did not) on a thread meanwhile."""
     from ..models.load import load_model
 
+    if compresses:
+        import threading
+
+        from ..kernels.ec.deflate_size import warm
+
+        threading.Thread(target=warm, daemon=True).start()
     with status("loading model"):
         return load_model(model, dtype=dtype, device=device)
 

@@ -76,7 +76,7 @@ def compress(
         # model at hand compress computes it when a version lacks it.
         evicts = recipe.keep < 1 or (recipe.budget is not None and recipe.budget < 1)
         accum_press = recipe.scorer == "accum" or (evicts and (recipe.press == "h2o" or recipe.allocator == "adaptive"))
-        lm = load_lm(model, dtype=dtype, device=device) if recipe.needs_model or accum_press else None
+        lm = load_lm(model, dtype=dtype, device=device, compresses=True) if recipe.needs_model or accum_press else None
         fingerprint = lm.fingerprint if lm is not None else None
         results = []
         with st.writer(), progress_bar(len(doc_ids), "compress", unit="doc") as bar:

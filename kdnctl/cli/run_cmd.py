@@ -33,7 +33,7 @@ def run(
     if not docs:
         raise UsageError("no readable documents in the given paths")
     st = open_store(store, create=True)
-    lm = load_lm(model)
+    lm = load_lm(model, compresses=True)
     total = sum(len(lm.tokenizer(d.text, add_special_tokens=False).input_ids) for d in docs)
     with progress_bar(total, "ingest") as bar:
         report = ingest_documents(st, lm, docs, opts, on_progress=bar.update, on_doc=doc_done("ingest"))

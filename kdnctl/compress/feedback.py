@@ -27,10 +27,12 @@ from .refit import read_together
 
 
 def round_with_feedback(x: torch.Tensor, h: torch.Tensor, mean: torch.Tensor, div: torch.Tensor,
-                        order: torch.Tensor) -> torch.Tensor:
+                        order: torch.Tensor, compiled: bool = True) -> torch.Tensor:
     """``x [S, D]`` rounded to ``mean + k * div`` (``mean [D]``, ``div [S, D]``), token by token in
     ``order``, each rounding error carried into the tokens after it through ``h [S, S]`` (positive
-    definite): the result minimises ``(q - x)^T h (q - x)`` greedily, as the naive reference does."""
+    definite): the result minimises ``(q - x)^T h (q - x)`` greedily, as the naive reference does.
+    The token loop is compiled (``kdnctl.kernels.feedback``); ``compiled`` False runs its torch
+    reference, equal bit for bit."""
     s = x.shape[0]
     if s == 0:
         return x.clone()
@@ -40,10 +42,14 @@ def round_with_feedback(x: torch.Tensor, h: torch.Tensor, mean: torch.Tensor, di
     m = mean.double()
     u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(hp)), upper=True)
     q = torch.empty_like(w)
-    for i in range(s):
-        q[i] = m + torch.round((w[i] - m) / dv[i]) * dv[i]
-        if i + 1 < s:
-            w[i + 1:] -= u[i, i + 1:, None] * ((w[i] - q[i]) / u[i, i])[None]
+    if compiled:
+        from ..kernels.feedback import cpu
+
+        cpu.round_tokens(w.numpy(), u.contiguous().numpy(), m.contiguous().numpy(), dv.contiguous().numpy(), q.numpy())
+    else:
+        from ..kernels.feedback import reference
+
+        reference.round_tokens(w, u, m, dv, q)
     out = torch.empty_like(q)
     out[order] = q
     return out.to(x.dtype)
@@ -66,6 +72,13 @@ def naive_round_with_feedback(x: torch.Tensor, h: torch.Tensor, mean: torch.Tens
     return cur.float()
 
 
+def rounding_order(read: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """The tokens' rounding order: ``held`` ones first (nothing moves them), then the most read
+    (``read``: the normal matrix's diagonal; they have the most to give), ties to the earlier token."""
+    order = torch.argsort(-read, stable=True)
+    return order[torch.argsort((~held[order]).to(torch.uint8), stable=True)]
+
+
 def feedback_values(queries: torch.Tensor, kept_keys: torch.Tensor, values: torch.Tensor, scale: float, rho: float,
                     step: torch.Tensor, levels: torch.Tensor, bounds, hold: torch.Tensor | None = None) -> torch.Tensor:
     """Refitted ``values [H, S, D]`` rounded to ec's grid (``step [H, D]`` before float16, token
@@ -84,8 +97,6 @@ def feedback_values(queries: torch.Tensor, kept_keys: torch.Tensor, values: torc
             ac = a[:, lo:hi].double()
             h = ac.T @ ac
             h.diagonal().add_(lam)
-            # held tokens first (nothing moves them), then the most read: they have the most to give
-            order = sorted(range(hi - lo), key=lambda t: (not bool(first[lo + t]), -float(h[t, t]), t))
             div = st[0][None, :] / pow2[lo:hi, None]
-            out[j, lo:hi] = round_with_feedback(x, h, mean[0], div, torch.tensor(order, dtype=torch.int64))
+            out[j, lo:hi] = round_with_feedback(x, h, mean[0], div, rounding_order(h.diagonal(), first[lo:hi]))
     return out

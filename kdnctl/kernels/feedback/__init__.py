@@ -1,0 +1,1 @@
+"""Compiled rounding with error feedback (``kdnctl.compress.feedback``); ``reference`` is the torch loop."""
