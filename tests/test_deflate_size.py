@@ -117,3 +117,27 @@ def test_counted_payload_equals_the_encoded_one_through_a_compress(tiny_lm, tmp_
                 compress_document(st, doc, recipe, lm=tiny_lm)
     assert len(checked) >= 8
     assert all(a == b for a, b in checked), checked
+
+
+def test_a_compress_whose_probes_are_counted_encodes_once(tiny_lm, tmp_path_factory, monkeypatch):
+    """Every probe counted, and an attempt whose counted objects miss the cap refitted without
+    encoding: the version is encoded once, at the scale it stores."""
+    from budgetkit import trimmed_store
+
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.compress.stages import encode
+    from kdnctl.compress.stages import quantize as qz
+
+    encodes = []
+    real = qz.codes_at
+
+    def counting(job, alpha, *a, **k):
+        encodes.append(alpha)
+        return real(job, alpha, *a, **k)
+
+    monkeypatch.setattr(encode.qz, "codes_at", counting)
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"lab-protocol.rst": 333})
+    with st.writer():
+        out = compress_document(st, "lab-protocol.rst", CompressRecipe(budget=0.6, quant="ec"), lm=tiny_lm)
+    assert out.status == "compressed"
+    assert len(encodes) == 1

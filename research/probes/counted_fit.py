@@ -1,12 +1,13 @@
-"""The scale fit with counted probes against the fit with encoded probes: the same version,
-in less time.
+"""Compress as it was (every probe of the scale fit encoded, rounding with feedback in torch)
+against compress as it is (probes counted, the feedback loop compiled): the same version, in
+less time.
 
     python research/probes/counted_fit.py [--docs examples/corpus] [--budgets 0.25,0.083] [--repeats 1]
 
 Ingests every document of ``--docs`` into a temporary store, then compresses each at each budget
-(the shipped defaults) twice per repeat, alternating which goes first: with the probes of the
-scale fit counted (``PayloadSize``, what a compress does) and with every probe encoded
-(``PayloadSize.for_job`` turned off for that run). The two versions' tensors must be equal byte
+(the shipped defaults) twice per repeat, alternating which goes first: as it is, and as it was
+(``PayloadSize.for_job`` turned off, ``round_with_feedback`` on its torch loop and the rounding
+order by Python's ``sorted``, for that run). The two versions' tensors must be equal byte
 for byte (their objects differ in the label). Prints per budget and document: tokens, the encode stage's probes, seconds of each
 compress and of the encode stage alone, and their ratio; and the bare prefill's seconds for
 scale (a forward over the document's tokens, in one call).
@@ -31,6 +32,7 @@ from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: 
 from kdnctl.format.bundle import decode_bundle  # noqa: E402
 from kdnctl.quant.sensitivity import forget_key_weights  # noqa: E402
 from kdnctl.compress.stages import encode as encode_stage  # noqa: E402
+from kdnctl.compress import feedback  # noqa: E402
 from kdnctl.compress.stages import payload_size as ps  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
 from kdnctl.ingest.corpus import read_corpus  # noqa: E402
@@ -82,8 +84,19 @@ def main() -> None:
 
     ps.PayloadSize.__call__ = counting
 
+    now_round, now_order = feedback.round_with_feedback, feedback.rounding_order
+
+    def torch_round(*a, **k):
+        return now_round(*a, **k, compiled=False)
+
+    def sorted_order(read, held):
+        return torch.tensor(sorted(range(read.numel()), key=lambda t: (not bool(held[t]), -float(read[t]), t)),
+                            dtype=torch.int64)
+
     def compress(doc: str, budget: float, counted: bool, tag: str):
         ps.PayloadSize.for_job = real_for_job if counted else classmethod(lambda cls, job: None)
+        feedback.round_with_feedback = now_round if counted else torch_round
+        feedback.rounding_order = now_order if counted else sorted_order
         probes["n"] = 0
         forget_key_weights()  # each compress pays its own forward
         t0 = time.perf_counter()
@@ -92,8 +105,8 @@ def main() -> None:
         return time.perf_counter() - t0, stage_s["s"], probes["n"]
 
     print(f"model {lm.fingerprint[:12]}, torch threads {torch.get_num_threads()}, repeats {args.repeats}\n")
-    print("| budget | document | tokens | bare prefill s | compress s, encoded probes | compress s, counted | "
-          "ratio | encode stage s, encoded | counted | ratio | counted probes | same objects |")
+    print("| budget | document | tokens | bare prefill s | compress s, as it was | as it is | "
+          "ratio | encode stage s, as it was | as it is | ratio | counted probes | same tensors |")
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     totals = {}
     for budget in [float(b) for b in args.budgets.split(",")]:
@@ -114,7 +127,7 @@ def main() -> None:
             print(f"| {budget:g} | {doc} | {v.n_tokens} | {prefill:.2f} | {e[0]:.2f} | {c[0]:.2f} | {c[0] / e[0]:.2f} | "
                   f"{e[1]:.2f} | {c[1]:.2f} | {c[1] / e[1]:.2f} | {n} | {'yes' if same else 'NO'} |", flush=True)
     print("\nPer 1,000 tokens, all documents:\n")
-    print("| budget | bare prefill s | compress s, encoded probes | counted | ratio | compress / prefill, encoded | counted |")
+    print("| budget | bare prefill s | compress s, as it was | as it is | ratio | compress / prefill, as it was | as it is |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for budget, rows in totals.items():
         tok = sum(r[0] for r in rows) / 1000

@@ -116,6 +116,23 @@ class Encode(Stage):
                 payload.cache_clear()
         recipe_meta = child_recipe(job.src, job.step)
         qmeta = job.quantizer.meta(n_heads, d)
+
+        def bundles_at(codes, alpha: float):
+            """(each chunk's tensors, metas, the stored bytes of all) with these code blobs."""
+            new_tensors, metas = [], []
+            for b, bounds, kept, chunk in zip(job.bundles, job.local_bounds, job.kept_bounds, codes):
+                ls, le = bounds
+                ks, ke = kept
+                new_tensors.append(chunk_tensors(job, b, bounds, kept, chunk))
+                n_rows = sum(n_heads * (le - ls) - len(narrow.get(i, ())) * (le - ls - ke + ks) if i in backfill
+                             else n_heads * (ke - first_row(job.wins, i, ks, ke)) for i in range(job.n_layers))
+                metas.append({"quant": {**qmeta, "alpha": round(alpha, 6),
+                                        "mix": {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}}, **job.win_meta})
+            total = sum(len(encode_bundle(KVBundle(meta=derived_meta(b.meta, label=job.label, parent=job.src.label,
+                                                                      recipe=recipe_meta, **m), tensors=t)))
+                        for b, t, m in zip(job.bundles, new_tensors, metas)) + STAMP_BYTES * len(job.bundles)
+            return new_tensors, metas, total
+
         alpha = None
         for _attempt in range(4):
             if recipe.fit == "secant":
@@ -128,27 +145,23 @@ class Encode(Stage):
                 raise UsageError(f"a budget of {recipe.budget:g} is too small for --quant ec on this model even at its "
                                  f"coarsest steps: the smallest it reaches here is {math.ceil(smallest * 1000) / 1000:g}",
                                  hint="raise --budget, or --keep fewer tokens first")
-            new_tensors, metas = [], []
             feedback = rows is not None and recipe.refit_feedback
+            sizes = None if counted[0] is None or feedback else counted[0].blob_sizes(alpha)
+            if sizes is not None:  # the objects' bytes from the counted blobs: no encode where they miss the cap
+                _, _, total = bundles_at([{k: torch.empty(n, dtype=torch.uint8) for k, n in s.items()} for s in sizes],
+                                         alpha)
+                if total > cap:
+                    overhead = total - payload(alpha) + 256
+                    continue
             codes = qz.codes_at(job, alpha, feedback, kept_keys, own_widths=False)
-            if counted[0] is not None and not feedback and encoded_size(codes) != payload(alpha):
+            if sizes is not None and [{k: v.numel() for k, v in c.items()} for c in codes] != sizes:
                 # the counts missed the encoder's bytes: fit again from encodes (never expected;
-                # tests/test_payload_size.py holds the counts to the encoder's bytes)
+                # tests/test_deflate_size.py holds the counts to the encoder's bytes)
                 counted[0] = None
                 payload.cache_clear()
                 alpha = None
                 continue
-            for b, bounds, kept, chunk in zip(job.bundles, job.local_bounds, job.kept_bounds, codes):
-                ls, le = bounds
-                ks, ke = kept
-                new_tensors.append(chunk_tensors(job, b, bounds, kept, chunk))
-                n_rows = sum(n_heads * (le - ls) - len(narrow.get(i, ())) * (le - ls - ke + ks) if i in backfill
-                             else n_heads * (ke - first_row(job.wins, i, ks, ke)) for i in range(job.n_layers))
-                metas.append({"quant": {**qmeta, "alpha": round(alpha, 6),
-                                        "mix": {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}}, **job.win_meta})
-            total = sum(len(encode_bundle(KVBundle(meta=derived_meta(b.meta, label=job.label, parent=job.src.label,
-                                                                      recipe=recipe_meta, **m), tensors=t)))
-                        for b, t, m in zip(job.bundles, new_tensors, metas)) + STAMP_BYTES * len(job.bundles)
+            new_tensors, metas, total = bundles_at(codes, alpha)
             if total <= cap:
                 n_rows = sum(n_heads * n_all - len(narrow.get(i, ())) * (n_all - n_tokens) if i in backfill
                              else n_heads * (n_tokens - first_row(job.wins, i, 0, n_tokens)) for i in range(job.n_layers))

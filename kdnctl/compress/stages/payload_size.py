@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from ...format.names import tensor_name
 from ...kernels.ec import deflate_size
 from ...quant.coders.deflate import deflate_compress
 from ...quant.entropy import spread_bins
@@ -37,6 +38,7 @@ class PayloadSize:
 
     def __init__(self, job: Job):
         self.job = job
+        self._seen: dict[float, list[dict[str, int]] | None] = {}
         # per layer and role, each chunk's stored mean (float16, as the blob keeps it) and its
         # bytes, and the chunks in groups of one length (quantized and binned together)
         n_chunks = len(job.kept_bounds)
@@ -66,14 +68,30 @@ class PayloadSize:
         return cls(job)
 
     def __call__(self, alpha: float) -> int | None:
-        with qz.one_torch_thread(), ThreadPoolExecutor(qz.ENCODE_WORKERS) as pool:
-            sizes = list(pool.map(lambda i: self._layer(alpha, i), range(self.job.n_layers)))
-        return None if any(s is None for s in sizes) else sum(sizes)
+        sizes = self.blob_sizes(alpha)
+        return None if sizes is None else sum(n for chunk in sizes for n in chunk.values())
 
-    def _layer(self, alpha: float, i: int) -> int | None:
+    def blob_sizes(self, alpha: float) -> list[dict[str, int]] | None:
+        """Each chunk's blobs (``layers.i.<role>.codes``/``.params``) and their bytes at ``alpha``,
+        in ``codes_at``'s order (kept for the last few scales asked)."""
+        if alpha not in self._seen:
+            if len(self._seen) >= 4:
+                self._seen.clear()
+            with qz.one_torch_thread(), ThreadPoolExecutor(qz.ENCODE_WORKERS) as pool:
+                layers = list(pool.map(lambda i: self._layer(alpha, i), range(self.job.n_layers)))
+            if any(x is None for x in layers):
+                self._seen[alpha] = None
+            else:
+                self._seen[alpha] = [{name: n for layer in layers for name, n in layer[c]}
+                                     for c in range(len(self.job.kept_bounds))]
+        return self._seen[alpha]
+
+    def _layer(self, alpha: float, i: int) -> list[list[tuple[str, int]]] | None:
+        """Per chunk, layer ``i``'s (blob name, bytes) in ``codes_at``'s order."""
         job = self.job
-        total = 0
+        out = [[] for _ in job.kept_bounds]
         for r, (x, step) in enumerate(zip(job.xs[i], qz.steps_at(job, alpha, i))):
+            name = tensor_name(i, ROLES[r])
             step16 = step.to(torch.float16).float()
             basis = job.basis[i] if job.basis is not None and ROLES[r] == "keys" else None
             step_bytes = step16.half().numpy().tobytes()
@@ -88,5 +106,5 @@ class PayloadSize:
                     if n < 0:
                         return None
                     params = step_bytes + self.mean_bytes[i][r][idx[c]] + bins[c].numpy().tobytes()
-                    total += n + len(deflate_compress(params, huffman_only=False))
-        return total
+                    out[idx[c]] += [(f"{name}.codes", n), (f"{name}.params", len(deflate_compress(params, huffman_only=False)))]
+        return out
