@@ -51,13 +51,15 @@ def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> boo
     frame's bytes per code) at ``zs[base:base + m]``; packed digits may write up to ``per - 1`` codes past the end (the
     next frame overwrites them; ``zs`` has room). False: a byte holds digits out of range."""
     if per == 1 and width == 1:
+        dst = zs[base:base + m]
         for i in range(m):
             v = np.int16(scratch[i])
-            zs[base + i] = v - 256 if v >= 128 else v
+            dst[i] = v - 256 if v >= 128 else v
     elif per == 1:
+        dst = zs[base:base + m]
         for i in range(m):
             v = np.int32(scratch[2 * i]) | (np.int32(scratch[2 * i + 1]) << 8)
-            zs[base + i] = v - 65536 if v >= 32768 else v
+            dst[i] = v - 65536 if v >= 32768 else v
     else:
         radix, lim = 2 * peak + 1, 1
         for _ in range(per):
@@ -69,11 +71,11 @@ def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> boo
         if top >= lim:
             return False
         tab = tables[peak]
+        dst = zs[base:base + n_bytes * per]
         for i in range(n_bytes):
             row = tab[scratch[i]]
-            k = base + i * per
             for e in range(per):
-                zs[k + e] = row[e]
+                dst[i * per + e] = row[e]
     return True
 
 @njit
@@ -104,14 +106,15 @@ def dequant_rows(zs, slot, t, step, mean, lv, out, lay, tok, cos, sin, ci, z, y)
 def scaled_rows(zs, slot, t, lv, out, lay):
     """``out[lay, h, c, :t] = zs[slot[h*D + c]:+t] * lv``: a channel's codes scaled by their
     tokens' ``2**-level``, row by row (contiguous on both sides, so the loop vectorizes; the
-    caller's matmul reads the rows transposed)."""
+    caller's matmul reads the rows transposed). The loops index slices from 0: an index
+    ``r + j`` would need numba's negative-index check, which keeps LLVM from vectorizing."""
     h_n, d = out.shape[1], out.shape[2]
     for h in range(h_n):
         for c in range(d):
             r = slot[h * d + c]
-            o = out[lay, h, c]
+            src, o = zs[r:r + t], out[lay, h, c, :t]
             for j in range(t):
-                o[j] = np.float32(zs[r + j]) * lv[j]
+                o[j] = np.float32(src[j]) * lv[j]
 
 @njit
 def rope_row(row, y, cr, sr, half):
