@@ -89,7 +89,9 @@ def with_basis(monkeypatch):
 @pytest.mark.parametrize("h,t,d,theta,own,workers,own_widths", [
     (3, 37, 16, 10000.0, False, 2, True), (1, 1, 8, 10000.0, False, 1, True), (2, 129, 10, None, False, 2, True),
     (3, 64, 16, 500.0, True, 2, True), (2, 0, 8, 10000.0, False, 1, True), (3, 37, 16, 10000.0, False, 2, False),
-    (2, 129, 10, None, True, 1, False)])
+    (2, 129, 10, None, True, 1, False),
+    # chunks of a multiple of 8 tokens (40, 16): one-byte codes go token by token in 8x8 blocks
+    (2, 40, 24, 10000.0, False, 2, True), (3, 16, 8, None, False, 1, True)])
 def test_batch_decoder_equals_the_reference(h, t, d, theta, own, workers, own_widths):
     """Every code width: one byte, each frame its own (1.11), two bytes for every frame (before 1.11)."""
     n_layers = 3

@@ -78,22 +78,71 @@ def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> boo
                 dst[i * per + e] = row[e]
     return True
 
+# byte masks of the 8x8 byte transpose in ``codes_by_token``
+_LO32, _HI32 = np.uint64(0x00000000FFFFFFFF), np.uint64(0xFFFFFFFF00000000)
+_LO16, _HI16 = np.uint64(0x0000FFFF0000FFFF), np.uint64(0xFFFF0000FFFF0000)
+_LO8, _HI8 = np.uint64(0x00FF00FF00FF00FF), np.uint64(0xFF00FF00FF00FF00)
+
+
 @njit
-def dequant_rows(zs, slot, t, step, mean, lv, out, lay, tok, cos, sin, ci, z, y):
+def codes_by_token(zs, rb, n, ct):
+    """One head's one-byte codes, ``zs[rb[c] + j]`` (a row per channel, each starting at a
+    multiple of 8), token by token into ``ct`` (``[n, D]`` int8 as uint64 words) for ``n``
+    tokens (``n`` and ``D`` multiples of 8): 8 channels x 8 tokens at a time, loaded as eight
+    64-bit words and transposed by three rounds of swaps of 4, 2 and 1 bytes. A transposing loop
+    of single codes does not vectorize; this does eight codes per word operation."""
+    d8 = rb.shape[0] // 8
+    w = zs[:zs.shape[0] // 8 * 8].view(np.uint64)
+    c64 = ct.view(np.uint64)
+    r = np.empty(8, np.uint64)
+    for c0 in range(0, 8 * d8, 8):
+        for j0 in range(0, n, 8):
+            for i in range(8):  # word i: tokens j0..j0+7 of channel c0 + i, one byte each
+                r[i] = w[(rb[c0 + i] + j0) // 8]
+            for i in range(4):
+                a, b = r[i], r[i + 4]
+                r[i], r[i + 4] = (a & _LO32) | (b << np.uint64(32)), (a >> np.uint64(32)) | (b & _HI32)
+            for i in (0, 1, 4, 5):
+                a, b = r[i], r[i + 2]
+                r[i], r[i + 2] = (a & _LO16) | ((b << np.uint64(16)) & _HI16), ((a >> np.uint64(16)) & _LO16) | (b & _HI16)
+            for i in (0, 2, 4, 6):
+                a, b = r[i], r[i + 1]
+                r[i], r[i + 1] = (a & _LO8) | ((b << np.uint64(8)) & _HI8), ((a >> np.uint64(8)) & _LO8) | (b & _HI8)
+            for k in range(8):  # word k: channels c0..c0+7 of token j0 + k
+                c64[(j0 + k) * d8 + c0 // 8] = r[k]
+
+
+@njit
+def dequant_rows(zs, slot, t, step, mean, lv, out, lay, tok, cos, sin, ci, z, y, ct, by_token):
     """``out[lay, h, tok + j] = zs[slot[h*D + c] + j] * lv[j] * step + mean``, then RoPE'd
-    where ``ci >= 0``."""
+    where ``ci >= 0``. With ``by_token`` (one-byte codes, ``t`` and ``D`` multiples of 8) each
+    head's codes are first put token by token (``codes_by_token`` into ``ct``), so that each row
+    is computed by a contiguous loop."""
     h_n, d = out.shape[1], out.shape[3]
     half = d // 2
+    fast = t if by_token else 0
+    cb = ct.view(np.int8)
     for h in range(h_n):
         rb = slot[h * d:(h + 1) * d]
         st = step[h * d:(h + 1) * d]
         mu = mean[h * d:(h + 1) * d]
         hc = h if cos.shape[1] > 1 else 0
+        if fast:
+            codes_by_token(zs, rb, fast, ct)
         for j in range(t):
             sc = lv[j]
-            for c in range(d):
-                z[c] = np.float32(zs[rb[c] + j]) * sc
             row = out[lay, h, tok + j]
+            if j < fast:
+                cj = cb[j * d:(j + 1) * d]
+                if ci < 0:
+                    for c in range(d):
+                        row[c] = np.float32(cj[c]) * sc * st[c] + mu[c]
+                    continue
+                for c in range(d):
+                    z[c] = np.float32(cj[c]) * sc
+            else:
+                for c in range(d):
+                    z[c] = np.float32(zs[rb[c] + j]) * sc
             for c in range(d):
                 y[c] = z[c] * st[c] + mu[c]
             if ci >= 0:
@@ -148,6 +197,8 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
     slot = np.zeros(hd, np.int64)  # channel -> its row in bin order
     z = np.zeros(d, np.float32)
     y = np.zeros(d, np.float32)
+    ct = np.zeros(t * d // 8 + 1, np.uint64)  # one head's codes token by token (codes_by_token)
+    by_token = d % 8 == 0 and t % 8 == 0
     sp, scr, z8 = raw.ctypes.data, scratch.ctypes.data, zs8.ctypes.data
     for b in range(c_off.shape[0]):
         p, n_raw, lay = c_off[b], c_len[b], layer[b]
@@ -235,9 +286,9 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
             else:
                 scaled_rows(zs16, slot, t, lsc[b], out, b)
         elif width == 1:
-            dequant_rows(zs8, slot, t, step[b], mean[b], lsc[b], out, lay, tok, cos, sin, cs_idx[b], z, y)
+            dequant_rows(zs8, slot, t, step[b], mean[b], lsc[b], out, lay, tok, cos, sin, cs_idx[b], z, y, ct, by_token)
         else:
-            dequant_rows(zs16, slot, t, step[b], mean[b], lsc[b], out, lay, tok, cos, sin, cs_idx[b], z, y)
+            dequant_rows(zs16, slot, t, step[b], mean[b], lsc[b], out, lay, tok, cos, sin, cs_idx[b], z, y, ct, False)
 
 @njit
 def rope_blobs(src, out, layer, tok, t, cos, sin, cs_idx):
