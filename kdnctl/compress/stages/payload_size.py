@@ -41,7 +41,6 @@ class PayloadSize:
         self._seen: dict[float, list[dict[str, int]] | None] = {}
         # per layer and role, each chunk's stored mean (float16, as the blob keeps it) and its
         # bytes, and the chunks in groups of one length (quantized and binned together)
-        n_chunks = len(job.kept_bounds)
         by_len: dict[int, list[int]] = {}
         for c, (a, b) in enumerate(job.kept_bounds):
             by_len.setdefault(b - a, []).append(c)
@@ -55,7 +54,6 @@ class PayloadSize:
                                 torch.stack([means[c] for c in idx]),
                                 torch.stack([levels[job.kept_bounds[c][0]:job.kept_bounds[c][1]] for c in idx]))
                                for idx in by_len.values()])
-            assert sum(len(g[0]) for g in groups[0]) == n_chunks
             self.mean_bytes.append(mean_bytes)
             self.groups.append(groups)
 
