@@ -15,7 +15,6 @@ and whether both caches are equal bit for bit (they must be).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import importlib.util
 import statistics
 import subprocess
@@ -28,18 +27,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ttft import corpus_text  # noqa: E402
+from default_version import default_bundles  # noqa: E402
 
-from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.format.bundle import decode_bundle  # noqa: E402
-from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.kernels.ec import cpu  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import ec_batch  # noqa: E402
-from kdnctl.store import Store  # noqa: E402
 
 
 def kernels_of(rev: str, into: Path):
@@ -64,17 +58,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    lm = load_model(dtype="float32")
+    bundles = default_bundles(load_model(dtype="float32"), args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "store")
-        text = corpus_text(lm.tokenizer, args.tokens)
-        doc = Document("bench.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
-        ingest_documents(store, lm, [doc], IngestOptions())
-        with store.writer():
-            compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="default")
-        version = store.get_version(doc.doc_id, "default")
-        bundles = [decode_bundle(store.read_object(c.object)) for c in version.chunks]
-        store.close()
         now = cpu.kernels()
         before = kernels_of(args.rev, Path(tmp))
     n_layers, q = bundles[0].n_layers, bundles[0].meta["quant"]

@@ -20,10 +20,8 @@ Every inflater must give the same bytes.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import sys
-import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -33,18 +31,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ttft import corpus_text  # noqa: E402
+from default_version import default_bundles  # noqa: E402
 
-from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.format.bundle import decode_bundle  # noqa: E402
 from kdnctl.format.names import tensor_name  # noqa: E402
-from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.kernels.ec import cpu, digits  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
-from kdnctl.store import Store  # noqa: E402
 
 BUCKETS = ((0, 256), (256, 1024), (1024, 4096), (4096, 1 << 40))
 
@@ -90,16 +83,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    lm = load_model(dtype="float32")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "store")
-        text = corpus_text(lm.tokenizer, args.tokens)
-        doc = Document("bench.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
-        ingest_documents(store, lm, [doc], IngestOptions())
-        with store.writer():
-            compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="default")
-        bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc.doc_id, "default").chunks]
-        store.close()
+    bundles = default_bundles(load_model(dtype="float32"), args.tokens)
     inflaters = {"zlib": lambda f, n: zlib.decompress(f, -15, n)}
     from isal import isal_zlib
 
