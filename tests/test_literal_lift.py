@@ -154,3 +154,38 @@ def test_compress_with_a_literal_lift_end_to_end(tiny_lm, tmp_path_factory):
     assert digits and all(int(got[j]) == 2 for j in digits[: int(0.1 * kept.numel())])
     off_levels = torch.cat([b.tensors["token_levels"] for b in bundles(off.label)])
     assert int((got == 2).sum()) > int((off_levels == 2).sum())  # the lift, beyond the header and tail
+
+
+def test_a_lift_of_several_scorers_ranks_by_the_best_of_them(tiny_lm, tmp_path_factory):
+    """``lift=literals+sentences``: each token's lift rank is the better of its two ranks (the
+    recipe's own scorer's ranks reused), the top share of the kept tokens by it stored finer; an
+    unknown name among them is refused before any work."""
+    from budgetkit import trimmed_store
+
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.compress.stages.score import cat_stats as _cat_stats
+    from kdnctl.scorers import compute_importance
+    from kdnctl.scorers.rank import rank01
+
+    with pytest.raises(UsageError, match="unknown scorer 'bogus'"):
+        CompressRecipe(budget=0.3, quant="ec", keep=0.5, scorer="sentences", lift="literals+bogus")
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
+    doc = "meeting-notes-2026-03.txt"
+    recipe = CompressRecipe(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences", lift="literals+sentences",
+                            lift_share=0.3, lift_level=2)
+    with st.writer():
+        res = compress_document(st, doc, recipe, lm=tiny_lm)
+    bundles = [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, res.label).chunks]
+    kept = torch.cat([b.layer_positions(0)[0] for b in bundles]).long()
+    full = [decode_bundle(st.read_object(c.object)) for c in st.get_version(doc, "full").chunks]
+    ids = [int(t) for b in full for t in b.token_ids.tolist()]
+    n_layers, n_heads = full[0].n_layers, layer_kv(full[0], 0)[0].shape[0]
+    ranks = [rank01(compute_importance(name, _cat_stats(full), lm=tiny_lm, token_ids=ids, n_layers=n_layers,
+                                       n_heads=n_heads)) for name in ("literals", "sentences")]
+    best = torch.maximum(*ranks)
+    header = int(full[0].meta.get("header_tokens", 0))
+    got = torch.cat([b.tensors["token_levels"] for b in bundles])
+    assert torch.equal(got, token_levels(kept.numel(), header, 16, best[..., kept], 2, (0.3, 2)))
+    for one in ranks:  # neither scorer alone lifts the same tokens
+        assert not torch.equal(got, token_levels(kept.numel(), header, 16, one[..., kept], 2, (0.3, 2)))

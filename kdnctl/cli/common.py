@@ -48,7 +48,7 @@ def open_store(store: Optional[Path], *, create: bool = False):
     return Store(store_root(store), create=create)
 
 
-def check_name(kind: str, value: Optional[str], flag: str) -> None:
+def check_name(kind: str, value: Optional[str], flag: str, hint: Optional[str] = None) -> None:
     """Validate a doc id / label before any work (no orphan objects, no wasted prefill)."""
     if value is None:
         return
@@ -57,7 +57,7 @@ def check_name(kind: str, value: Optional[str], flag: str) -> None:
 
     problem = id_problem(kind, value)
     if problem:
-        raise UsageError(f"{flag}: {problem}")
+        raise UsageError(f"{flag}: {problem}", hint=hint)
 
 
 def load_lm(model: Optional[str], dtype: Optional[str] = None, device: Optional[str] = None,

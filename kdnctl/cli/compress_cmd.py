@@ -60,7 +60,8 @@ def compress(
 
         raise UsageError("the workers option sets how many Ray workers compress", hint="add --ray ADDRESS|local",
                          param="option")
-    check_name("label", label or recipe.default_label(), "--label")
+    check_name("label", label or recipe.default_label(), "--label",
+               hint=None if label else "the recipe's own name is too long: name the version with --label NAME")
     check_name("label", source, "--from")
     st = open_store(store)
     doc_ids = list(docs) if docs else [d.doc_id for d in st.list_documents()]

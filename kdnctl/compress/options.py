@@ -78,9 +78,10 @@ def _scorer(name: str, value: Any) -> str | None:
 
     if value == "none":
         return "none"  # opts out of the auto recipe's lift (resolved by the recipe)
-    if value not in SCORERS:
-        raise UsageError(f"unknown scorer {value!r} for option {name}", hint=f"choose one of {', '.join(SCORERS)}",
-                         param=name)
+    for part in str(value).split("+") if name == "lift" else [value]:
+        if part not in SCORERS:
+            raise UsageError(f"unknown scorer {part!r} for option {name}", hint=f"choose one of {', '.join(SCORERS)}"
+                             + (" (several joined by +: the better rank of them)" if name == "lift" else ""), param=name)
     return value
 
 
@@ -101,7 +102,8 @@ class Option:
 OPTIONS: dict[str, Option] = {
     "coding": Option("zlib+params", _choice("zlib", "zlib+params"), "ladder",
                      "floor/ladder/uniform: lossless coding of the codes (zlib) or of codes and scales (zlib+params)"),
-    "lift": Option(None, _scorer, "score, precision", "a second scorer whose top tokens get finer steps (none: no lift)"),
+    "lift": Option(None, _scorer, "score, precision", "a second scorer whose top tokens get finer steps; "
+                   "several joined by + rank each token by the best of them (none: no lift)"),
     "lift_share": Option(None, _share(True, 1, False), "precision", f"with lift: the share of the kept tokens lifted "
                          f"(default {LIFT_SHARE})"),
     "lift_level": Option(None, _int_range(1, MAX_LIFT_LEVEL), "precision", f"with lift: the lifted tokens' steps are "

@@ -422,7 +422,7 @@ class CompressRecipe:
     @property
     def needs_model(self) -> bool:
         return ((self.keep < 1 or self.sized) and self.scorer in NEEDS_MODEL and self.uses_scorer) or \
-            (self.sized and (self.lift in NEEDS_MODEL or self.quant == "ec"))
+            (self.sized and (any(n in NEEDS_MODEL for n in (self.lift or "").split("+")) or self.quant == "ec"))
 
 
 def _option_property(name: str) -> property:

@@ -59,11 +59,12 @@ class ScoreTokens(Stage):
         importance = compute_importance(recipe.scorer, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
                                         n_layers=n_layers, n_heads=n_heads) if recipe.uses_scorer \
             else torch.zeros(n_layers, n_heads, len(token_ids))
-        if recipe.sized and recipe.lift:  # upgrade weights: the better rank of the two scorers
-            lifted = importance if recipe.lift == recipe.scorer and recipe.uses_scorer else \
-                compute_importance(recipe.lift, stats, lm=lm, keys=keys, values=values, token_ids=token_ids,
-                                   n_layers=n_layers, n_heads=n_heads)  # the same scorer: one model pass
-            job.lift = rank01(lifted) if recipe.quant == "ec" else torch.maximum(rank01(importance), rank01(lifted))
+        if recipe.sized and recipe.lift:  # upgrade weights: the better rank of the scorers
+            lifted = torch.stack([rank01(importance if name == recipe.scorer and recipe.uses_scorer else
+                                         compute_importance(name, stats, lm=lm, keys=keys, values=values,
+                                                            token_ids=token_ids, n_layers=n_layers, n_heads=n_heads))
+                                  for name in recipe.lift.split("+")]).amax(0)  # the recipe's scorer: no second pass
+            job.lift = lifted if recipe.quant == "ec" else torch.maximum(rank01(importance), lifted)
         job.score_seconds = time.perf_counter() - t_score
         job.importance, job.stats = importance, stats
         job.ctx = ScoreContext(importance=importance, keys=keys, values=values, stats=stats, seed=recipe.seed)
