@@ -332,3 +332,33 @@ def test_compress_with_feedback_end_to_end(tiny_lm, refit_versions):
     a, b = load_document(tiny_lm, st, "faq.md", fed.label), load_document(tiny_lm, st, "faq.md", plain.label)
     assert a.keys[0].shape == b.keys[0].shape
     assert layers_read_nearer(tiny_lm, full, a, b) >= 0.8 * len(full.keys)
+
+
+def test_the_refit_reads_its_queries_from_the_key_weights_forward(tiny_lm, tmp_path_factory):
+    """A first compress of a document with a refit reads the refit's queries from the forward that
+    measures the key weights: one decoder pass in all, where a compress whose key weights are
+    already known runs the refit's own, and the same objects byte for byte."""
+    from budgetkit import trimmed_store
+
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.models import adapter_for
+    from kdnctl.quant.sensitivity import forget_key_weights
+
+    recipe = CompressRecipe(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences", lift="literals",
+                            refit=0.01, refit_hold=True, refit_decoded=True, refit_feedback=True, key_basis="none")
+    calls: list[int] = []
+    handle = adapter_for(tiny_lm.model).decoder.register_forward_pre_hook(lambda *_: calls.append(1))
+    objects, passes = [], []
+    try:
+        for first in (True, False):
+            st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
+            if first:
+                forget_key_weights()
+            del calls[:]
+            with st.writer():
+                res = compress_document(st, "faq.md", recipe, lm=tiny_lm)
+            passes.append(len(calls))
+            objects.append([st.read_object(c.object) for c in st.get_version("faq.md", res.label).chunks])
+    finally:
+        handle.remove()
+    assert passes == [1, 1] and objects[0] == objects[1]

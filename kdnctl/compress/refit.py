@@ -30,21 +30,34 @@ MAX_QUERY_TOKENS = 1024  # document tokens whose queries are used (evenly spaced
 _BLOCK = 1024  # query rows per block of the full attention (memory: block x document tokens)
 
 
+def query_rows(n_tokens: int, max_tokens: int = MAX_QUERY_TOKENS) -> torch.Tensor:
+    """The ``max_tokens`` evenly spaced document tokens whose queries the refit reads."""
+    return torch.linspace(0, n_tokens - 1, min(n_tokens, max_tokens)).round().long().unique()
+
+
+def picked_queries(q: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """One layer's captured queries ``[T, Hq, D]`` (before RoPE) -> the picked rows ``[Hq, N, D]``."""
+    return q[pick.to(q.device)].float().transpose(0, 1).cpu()
+
+
 def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
-                     max_tokens: int = MAX_QUERY_TOKENS) -> tuple[list[torch.Tensor], list[float]]:
+                     max_tokens: int = MAX_QUERY_TOKENS, raw: list[torch.Tensor] | None = None
+                     ) -> tuple[list[torch.Tensor], list[float]]:
     """(queries ``[Hq, N, D]`` per layer, RoPE'd at ``position``; the attention scale per layer)
-    for ``max_tokens`` evenly spaced tokens of the document, from one forward pass."""
+    for ``max_tokens`` evenly spaced tokens of the document, from one forward pass; ``raw``: the
+    picked queries before RoPE per layer (``picked_queries``), already read from such a pass."""
     model = lm.model
     adapter = adapter_for(model)
-    pick = torch.linspace(0, len(token_ids) - 1, min(len(token_ids), max_tokens)).round().long().unique()
-    raw: list[torch.Tensor | None] = [None] * n_layers
+    if raw is None:
+        pick = query_rows(len(token_ids), max_tokens)
+        raw = [None] * n_layers
 
-    def on(i, _role, q):  # [T, Hq, D], before RoPE
-        raw[i] = q[pick.to(q.device)].float().transpose(0, 1).cpu()
+        def on(i, _role, q):  # [T, Hq, D], before RoPE
+            raw[i] = picked_queries(q, pick)
 
-    device = next(model.parameters()).device
-    with adapter.capture(("q",), on=on), torch.no_grad():
-        adapter.decoder(torch.tensor([token_ids], device=device), use_cache=False)
+        device = next(model.parameters()).device
+        with adapter.capture(("q",), on=on), torch.no_grad():
+            adapter.decoder(torch.tensor([token_ids], device=device), use_cache=False)
     out = []
     for i, q in enumerate(raw):
         # the model's own RoPE for this layer (any rope type, per layer type) at the question's position

@@ -33,10 +33,12 @@ def pair_mean(w: torch.Tensor, rotary_dim: int | None = None) -> torch.Tensor:
 
 
 def key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_dim: int,
-                rope: bool = True) -> torch.Tensor:
+                rope: bool = True, also=None) -> torch.Tensor:
     """``E[q_c^2]`` per layer, KV head and channel over the document's own queries. A forward
     pass over the whole document: kept per model and document for the process's life, so a
-    second budget of the same document (both defaults in one run) does not pay it again."""
+    second budget of the same document (both defaults in one run) does not pay it again.
+    ``also(layer, queries [T, Hq, D])`` is called from that pass when this call runs it: a caller
+    that needs the document's queries too reads them from the same forward."""
     model = lm.model
     seen = _KEY_WEIGHTS.setdefault(model, {})
     memo = (hashlib.sha256(torch.tensor(token_ids, dtype=torch.int64).numpy().tobytes()).hexdigest(),
@@ -44,7 +46,7 @@ def key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_d
     if memo not in seen:
         if len(seen) >= 8:
             seen.clear()
-        seen[memo] = _key_weights(lm, token_ids, n_layers, n_kv_heads, head_dim, rope)
+        seen[memo] = _key_weights(lm, token_ids, n_layers, n_kv_heads, head_dim, rope, also)
     return seen[memo].clone()
 
 
@@ -56,12 +58,15 @@ def forget_key_weights() -> None:
     _KEY_WEIGHTS.clear()
 
 
-def _key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_dim: int, rope: bool) -> torch.Tensor:
+def _key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_dim: int, rope: bool,
+                 also=None) -> torch.Tensor:
     model = lm.model
     adapter = adapter_for(model)
     out = torch.zeros(n_layers, n_kv_heads, head_dim)
 
     def on(i, _role, q):
+        if also is not None:
+            also(i, q)
         q = q.float()  # [T, Hq, D]
         group = q.shape[1] // n_kv_heads
         out[i] = q.view(q.shape[0], n_kv_heads, group, head_dim).pow(2).mean((0, 2)).cpu()

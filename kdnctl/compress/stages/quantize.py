@@ -90,9 +90,15 @@ def codes_at(job: Job, alpha: float, feedback: bool = False, kept_keys=None, own
 
 def _codes_at(job: Job, alpha: float, feedback: bool, kept_keys, own_widths: bool) -> list[dict[str, torch.Tensor]]:
     recipe, xs, basis = job.recipe, job.xs, job.basis
-    fed = [feedback_values(job.fit_queries[0][i], kept_keys[i] if kept_keys else job.keys[i], xs[i][1],
-                           job.fit_queries[1][i], recipe.refit, steps_at(job, alpha, i)[1], job.levels_by_role[1],
-                           job.kept_bounds, job.hold) for i in range(job.n_layers)] if feedback else None
+    def fed_layer(i: int) -> torch.Tensor:
+        return feedback_values(job.fit_queries[0][i], kept_keys[i] if kept_keys else job.keys[i], xs[i][1],
+                               job.fit_queries[1][i], recipe.refit, steps_at(job, alpha, i)[1], job.levels_by_role[1],
+                               job.kept_bounds, job.hold)
+
+    fed = None
+    if feedback:  # layers on both cores, one torch thread each: the same arithmetic as one by one
+        with ThreadPoolExecutor(ENCODE_WORKERS) as pool:
+            fed = list(pool.map(fed_layer, range(job.n_layers)))
 
     def one_chunk(bounds):
         (ks, ke), (ls, le) = bounds

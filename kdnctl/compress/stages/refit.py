@@ -11,15 +11,16 @@ from __future__ import annotations
 import torch
 
 from ...format.bundle import KVBundle
-from ..refit import QUESTION_OFFSET, document_queries, refit_values
+from ...quant.sensitivity import key_weights
+from ..refit import QUESTION_OFFSET, document_queries, picked_queries, query_rows, refit_values
 from .base import Job, Stage
 
 
-def refit_queries(lm, token_ids: list[int], bundles: list[KVBundle], n_layers: int):
+def refit_queries(lm, token_ids: list[int], bundles: list[KVBundle], n_layers: int, raw=None):
     """(queries per layer, attention scale per layer) the value refit fits to: the document's
-    own, placed after it (``kdnctl.compress.refit.document_queries``)."""
+    own, placed after it (``kdnctl.compress.refit.document_queries``; ``raw``: as read there)."""
     last = max(int(b.layer_positions(0).max()) for b in bundles)
-    return document_queries(lm, token_ids, n_layers, last + 1 + QUESTION_OFFSET)
+    return document_queries(lm, token_ids, n_layers, last + 1 + QUESTION_OFFSET, raw=raw)
 
 
 def refitted(rho: float, queries: list[torch.Tensor], scales: list[float], keys: list[torch.Tensor],
@@ -33,6 +34,21 @@ def refitted(rho: float, queries: list[torch.Tensor], scales: list[float], keys:
             for q, k, v, s, kk in zip(queries, keys, values, scales, kept_keys)]
 
 
+def first_pass_queries(job: Job) -> list[torch.Tensor] | None:
+    """The refit's picked queries per layer, read from the forward that measures the key weights
+    (``kdnctl.quant.sensitivity``; the precision stage reads them from there, kept), or None where
+    the key weights of this document are already known: one decoder pass serves both."""
+    n_heads, _, d = job.all_keys[0].shape
+    pick = query_rows(len(job.token_ids))
+    raw: list = [None] * job.n_layers
+
+    def keep(i: int, q: torch.Tensor) -> None:
+        raw[i] = picked_queries(q, pick)
+
+    key_weights(job.lm, job.token_ids, job.n_layers, n_heads, d, rope=job.theta is not None, also=keep)
+    return raw if all(q is not None for q in raw) else None
+
+
 class RefitValues(Stage):
     """Evicting recipes with ``refit``: the document's queries, and (unless ``refit_decoded``)
     the kept values refitted to them."""
@@ -43,7 +59,7 @@ class RefitValues(Stage):
         recipe = job.recipe
         if job.rows is None or not recipe.refit:
             return
-        job.fit_queries = refit_queries(job.lm, job.token_ids, job.bundles, job.n_layers)
+        job.fit_queries = refit_queries(job.lm, job.token_ids, job.bundles, job.n_layers, first_pass_queries(job))
         if recipe.refit_decoded:  # after the keys' steps are known (the encode stage)
             job.values = [v[:, job.rows] for v in job.values]
         else:
