@@ -29,6 +29,7 @@ from .base import Job, Stage
 
 
 ENCODE_WORKERS = 2  # threads over chunks while encoding
+FEEDBACK_WORKERS = 2  # threads over layers while rounding values with feedback
 
 
 def narrow_heads(recipe, n_layers: int, n_heads: int) -> dict[int, list[int]]:
@@ -97,7 +98,7 @@ def _codes_at(job: Job, alpha: float, feedback: bool, kept_keys, own_widths: boo
 
     fed = None
     if feedback:  # layers on both cores, one torch thread each: the same arithmetic as one by one
-        with ThreadPoolExecutor(ENCODE_WORKERS) as pool:
+        with ThreadPoolExecutor(FEEDBACK_WORKERS) as pool:
             fed = list(pool.map(fed_layer, range(job.n_layers)))
 
     def one_chunk(bounds):
