@@ -189,3 +189,23 @@ def test_a_lift_of_several_scorers_ranks_by_the_best_of_them(tiny_lm, tmp_path_f
     assert torch.equal(got, token_levels(kept.numel(), header, 16, best[..., kept], 2, (0.3, 2)))
     for one in ranks:  # neither scorer alone lifts the same tokens
         assert not torch.equal(got, token_levels(kept.numel(), header, 16, one[..., kept], 2, (0.3, 2)))
+
+
+def test_a_budget_name_made_by_an_earlier_default_says_how_to_keep_both(tiny_lm, tmp_path_factory):
+    """``b0.5`` already made by another recipe (an earlier default of that budget): compressing with
+    the budget's own recipe is refused before any work, with a hint to name the new version; another
+    name then makes it beside the old one."""
+    from budgetkit import trimmed_store
+
+    from kdnctl.compress.document import CompressRecipe, compress_document
+
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
+    with st.writer():
+        compress_document(st, "faq.md", CompressRecipe(budget=0.5, lift="none"), lm=tiny_lm, label="b0.5")
+        objects = sorted(p.name for p in (st.root / "objects").rglob("*") if p.is_file())
+        with pytest.raises(UsageError, match="earlier default recipe of --budget 0.5") as err:
+            compress_document(st, "faq.md", CompressRecipe(budget=0.5), lm=tiny_lm)
+        assert "--label" in err.value.hint
+        assert sorted(p.name for p in (st.root / "objects").rglob("*") if p.is_file()) == objects
+        new = compress_document(st, "faq.md", CompressRecipe(budget=0.5), lm=tiny_lm, label="b0.5-new")
+    assert new.status == "compressed" and {"b0.5", "b0.5-new"} <= {v.label for v in st.list_versions("faq.md")}

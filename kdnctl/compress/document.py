@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..errors import UnsupportedError
+from ..errors import UnsupportedError, UsageError
 from ..format.bundle import decode_bundle
 from ..quant import layer_kv
 from ..store import Store
@@ -77,7 +77,13 @@ def existing_result(store: Store, doc_id: str, recipe: CompressRecipe, source: s
     must be made); a label made by another recipe is an error."""
     step = {"source": source, **recipe.as_dict()}
     src = store.get_version(doc_id, source)
-    done = existing_version(store, doc_id, label, step)
+    try:
+        done = existing_version(store, doc_id, label, step)
+    except UsageError as exc:
+        if not (recipe.sized and label == recipe.default_label() == f"b{recipe.budget:g}"):
+            raise
+        raise UsageError(f"{exc.message}: an earlier default recipe of --budget {recipe.budget:g}",
+                         hint=f"keep it and name the new one with --label NAME (e.g. {label}-new)", param="label") from None
     return CompressResult(doc_id, label, "unchanged", src.nbytes, done.nbytes) if done is not None else None
 
 
