@@ -3,7 +3,8 @@
 # sentence scorer that selects the kept sentences (sentences-gap), and by the better rank of it and
 # literals (digits and their sentences) per token (lift=literals+sentences-gap: the scorer's ranks
 # are reused, no extra model pass). Two shards, one core each with their own stores (which already
-# hold the contexts, the default and the sentences-gap lift), then one merged table:
+# hold the contexts, the default and the sentences-gap lift; the 130-task set runs the default and
+# the union alone), then one merged table:
 #   bash run.sh tune      the word set's tune half      -> tune0/1.json, tune.json
 #   bash run.sh report    the word set's report half    -> report0/1.json, report.json
 #   bash run.sh realtext  the 130-task set              -> realtext0/1.json, realtext.json
@@ -18,8 +19,10 @@ case "${1:-tune}" in
   *) echo "usage: run.sh tune|report|realtext" >&2; exit 2 ;;
 esac
 out=$1
+gap=(--recipe "--budget 0.083 --option lift=sentences-gap $steps")
+[ "$out" = realtext ] && gap=()  # the 130-task set: the default against the union alone
 common=("${set_[@]}" --no-default-recipes --per-task --interleave --threads 1
-        --recipe "--budget 0.083" --recipe "--budget 0.083 --option lift=sentences-gap $steps"
+        --recipe "--budget 0.083" "${gap[@]}"
         --recipe "--budget 0.083 --option lift=literals+sentences-gap $steps --label b0.083-lift-union")
 [ -n "${DEADLINE:-}" ] && common+=(--deadline "$DEADLINE")
 for i in 0 1; do
