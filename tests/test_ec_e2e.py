@@ -28,10 +28,10 @@ from kdnctl.quant import layer_kv
 
 pytestmark = pytest.mark.model
 BUDGETS = (0.45, 0.25, 0.083)  # 0.45: where --quant auto picked int4 for every token before
-# the default at 0.083: eviction first, half of the tokens, the keys of the top 30% of them by literals 4x
-# finer, the other kept tokens' values refitted to the full attention (session 39)
+# the default at 0.083: eviction first, half of the tokens, the keys of the top 30% of them by the better
+# rank of literals and sentences-gap 4x finer, the other kept tokens' values refitted to the full attention
 EVICT = "b0.083"  # the default at 0.083: half of the tokens, values refitted
-UNFIT = "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"  # the same without the refit (--refit 0)
+UNFIT = "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-sentences-gap"  # the same without the refit (--refit 0)
 PLAIN = "ec-b0.083-k0.5-p32-sentences-gap"  # the same kept set without the lift (--lift none)
 BACKFILL = "ec-b0.083-k0.5-p32-bf12-23-sentences-gap"  # the same, and layers 12-23 keep every token
 # layers 15-22, the evicted values 2x coarser, the evicted keys as fine as the kept ones (per-role levels)
@@ -401,7 +401,7 @@ def test_wide_heads_read_every_token(store, doc):
                 for h in range(3):
                     err = [float((got[h, m] - ref[h, m]).norm() / ref[h, m].norm()) for m in (plain, evicted)]
                     if h in wide:  # the evicted rows about as close as the kept ones at the same steps
-                        # (half of the tokens kept at 0.083 since session 38: coarser steps than a third's,
+                        # (half of the tokens kept at 0.083: coarser steps than a third's,
                         # ~0.5 where a mean row would be ~1)
                         assert err[1] < 1.5 * err[0] and err[1] < 0.65
                     elif bool(evicted.any()):  # one row, the chunk's mean, for every evicted token

@@ -184,7 +184,7 @@ def test_recipe_labels_and_when_scores_are_needed():
     assert CompressRecipe(budget=0.3).quant == "ec" and CompressRecipe(budget=0.3).keep == 1.0
     # below 0.25: ec with eviction first, half of the tokens at 0.083 (measured), every token at 0.25,
     # the share between them interpolated and below 0.083 proportional to the budget; the kept
-    # tokens' values refitted, the lifted ones' held (session 39)
+    # tokens' values refitted, the lifted ones' held
     below = CompressRecipe(budget=0.2)
     assert (below.quant, below.keep, below.scorer, below.refit, below.refit_hold) == ("ec", 0.85, "sentences-gap", 0.01, True)
     assert [CompressRecipe(budget=b).keep for b in (0.0415, 0.083, 0.1665, 0.249)] == [0.25, 0.5, 0.75, 1.0]
@@ -202,16 +202,17 @@ def test_recipe_labels_and_when_scores_are_needed():
     # the same rule at 0.083: half of the tokens, whole sentences, their values refitted
     low = CompressRecipe(budget=0.083)
     assert (low.quant, low.keep, low.protect, low.scorer, low.method_options) == ("ec", 0.5, 32, "sentences-gap", {})
-    # the auto recipe lifts the keys of the top 30% of the kept tokens by literals 4x (at 0.083 too
-    # since session 35);
+    # the auto recipe lifts the keys of the top 30% of the kept tokens 4x: by literals where every
+    # token is kept, below 0.25 by the better rank of literals and the eviction scorer;
     # --lift none turns that off, and the label is the old default's (the same bytes)
     assert (d.lift, d.lift_share, d.lift_level, d.lift_role) == ("literals", 0.3, 2, "keys")
     assert CompressRecipe(lift="none").default_label() == "ec-b0.25-p64" and "lift" not in CompressRecipe(lift="none").as_dict()
     assert CompressRecipe(lift_share=0.1).default_label() == "ec-b0.25-p64-lliterals0.1x2k"  # a user's own share stays
     assert CompressRecipe(lift="sentences").default_label() == "ec-b0.25-p64-lsentences"  # a user's own scorer: no auto role
     assert low.default_label() == "b0.083"
-    assert low.recipe_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
-    assert (low.lift, low.lift_share, low.lift_level, low.lift_role) == (d.lift, d.lift_share, d.lift_level, d.lift_role)
+    assert low.recipe_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-rf0.01hdf-sentences-gap"
+    assert (low.lift, low.lift_share, low.lift_level, low.lift_role) == \
+        ("literals+sentences-gap", d.lift_share, d.lift_level, d.lift_role)
     assert CompressRecipe(budget=0.083, lift="none").default_label() == "ec-b0.083-k0.5-p32-sentences-gap"
     wide = CompressRecipe(budget=0.083, backfill="18.2")  # with --backfill no auto lift (it cost facts there)
     assert wide.lift is None and wide.lift_role is None and "-l" not in wide.default_label().replace("-local", "")

@@ -30,7 +30,7 @@ def store(tmp_path_factory, lm):
                 compress_document(st, doc, CompressRecipe(budget=b, quant="ladder", scorer="surprisal"))
             for b in (0.25, 0.083):
                 compress_document(st, doc, CompressRecipe(budget=b, quant="floor", scorer="surprisal"))
-            for b in (0.083, 0.15):  # int4 + sentence eviction (the default below 0.25 until session 8)
+            for b in (0.083, 0.15):  # int4 + sentence eviction (an earlier default below 0.25)
                 compress_document(st, doc, CompressRecipe(budget=b, quant="int4", scorer="sentences", protect=64,
                                                           method_options={"ratio": 0.0}), lm=lm)
     yield st

@@ -96,7 +96,7 @@ def test_recipe_uses_the_fisher_split_only_where_every_token_is_kept():
     assert evicting.keep < 1 and evicting.layers == "even" and evicting.as_dict()["layers"] == "even"
     assert evicting.default_label() == "b0.083"
     # the non-default split is spelled out in the label, so the two never share a version
-    assert CompressRecipe(budget=0.083, layers="fisher").default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-fisher-rf0.01hdf-sentences-gap"
+    assert CompressRecipe(budget=0.083, layers="fisher").default_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-fisher-rf0.01hdf-sentences-gap"
     assert CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even").default_label() == "ec-b0.25-p64-even"
     assert CompressRecipe(budget=0.25, quant="ec", keep=0.5, scorer="sentences").layers == "even"
     with pytest.raises(UsageError, match="option layers must be"):

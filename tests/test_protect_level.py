@@ -25,7 +25,7 @@ def test_recipe_protect_level_is_checked_recorded_and_labelled():
     assert auto.protect_level is None and "protect_level" not in auto.as_dict()
     one = CompressRecipe(budget=0.083, protect_level=1)  # --quant auto resolves to ec below 0.25
     assert one.as_dict()["protect_level"] == 1
-    assert one.default_label() == "ec-b0.083-k0.5-p32-pl1-lliterals0.3x2k-rf0.01hdf-sentences-gap"
+    assert one.default_label() == "ec-b0.083-k0.5-p32-pl1-lliterals+sentences-gap0.3x2k-rf0.01hdf-sentences-gap"
     assert CompressRecipe(budget=0.083, protect_level=0).default_label() != one.default_label()
     with pytest.raises(UsageError, match="from 0 to 2"):
         CompressRecipe(budget=0.083, protect_level=3)

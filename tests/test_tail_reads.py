@@ -21,7 +21,7 @@ def _bounds(t: int, seed: int) -> list[tuple[int, int]]:
 
 
 def test_middle_layers_are_the_middle_two_fifths():
-    assert middle_layers(30) == range(12, 24)  # SmolLM2: where session 17 found eviction costs
+    assert middle_layers(30) == range(12, 24)  # SmolLM2: where eviction was measured to cost most
     assert middle_layers(2) == range(0, 1) and len(middle_layers(1)) == 1
 
 
@@ -76,14 +76,14 @@ def test_recipe_tail_reads_is_asked_for_recorded_and_labelled():
     assert auto.tail_reads is None and "tail_reads" not in auto.as_dict()
     on = CompressRecipe(budget=0.083, tail_reads=0.25)
     assert on.as_dict()["tail_reads"] == 0.25
-    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-tr0.25-sentences-gap"
+    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-rf0.01hdf-tr0.25-sentences-gap"
     assert CompressRecipe(budget=0.083, tail_reads=0).default_label() == auto.default_label()
     with pytest.raises(UsageError, match="option tail_reads"):  # every token kept: nothing to choose
         CompressRecipe(budget=0.25, quant="ec", tail_reads=0.25)
     with pytest.raises(UsageError, match="share"):
         CompressRecipe(budget=0.083, tail_reads=1.0)
     r = Recipe(name="x", compress={"budget": 0.083, "quant": "ec", "keep": 0.5, "protect": 32,
-                                   "scorer": "sentences-gap", "tail_reads": 0.25, "lift": "literals",
+                                   "scorer": "sentences-gap", "tail_reads": 0.25, "lift": "literals+sentences-gap",
                                    "lift_share": 0.3, "lift_level": 2, "lift_role": "keys", "refit": 0.01,
                                    "refit_hold": True, "refit_decoded": True, "refit_feedback": True})
     assert r.compress_recipe().default_label() == on.default_label()

@@ -95,23 +95,23 @@ def test_the_fit_shrinks_the_attention_error_eviction_leaves():
 def test_recipe_refit_is_asked_for_recorded_and_labelled():
     from kdnctl.compress.document import CompressRecipe
 
-    # the default below 0.25 since session 39: ridge 0.01, the lifted tokens' values held; since
-    # session 40 fitted to the keys as decoded and rounded with feedback
+    # the default below 0.25: ridge 0.01, the lifted tokens' values held, fitted to the keys as
+    # decoded and rounded with feedback
     auto = CompressRecipe(budget=0.083)
     assert (auto.refit, auto.refit_hold, auto.refit_decoded, auto.refit_feedback) == (0.01, True, True, True)
     assert {k: auto.as_dict()[k] for k in ("refit", "refit_hold", "refit_decoded", "refit_feedback")} == \
         {"refit": 0.01, "refit_hold": True, "refit_decoded": True, "refit_feedback": True}
-    # session 39's default, spelled out, keeps its label
-    s39 = CompressRecipe(budget=0.083, refit=0.01, refit_hold=True)
-    assert not (s39.refit_decoded or s39.refit_feedback)
-    assert s39.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01h-sentences-gap"
+    # the refit alone, held, not fitted to the decoded keys: named by its steps
+    held_only = CompressRecipe(budget=0.083, refit=0.01, refit_hold=True)
+    assert not (held_only.refit_decoded or held_only.refit_feedback)
+    assert held_only.default_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-rf0.01h-sentences-gap"
     assert auto.default_label() == "b0.083"
     on = CompressRecipe(budget=0.083, refit=0.01)  # a user's --refit stands as given: no hold
     assert on.refit == 0.01 and on.as_dict()["refit"] == 0.01 and "refit_hold" not in on.as_dict()
-    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01-sentences-gap"
+    assert on.default_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-rf0.01-sentences-gap"
     off = CompressRecipe(budget=0.083, refit=0)
     assert off.refit is None and not (off.refit_hold or off.refit_decoded or off.refit_feedback) and "refit" not in off.as_dict()
-    assert off.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-sentences-gap"
+    assert off.default_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-sentences-gap"
     # no lift (nothing to hold), a backfill, every token kept or a spelled-out recipe: no auto refit
     assert CompressRecipe(budget=0.083, lift="none").refit is None
     assert CompressRecipe(budget=0.083, backfill="12-23").refit is None
@@ -334,7 +334,7 @@ def test_compress_with_feedback_end_to_end(tiny_lm, refit_versions):
     assert layers_read_nearer(tiny_lm, full, a, b) >= 0.8 * len(full.keys)
 
 
-def test_the_refit_reads_its_queries_from_the_key_weights_forward(tiny_lm, tmp_path_factory):
+def test_the_refit_reads_its_queries_from_the_key_weights_forward(tiny_lm, tmp_path_factory, monkeypatch):
     """A first compress of a document with a refit reads the refit's queries from the forward that
     measures the key weights: one decoder pass in all, where a compress whose key weights are
     already known runs the refit's own, and the same objects byte for byte."""
@@ -344,6 +344,7 @@ def test_the_refit_reads_its_queries_from_the_key_weights_forward(tiny_lm, tmp_p
     from kdnctl.models import adapter_for
     from kdnctl.quant.sensitivity import forget_key_weights
 
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764000000")  # the writer's stamp: the same bytes from both
     recipe = CompressRecipe(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences", lift="literals",
                             refit=0.01, refit_hold=True, refit_decoded=True, refit_feedback=True, key_basis="none")
     calls: list[int] = []

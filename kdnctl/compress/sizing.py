@@ -90,6 +90,10 @@ EVICT_KEEP_AT = (0.083, 0.5)
 # keys 4x finer, the values keep their steps (format 1.10). The records' keys decide which of several
 # alike facts a question reads (at 0.083: 20/40 facts against the unlifted kept set's 14/40)
 AUTO_LIFT = {"lift": "literals", "lift_share": 0.3, "lift_level": 2, "lift_role": "keys"}
+# below EC_FROM each token ranks by the better of `literals` and the eviction scorer (its ranks
+# reused): the refit holds the lifted tokens' values, and a lift by digits alone left planted words
+# to the fit (word answers at 0.083, tune half of realtext-words: 50/60 against 46/60, full 50/60)
+EVICT_LIFT = {**AUTO_LIFT, "lift": f"literals+{EVICT_SCORER}"}
 
 # below EC_FROM the kept tokens' values are refitted to the full attention of the document's own
 # queries (kdnctl.compress.refit, ridge 0.01) and the lifted tokens' values are held (an unheld fit moves
@@ -132,10 +136,11 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
     * below 0.25 (e.g. 0.083): ``ec`` with eviction first: ``evict_keep(budget)`` of the tokens
       kept, whole sentences ranked by the ``sentences-gap`` scorer (a planted fact in a list of
       alike facts is unsurprising given the document but not given its window), the prompt header
-      and the last 32 tokens always kept, the kept tokens' values refitted to the document's own
-      queries with the lifted tokens' held (AUTO_REFIT; option ``refit=0`` turns it off). At
-      0.083: 54/60 needles, 21/40 facts, continuation NLL 104.8%. What 0.083 loses is mostly the
-      evicted context: the same kept set at near-lossless steps answers about as few facts;
+      and the last 32 tokens always kept, the keys of the top 30% of the kept tokens by the better
+      rank of ``literals`` and that scorer 4x finer (EVICT_LIFT), the kept values refitted to the
+      document's own queries with the lifted tokens' held (AUTO_REFIT; option ``refit=0`` turns it
+      off). What 0.083 loses is mostly the evicted context: the same kept set at near-lossless
+      steps answers about as few facts;
     * from ~0.54 ``uniform``: the most precise single tier that holds every token (int8,
       lossless on every check)."""
     frac = {t: 2 * row_bytes(t, head_dim, group, coded=CODING) / (4 * head_dim) for t in TIERS}
@@ -144,7 +149,7 @@ def auto_quant(budget: float, group: int, head_dim: int = 64) -> AutoRecipe:
         return AutoRecipe("uniform")
     if budget >= EC_FROM:
         return AutoRecipe("ec", 1.0, FLOOR_PROTECT, lift=AUTO_LIFT)
-    return AutoRecipe("ec", evict_keep(budget), EVICT_PROTECT, EVICT_SCORER, lift=AUTO_LIFT, refit=AUTO_REFIT)
+    return AutoRecipe("ec", evict_keep(budget), EVICT_PROTECT, EVICT_SCORER, lift=EVICT_LIFT, refit=AUTO_REFIT)
 
 
 def floor_tiers(avail: float, n_rows: int, head_dim: int, group: int) -> tuple[str, ...]:
