@@ -17,6 +17,7 @@ see (each block passes the first ``e`` columns). The statistics ignore the bias.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -105,6 +106,9 @@ class PrefillResult:
     values: list[torch.Tensor]
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     last_logits: torch.Tensor | None = None
+    # per chunk of ``energy_chunk`` tokens [n_chunks, L, H_kv, D]: sum over its tokens and each KV
+    # head's query heads of the squared queries (before RoPE); compress's key weights without a forward
+    query_energy: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -210,6 +214,29 @@ class StatsObserver:
         return out.reshape(1, hq, b, -1).to(query.dtype)
 
 
+class QueryEnergy:
+    """Per chunk of ``chunk`` tokens, per layer, KV head and channel: the sum of the squared
+    queries (before RoPE, after the model's q norm) over the chunk's tokens and the KV head's
+    query heads, recorded by a hook on each layer's query projection as the prefill runs. Divided
+    by the tokens and heads it sums, it is the key weights (``kdnctl.quant.sensitivity``)."""
+
+    def __init__(self, adapter, n_tokens: int, chunk: int):
+        self.adapter, self.chunk, self.n_kv = adapter, chunk, adapter.n_kv_heads
+        self.sums = torch.zeros(-(-n_tokens // chunk), adapter.n_layers, self.n_kv, adapter.head_dim)
+        self.start = 0  # the current block's first token
+
+    def on(self, layer: int, _role: str, q: torch.Tensor) -> None:
+        sq = q.float().pow(2)  # [b, Hq, D]
+        b = sq.shape[0]
+        sq = sq.view(b, self.n_kv, sq.shape[1] // self.n_kv, sq.shape[2]).sum(2)
+        for c in range(self.start // self.chunk, -(-(self.start + b) // self.chunk)):
+            lo, hi = max(c * self.chunk, self.start) - self.start, min((c + 1) * self.chunk, self.start + b) - self.start
+            self.sums[c, layer] += sq[lo:hi].sum(0).cpu()
+
+    def capture(self):
+        return self.adapter.capture(("q",), on=self.on)
+
+
 def _block_bounds(n: int, block: int, min_last: int) -> list[tuple[int, int]]:
     bounds = [(s, min(n, s + block)) for s in range(0, n, block)]
     # Keep the observation window inside one block so the last block sees all of it.
@@ -231,6 +258,7 @@ def prefill(
     bias: dict[int, torch.Tensor] | None = None,
     query_tile: int = QUERY_TILE,
     surprisal_dtype: torch.dtype | None = None,
+    energy_chunk: int | None = None,
 ) -> PrefillResult:
     """Run ``token_ids`` through ``model`` and return KV (+ statistics when ``stats``).
 
@@ -239,7 +267,9 @@ def prefill(
     tiles; window: the last ``window`` queries' attention; accum: attention from the same pass).
     ``bias``: optional ``{layer: [H_q, T]}`` additive attention bias over the keys (steering).
     ``surprisal_dtype``: precision of the vocabulary projection behind surprisal's logsumexp
-    (None: bf16 where the hardware computes it natively, see :class:`SurprisalScorer`)."""
+    (None: bf16 where the hardware computes it natively, see :class:`SurprisalScorer`).
+    ``energy_chunk``: also sum each ``energy_chunk``-token chunk's squared queries
+    (``PrefillResult.query_energy``), from the same pass."""
     device = next(model.parameters()).device
     adapter = adapter_for(model)
     n_layers, n_kv = adapter.n_layers, adapter.n_kv_heads
@@ -257,8 +287,11 @@ def prefill(
     lm_head = model.get_output_embeddings()
     scorer = SurprisalScorer(lm_head, surprisal_dtype) if want_surprisal else None
     state = AttentionState(observer=observer)
-    with kdn_attention(model, state):
+    energy = QueryEnergy(adapter, n, energy_chunk) if energy_chunk else None
+    with kdn_attention(model, state), energy.capture() if energy else contextlib.nullcontext():
         for s, e in _block_bounds(n, block_tokens, window):
+            if energy:
+                energy.start = s
             if bias:
                 state.bias = {layer: b[:, :e].to(device) for layer, b in bias.items()}
             out = adapter.decoder(
@@ -280,7 +313,7 @@ def prefill(
                 on_progress(e - s)
     keys = [layer.keys[0].detach().clone() for layer in cache.layers]
     values = [layer.values[0].detach().clone() for layer in cache.layers]
-    result = PrefillResult(keys, values, last_logits=last_logits)
+    result = PrefillResult(keys, values, last_logits=last_logits, query_energy=energy.sums if energy else None)
     if "window" in names:
         result.stats["window"] = observer.window.cpu()
     if "accum" in names:

@@ -29,11 +29,12 @@ from .layout import layout_views, parse_head_cached
 from .names import REQUIRED_META_KEYS, REQUIRED_MODEL_KEYS, tensor_name, role_levels
 from .tensor_views import tensor_index, tensor_views
 
-FORMAT_VERSION = "1.11"  # each version's tensors: docs/bundle-format.md, section 2; in short
+FORMAT_VERSION = "1.12"  # each version's tensors: docs/bundle-format.md, section 2; in short
 # 1.1 ladder layout, int16/int32 positions; 1.2 ladder "zlib+params"; 1.3 the entropy-coded ec layout;
 # 1.4 ec layers of different lengths (--backfill, layers.i.levels); 1.5 per-role levels; 1.6 deflate
 # frames; 1.7 a per-model key basis; 1.8 narrow heads (layers.i.narrow, kept); 1.9 kept_layers;
-# 1.10 token_levels.keys (a lift of the keys alone); 1.11 ec code frames of their own widths (codes width 3)
+# 1.10 token_levels.keys (a lift of the keys alone); 1.11 ec code frames of their own widths (codes width 3);
+# 1.12 query_energy (ingest: each chunk's squared queries, compress's key weights without a forward)
 
 QUANT_SUFFIXES = (".q", ".scale", ".zero")
 
@@ -43,6 +44,8 @@ MASKED = float(torch.finfo(torch.float16).min)  # bias on a row a query head mus
 # Ingest statistics are stored as float16 except ``surprisal`` (one float32 per token).
 STATS_DTYPE = torch.float16
 STATS_PREFIX = "stats."
+# An ingest chunk's squared queries [L, H_kv, D] float32 (``kdnctl.engine.prefill.QueryEnergy``)
+QUERY_ENERGY = "query_energy"
 # Meta keys the writer stamps itself; a derived bundle gets fresh ones (see ``derived_meta``).
 STAMPED_META_KEYS = ("format_version", "created", "tool_version")
 
@@ -336,6 +339,11 @@ def _validate(meta: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
     kept = tensors.get("kept")
     if kept is not None and (kept.dtype != torch.uint8 or list(kept.shape) != [t_full] or bool((kept > 1).any())):
         raise BundleFormatError(f"kept must be uint8 [{t_full}] of 0 and 1, got {kept.dtype} {list(kept.shape)}")
+    energy = tensors.get(QUERY_ENERGY)
+    if energy is not None and (energy.dtype != torch.float32 or list(energy.shape) != [n_layers, h_kv, d]
+                               or not bool(torch.isfinite(energy).all()) or bool((energy < 0).any())):
+        raise BundleFormatError(f"{QUERY_ENERGY} must be float32 [{n_layers}, {h_kv}, {d}] of finite values >= 0, "
+                                f"got {energy.dtype} {list(energy.shape)}")
     for name in tensors:
         m = _LAYER_RE.match(name)
         if m and int(m.group(1)) >= n_layers:

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from ..format.bundle import STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes
+from ..format.bundle import QUERY_ENERGY, STATS_PREFIX, KVBundle, chunk_tensors, make_meta, tensor_bytes
 
 from ..format.names import tensor_name
 from .chunking import chain_hashes, chunk_bounds
@@ -92,7 +92,7 @@ class IngestReport:
     def count_bytes(self, bundles: list[KVBundle]) -> None:
         for b in bundles:
             self.kv_bytes += tensor_bytes(b.tensors, "layers.")
-            self.stats_bytes += tensor_bytes(b.tensors, STATS_PREFIX)
+            self.stats_bytes += tensor_bytes(b.tensors, STATS_PREFIX) + tensor_bytes(b.tensors, QUERY_ENERGY)
 
     def add(self, seg: "SegmentResult") -> None:
         """Count a committed segment."""
@@ -167,6 +167,8 @@ def build_chunk_bundles(
     bundles = []
     for index, ((s, e), h) in enumerate(zip(bounds, hashes)):
         tensors = chunk_tensors(result, s, e, token_ids[s:e], s)
+        if result.query_energy is not None:
+            tensors[QUERY_ENERGY] = result.query_energy[index].clone()
         if kv_dtype is not None:  # --kv-dtype: the stored K/V dtype
             for layer in range(len(result.keys)):
                 for role in ("keys", "values"):
@@ -244,8 +246,10 @@ def write_segment(objects, lm: LoadedModel, doc: Document, seg: Segment, opts: I
     ObjectDir); no catalog access, so a worker process can run it and a driver commit it."""
     recipe = opts.recipe()
     t_pass = time.perf_counter()
+    # with statistics, each chunk's squared queries too: compress's key weights without a forward
     result = prefill(lm.model, seg.token_ids, stats=opts.stats_wanted, window=opts.window,
-                     block_tokens=opts.block_tokens, on_progress=on_progress)
+                     block_tokens=opts.block_tokens, on_progress=on_progress,
+                     energy_chunk=opts.chunk_tokens if opts.stats else None)
     t_write = time.perf_counter()
     text = seg.text.encode("utf-8")
     document = {"content_sha256": doc.content_sha256, "text_object": hashlib.sha256(text).hexdigest()}

@@ -5,6 +5,9 @@
   (one forward pass, queries before RoPE, like the stored keys). RoPE rotates channel ``c`` with
   its partner ``c + D/2`` by the query-key distance, which the stored key does not know, so the
   two share the mean of their weights.
+  Ingest records each chunk's sum of squared queries from its own prefill (bundle tensor
+  ``query_energy``), so compressing an ingested version needs no forward for them
+  (:func:`recorded_key_weights`).
 - values: a value error ``e`` moves the head's output by ``W_o e``; channel ``c`` weighs the
   squared norm of its column of the output projection summed over the group's query heads (weights only).
 
@@ -74,6 +77,24 @@ def _key_weights(lm, token_ids: list[int], n_layers: int, n_kv_heads: int, head_
     device = next(model.parameters()).device
     with adapter.capture(("q",), on=on), torch.no_grad():  # the decoder stack alone: no vocabulary logits
         adapter.decoder(torch.tensor([token_ids], device=device), use_cache=False)
+    return pair_mean(out, adapter.rotary_dim()) if rope else out
+
+
+def recorded_key_weights(lm, bundles, n_tokens: int, rope: bool = True) -> torch.Tensor | None:
+    """``key_weights`` of a document from the ``query_energy`` its ingest chunks carry (the sum
+    of their squared queries over tokens and query heads, from ingest's prefill): the chunks'
+    sums over the tokens and query heads they cover. None where a chunk carries none (ingested
+    without statistics, before format 1.12, or a compressed version) or the chunks do not cover
+    the ``n_tokens`` from the document's first."""
+    from kdnctl.format.bundle import QUERY_ENERGY
+
+    sums = [b.tensors.get(QUERY_ENERGY) for b in bundles]
+    if not sums or any(e is None for e in sums) or bundles[0].meta.get("token_start") != 0 \
+            or sum(int(b.tensors["token_ids"].shape[0]) for b in bundles) != n_tokens:
+        return None
+    adapter = adapter_for(lm.model)
+    total = torch.stack([e.float() for e in sums]).sum(0)  # [L, H_kv, D]
+    out = total / (n_tokens * (adapter.n_q_heads // total.shape[1]))
     return pair_mean(out, adapter.rotary_dim()) if rope else out
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ...quant.entropy import MAX_LEVEL
-from ...quant.sensitivity import key_weights, value_weights
+from ...quant.sensitivity import key_weights, recorded_key_weights, value_weights
 from ..options import LIFT_LEVEL, LIFT_SHARE, PROTECT_LEVEL
 from .base import Job, Stage
 from .select import lift_top
@@ -67,5 +67,11 @@ class AllocatePrecision(Stage):
         job.finest = int(levels.max()) if levels.numel() else 0
         assert job.finest + max(job.shifts) <= MAX_LEVEL
         n_heads, d = job.all_keys[0].shape[0], job.all_keys[0].shape[2]
-        job.key_weights = key_weights(job.lm, job.token_ids, job.n_layers, n_heads, d, rope=job.theta is not None)
+        rope = job.theta is not None
+        # from ingest's own prefill where its chunks recorded them, else one forward now; a refit
+        # has run that forward for its queries already and keeps the weights it measured
+        job.key_weights = recorded_key_weights(job.lm, job.bundles, len(job.token_ids), rope) \
+            if job.fit_queries is None else None
+        if job.key_weights is None:
+            job.key_weights = key_weights(job.lm, job.token_ids, job.n_layers, n_heads, d, rope=rope)
         job.value_weights = value_weights(job.lm, job.n_layers, n_heads, d)
