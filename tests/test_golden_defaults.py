@@ -29,12 +29,13 @@ from kdnctl.quant.entropy import decode_role_ints
 DOC, N_TOKENS = "faq.md", 300
 # The digests depend on the machine's float arithmetic (its vector instructions, and whether it
 # computes bf16 natively: surprisal's vocabulary projection runs in bf16 there, fp32 elsewhere,
-# kdnctl.engine.prefill.native_bf16), so they are pinned per kind of machine: a machine of another
-# kind skips the pinned comparison (pin its digests with ``python tests/test_golden_defaults.py``).
+# kdnctl.engine.prefill.native_bf16, and the BLAS kernels its vendor gets), so they are pinned per
+# kind of machine, with or without the vendor: a machine of another kind skips the pinned
+# comparison (pin its digests with ``python tests/test_golden_defaults.py``).
 # machine kind -> budget -> (sha256 of every chunk's tensors, codes as integers; sha256 of every
 # chunk's meta without name and stamps; sha256 of every chunk's code blobs)
 GOLDEN = {
-    "AVX2-fp32": {
+    "AuthenticAMD-AVX2-fp32": {
         0.25: ("1f42d62b43ecdb48985aea27071dc9667ef214823450b0487a6296c16ab084c5",
                "26c89d5b886fe479843b5e8dba9ad52060a4d8e07e233fb58cf0abcf4c511a2d",
                "3203144fbb7f3ac8353530d54cad9c7a1e4971221694e52d931fe352f0a89032"),
@@ -51,10 +52,23 @@ GOLDEN = {
 BUDGETS = (0.083, 0.25)
 
 
-def machine_kind() -> str:
+def machine_kinds() -> tuple[str, str]:
+    """This machine's kind with its CPU vendor and without (``AuthenticAMD-AVX2-fp32``, ``AVX2-fp32``)."""
     from kdnctl.engine.prefill import native_bf16
 
-    return f"{torch.backends.cpu.get_cpu_capability()}-{'bf16' if native_bf16('cpu') else 'fp32'}"
+    kind = f"{torch.backends.cpu.get_cpu_capability()}-{'bf16' if native_bf16('cpu') else 'fp32'}"
+    vendor = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), vendor)
+    except OSError:
+        pass
+    return f"{vendor}-{kind}", kind
+
+
+def pinned_digests(budget: float):
+    """The digests pinned for this kind of machine (the vendor's own first), or None."""
+    return next((GOLDEN[k][budget] for k in machine_kinds() if budget in GOLDEN.get(k, {})), None)
 
 
 # The writer's stamp (`created`, a float whose printed length varies) counts toward the byte cap
@@ -122,9 +136,9 @@ def store(tmp_path_factory, lm):
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_default_stores_the_pinned_tensors(lm, store, budget):
-    pinned = GOLDEN.get(machine_kind(), {}).get(budget)
+    pinned = pinned_digests(budget)
     if pinned is None:
-        pytest.skip(f"no digests pinned for b{budget} on a {machine_kind()} machine")
+        pytest.skip(f"no digests pinned for b{budget} on a {machine_kinds()[0]} machine")
     with store.writer():
         label = compress_document(store, DOC, CompressRecipe(budget=budget), lm=lm).label
     assert version_digests(store, label) == pinned
@@ -145,7 +159,7 @@ if __name__ == "__main__":  # prints the digests of the code on the path, to pin
     os.environ["SOURCE_DATE_EPOCH"] = STAMP
     model = default_lm()
     st = trimmed_store(_Dirs(), model, {DOC: N_TOKENS})
-    print(f"    {machine_kind()!r}: {{")
+    print(f"    {machine_kinds()[0]!r}: {{")
     for b in BUDGETS:
         with st.writer():
             made = compress_document(st, DOC, CompressRecipe(budget=b), lm=model).label
