@@ -220,9 +220,10 @@ class QueryEnergy:
     query heads, recorded by a hook on each layer's query projection as the prefill runs. Divided
     by the tokens and heads it sums, it is the key weights (``kdnctl.quant.sensitivity``)."""
 
-    def __init__(self, adapter, n_tokens: int, chunk: int):
+    def __init__(self, adapter, n_tokens: int, chunk: int, device=None):
         self.adapter, self.chunk, self.n_kv = adapter, chunk, adapter.n_kv_heads
-        self.sums = torch.zeros(-(-n_tokens // chunk), adapter.n_layers, self.n_kv, adapter.head_dim)
+        # summed where the queries are: one copy to the host at the end, not one per chunk and layer
+        self.sums = torch.zeros(-(-n_tokens // chunk), adapter.n_layers, self.n_kv, adapter.head_dim, device=device)
         self.start = 0  # the current block's first token
 
     def on(self, layer: int, _role: str, q: torch.Tensor) -> None:
@@ -231,7 +232,7 @@ class QueryEnergy:
         sq = sq.view(b, self.n_kv, sq.shape[1] // self.n_kv, sq.shape[2]).sum(2)
         for c in range(self.start // self.chunk, -(-(self.start + b) // self.chunk)):
             lo, hi = max(c * self.chunk, self.start) - self.start, min((c + 1) * self.chunk, self.start + b) - self.start
-            self.sums[c, layer] += sq[lo:hi].sum(0).cpu()
+            self.sums[c, layer] += sq[lo:hi].sum(0)
 
     def capture(self):
         return self.adapter.capture(("q",), on=self.on)
@@ -287,7 +288,7 @@ def prefill(
     lm_head = model.get_output_embeddings()
     scorer = SurprisalScorer(lm_head, surprisal_dtype) if want_surprisal else None
     state = AttentionState(observer=observer)
-    energy = QueryEnergy(adapter, n, energy_chunk) if energy_chunk else None
+    energy = QueryEnergy(adapter, n, energy_chunk, device) if energy_chunk else None
     with kdn_attention(model, state), energy.capture() if energy else contextlib.nullcontext():
         for s, e in _block_bounds(n, block_tokens, window):
             if energy:
@@ -313,7 +314,7 @@ def prefill(
                 on_progress(e - s)
     keys = [layer.keys[0].detach().clone() for layer in cache.layers]
     values = [layer.values[0].detach().clone() for layer in cache.layers]
-    result = PrefillResult(keys, values, last_logits=last_logits, query_energy=energy.sums if energy else None)
+    result = PrefillResult(keys, values, last_logits=last_logits, query_energy=energy.sums.cpu() if energy else None)
     if "window" in names:
         result.stats["window"] = observer.window.cpu()
     if "accum" in names:
