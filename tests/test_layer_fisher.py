@@ -62,6 +62,30 @@ def test_one_pass_fisher_equals_draws_then_backward(tiny_lm):
         assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(want, got))
 
 
+def test_fisher_takes_only_the_cache_gradients(tiny_lm):
+    """The estimate differentiates with respect to the cache alone: bit for bit the cache
+    gradients a full ``backward()`` gives, and no ``.grad`` left on the model's parameters (a
+    second copy of the weights that ``backward()`` would keep for the life of the process)."""
+    ids, keys, values = _prefill(tiny_lm, 33, seed=5)
+    probe = lf.probe_ids(tiny_lm, ids, 2)
+    w = torch.rand(len(ids), generator=torch.Generator().manual_seed(3)) + 0.1
+    params = [p for p in tiny_lm.model.parameters() if p.requires_grad]
+    assert params, "the test model must have parameters that take gradients, or the check below is empty"
+    tiny_lm.model.zero_grad(set_to_none=True)
+    got = lf.channel_fisher(tiny_lm, keys, values, probe, len(ids), w, seed=2)
+    assert all(p.grad is None for p in params)
+    y, sign = lf._draws(tiny_lm, keys, values, probe, len(ids), 2)
+    ks = [k.detach().clone().requires_grad_(True) for k in keys]
+    vs = [v.detach().clone().requires_grad_(True) for v in values]
+    lp = lf._log_probs(tiny_lm, ks, vs, probe, len(ids))
+    (lp.gather(1, y[:, None])[:, 0] * sign).sum().backward()
+    assert any(p.grad is not None for p in params)  # what backward() leaves behind
+    tiny_lm.model.zero_grad(set_to_none=True)
+    ww = w[None, :, None]
+    for (fk, fv), k, v in zip(got, ks, vs):
+        assert torch.equal(fk, (k.grad.pow(2) * ww).sum(1)) and torch.equal(fv, (v.grad.pow(2) * ww).sum(1))
+
+
 def test_damage_and_multipliers_match_loops():
     g = torch.Generator().manual_seed(0)
     fisher = [(torch.rand(3, 5, generator=g) * 10 ** i, torch.rand(3, 5, generator=g)) for i in range(-3, 3)]
