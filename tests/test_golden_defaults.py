@@ -36,17 +36,12 @@ DOC, N_TOKENS = "faq.md", 300
 # chunk's meta without name and stamps; sha256 of every chunk's code blobs)
 GOLDEN = {
     "AuthenticAMD-AVX2-fp32": {
-        0.25: ("1f42d62b43ecdb48985aea27071dc9667ef214823450b0487a6296c16ab084c5",
-               "26c89d5b886fe479843b5e8dba9ad52060a4d8e07e233fb58cf0abcf4c511a2d",
-               "3203144fbb7f3ac8353530d54cad9c7a1e4971221694e52d931fe352f0a89032"),
-        0.083: ("74674b465835713646626bf8f58007556f27de9fee73b03adc6753fd3bab5d8c",
-                "2b3389ee78372304868db70d67602b968c7b1ace2851fdff6d38b9119d344f28",
-                "19676f0d517b696a25137568a6f8cd7cea315eda7974e31f3f690af06a2453a3"),
-    },
-    "AVX512-bf16": {  # 0.25 unpinned there since its key weights come from ingest's prefill
-        0.083: ("50c2c4f16dda8c6f3edd751137bd847625091769e942e9e09deed682cce4eed8",
-                "1426e25231fa33cbed28bbcac198df8581fb64639a99a8853830c344b5110552",
-                "19c52d51ffc642676c961ffa27efc37305c073e78510cc25ebf7d35ec8b98dfa"),
+        0.25: ("f1da5f76fff7b816f904aa27bcc1e0c3c39a20affc883501f594ca82031ff3cc",
+               "fc6777d5eba99a9fa59656dedab85be604675d8ef63cf40b02cdfdeb39795020",
+               "1f388c9c18707918ff2e9df37af8820a7ffe08499a0d66de30dd9ca374a30939"),
+        0.083: ("1e0d5b354fb50e946fa45f9384b2bd03c49d1823fc9518520c30d343421d4d89",
+                "6df3d22a13fe4ac8e6eb191d86f3151110c0ddc3c392a15b87900feba65a56fa",
+                "bda6a8c22c4f6d318c8a61dfcc333d23030f5e39e2edc90d8f7ec83a8d6c7fae"),
     },
 }
 BUDGETS = (0.083, 0.25)

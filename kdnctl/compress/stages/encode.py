@@ -22,6 +22,7 @@ from .base import Job, Stage
 from .refit import refitted
 from .payload_size import PayloadSize
 
+FIT_GUESS = 0.5  # where the scale fit starts looking (the defaults land at 0.3-0.5 of their base steps)
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
 
@@ -96,24 +97,6 @@ class Encode(Stage):
             n = None if counted[0] is None else counted[0](alpha)
             return encoded_size(qz.codes_at(job, alpha, own_widths=False)) if n is None else n
 
-        overhead = len(job.bundles) * (6144 + 200 * job.n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
-        kept_keys = first = None
-        if rows is not None and recipe.refit_decoded:
-            # fit the values to the kept keys as the loader will read them: coded at a first fit of the
-            # scale (the refitted values move the final scale only a little)
-            first = fit_near(payload, cap - overhead) if recipe.fit == "secant" else fit_scale(payload, cap - overhead)
-            if first is not None:
-                kept_keys = [qz.decoded_keys(job.xs[i][0], qz.steps_at(job, first, i)[0], job.levels_by_role[0],
-                                             job.kept_bounds, None if job.basis is None else job.basis[i], job.positions,
-                                             job.theta) for i in range(job.n_layers)]
-                job.values = refitted(recipe.refit, *job.fit_queries, job.all_keys, job.all_values, rows, job.hold,
-                                      kept_keys)
-                job.xs = [(x[0], v.float()) for x, v in zip(job.xs, job.values)]  # ec's transform leaves values as they are
-                job.base = [(b[0], relative_steps(x[1], job.value_weights[i]) * (1.0 if job.mult is None else job.mult[i, 1]))
-                            for i, (b, x) in enumerate(zip(job.base, job.xs))]
-                job.floors = [(f[0], step_floor(x[1], job.finest)) for f, x in zip(job.floors, job.xs)]
-                counted[0] = counted[0] and PayloadSize.for_job(job)  # (the values' means moved)
-                payload.cache_clear()
         recipe_meta = child_recipe(job.src, job.step)
         qmeta = job.quantizer.meta(n_heads, d)
 
@@ -133,13 +116,43 @@ class Encode(Stage):
                         for b, t, m in zip(job.bundles, new_tensors, metas)) + STAMP_BYTES * len(job.bundles)
             return new_tensors, metas, total
 
+        def counted_total(sizes, alpha: float) -> int:
+            """The stored bytes of every object with code blobs of these counted ``sizes``."""
+            return bundles_at([{k: torch.empty(n, dtype=torch.uint8) for k, n in chunk.items()} for chunk in sizes],
+                              alpha)[2]
+
+        overhead = len(job.bundles) * (6144 + 200 * job.n_layers) + 17 * n_tokens  # first guess: headers, ids, positions, levels
+        if counted[0] is not None:
+            # what the objects hold beside the code blobs (headers, ids, positions, levels, the
+            # params' sizes in the header) hardly moves with the scale: counted at the usual
+            # scale, so that the fit meets the cap the first time rather than fitting again
+            sizes = counted[0].blob_sizes(FIT_GUESS)
+            if sizes is not None:
+                overhead = counted_total(sizes, FIT_GUESS) - payload(FIT_GUESS) + 256
+        kept_keys = first = None
+        if rows is not None and recipe.refit_decoded:
+            # fit the values to the kept keys as the loader will read them: coded at a first fit of the
+            # scale (the refitted values move the final scale only a little)
+            first = fit_near(payload, cap - overhead) if recipe.fit == "secant" else \
+                fit_scale(payload, cap - overhead, guess=FIT_GUESS)
+            if first is not None:
+                kept_keys = [qz.decoded_keys(job.xs[i][0], qz.steps_at(job, first, i)[0], job.levels_by_role[0],
+                                             job.kept_bounds, None if job.basis is None else job.basis[i], job.positions,
+                                             job.theta) for i in range(job.n_layers)]
+                job.values = refitted(recipe.refit, *job.fit_queries, job.all_keys, job.all_values, rows, job.hold,
+                                      kept_keys)
+                job.xs = [(x[0], v.float()) for x, v in zip(job.xs, job.values)]  # ec's transform leaves values as they are
+                job.base = [(b[0], relative_steps(x[1], job.value_weights[i]) * (1.0 if job.mult is None else job.mult[i, 1]))
+                            for i, (b, x) in enumerate(zip(job.base, job.xs))]
+                job.floors = [(f[0], step_floor(x[1], job.finest)) for f, x in zip(job.floors, job.xs)]
+                counted[0] = counted[0] and PayloadSize.for_job(job)  # (the values' means moved)
+                payload.cache_clear()
         alpha = None
         for _attempt in range(4):
             if recipe.fit == "secant":
                 alpha = fit_near(payload, cap - overhead, alpha or first or 0.5)  # a refit starts at the last scale
-            else:  # a refit (the first guess of the headers was short) starts next to the last scale
-                alpha = (alpha is not None and fit_scale(payload, cap - overhead, alpha, alpha * 1.25)) or \
-                    fit_scale(payload, cap - overhead)
+            else:  # from next to the scale of the last fit (the first, before a refit), else the usual one
+                alpha = fit_scale(payload, cap - overhead, guess=alpha or first or FIT_GUESS)
             if alpha is None:
                 smallest = (payload(64.0) + overhead) / job.fp16  # fit_scale's coarsest scale
                 raise UsageError(f"a budget of {recipe.budget:g} is too small for --quant ec on this model even at its "
@@ -148,8 +161,7 @@ class Encode(Stage):
             feedback = rows is not None and recipe.refit_feedback
             sizes = None if counted[0] is None or feedback else counted[0].blob_sizes(alpha)
             if sizes is not None:  # the objects' bytes from the counted blobs: no encode where they miss the cap
-                _, _, total = bundles_at([{k: torch.empty(n, dtype=torch.uint8) for k, n in s.items()} for s in sizes],
-                                         alpha)
+                total = counted_total(sizes, alpha)
                 if total > cap:
                     overhead = total - payload(alpha) + 256
                     continue
