@@ -22,7 +22,7 @@ from .base import Job, Stage
 from .refit import refitted
 from .payload_size import PayloadSize
 
-FIT_GUESS = 0.5  # where the scale fit starts looking (the defaults land at 0.3-0.5 of their base steps)
+FIT_GUESS = 0.5  # where the scale fit starts looking (the defaults land near 0.4, b0.25, and 1.0, b0.083)
 STAMP_BYTES = 64  # what the store adds per object beyond the encoded bundle (digits of the stamp)
 
 
