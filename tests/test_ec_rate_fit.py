@@ -61,6 +61,7 @@ def test_fit_from_a_guess_keeps_the_search_answer(guess):
         best = min(a for a in grid if size(a) <= cap)
         assert size(got) <= cap and abs(math.log(got) - math.log(best)) < 1e-3
     assert fit_scale(lambda a: 10, 5, guess=guess) is None
+    assert fit_scale(lambda a: 10, 0, guess=guess) is None and fit_scale(lambda a: 10, -5, guess=guess) is None
     assert fit_scale(lambda a: 1, 5, guess=guess) == 1 / 64
 
 

@@ -63,7 +63,7 @@ def fit_scale(size_at: Callable[[float], int], cap: float, lo: float = 1 / 64, h
             seen[a] = size_at(a)
         return seen[a]
 
-    if guess is not None:
+    if guess is not None and cap > 0:  # (no scale fits a cap of no bytes: the search says so)
         near = _bracket_near(sized, cap, guess, lo, hi, tol)
         if near is not None:
             return _false_position(sized, cap, *near, tol)
