@@ -33,11 +33,11 @@ def test_key_weight_moves_precision_from_values_to_keys(tiny_lm, tmp_path_factor
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
     doc = "meeting-notes-2026-03.txt"
-    base = dict(budget=0.6, quant="ec", keep=0.5, protect=16, scorer="sentences")
+    base = dict(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences")  # (the cap binds: at 0.6 the tiny model's finest steps fit)
     with st.writer():
         plain = compress_document(st, doc, CompressRecipe(**base), lm=tiny_lm)
         keyed = compress_document(st, doc, CompressRecipe(**base, key_weight=16), lm=tiny_lm)
-    cap = 0.6 * fp16_size(st, doc)
+    cap = 0.3 * fp16_size(st, doc)
     assert keyed.label.endswith("-kw16-sentences") and plain.bytes <= cap and keyed.bytes <= cap
     k1, v1, pos1 = _errors(st, doc, plain.label)
     k16, v16, pos16 = _errors(st, doc, keyed.label)
