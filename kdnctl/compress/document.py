@@ -27,6 +27,7 @@ from ..store import Store
 from ..versions import commit, existing_version, write_derived
 from . import sizing
 from .key_basis import key_basis_scope
+from .layer_profile import profile_scope, wants_profile
 from .recipe import CompressRecipe  # noqa: F401 (re-exported: callers import it from here)
 from .stages import Job, pipeline_for, run_pipeline
 
@@ -64,7 +65,8 @@ def compress_document(store: Store, doc_id: str, recipe: CompressRecipe, *, lm=N
     if done is not None:
         return done
     src = store.get_version(doc_id, source)
-    with key_basis_scope(store, lm, recipe.uses_key_basis):  # a model with no basis gets one now (compress/key_basis.py)
+    # a model with no key basis or Fisher profile in the store gets them now (compress/key_basis.py, layer_profile.py)
+    with key_basis_scope(store, lm, recipe.uses_key_basis), profile_scope(store, lm, wants_profile(recipe)):
         record, score_s, extra = build_compressed_version(store, src, recipe, label, source, lm=lm,
                                                           fingerprint=fingerprint, with_sizes=True)
     commit(store, record)

@@ -40,6 +40,7 @@ def compress_on_ray(
         try:
             start(ray, actors)
             basis = basis_ref(ray, store, recipe, actors[0]) if recipe.needs_model else None
+            profile = profile_ref(ray, store, recipe, actors[0]) if recipe.needs_model else None
 
             def tasks() -> Iterator[tuple[str, tuple]]:
                 for doc_id in doc_ids:
@@ -49,7 +50,7 @@ def compress_on_ray(
                         if on_result:
                             on_result(done)
                         continue
-                    yield doc_id, (store.get_version(doc_id, source), recipe, label, source, basis)
+                    yield doc_id, (store.get_version(doc_id, source), recipe, label, source, basis, profile)
 
             def commit(batch: list[CompressOutcome]) -> None:
                 store.commit_versions([o.version for o in batch])
@@ -78,3 +79,26 @@ def basis_ref(ray, store: Store, recipe: CompressRecipe, actor):
     fingerprint = ray.get(actor.describe.remote())["fingerprint"]
     data = basis_for_workers(store, recipe, fingerprint, lambda texts: ray.get(actor.calibrate_basis.remote(texts)))
     return None if data is None else ray.put(data)
+
+
+def profile_ref(ray, store: Store, recipe: CompressRecipe, actor):
+    """The store's Fisher profile for the workers' model (measured by ``actor`` on the store's
+    documents first where the store has none; kdnctl/compress/layer_profile.py), put once into
+    Ray's object store; None where the recipe wants none or there is nothing to measure it on."""
+    import sys
+
+    from kdnctl.compress.layer_profile import calibration_versions, wants_profile
+    from kdnctl.store.profiles import commit_profile, profile_record
+
+    if not wants_profile(recipe):
+        return None
+    fingerprint = ray.get(actor.describe.remote())["fingerprint"]
+    rec = profile_record(store, fingerprint)
+    if rec is not None:
+        return ray.put(rec.data)
+    data, source = ray.get(actor.measure_profile.remote(calibration_versions(store, fingerprint)))
+    if data is None:
+        return None
+    commit_profile(store, fingerprint, data, source)
+    print(f"Fisher profile {source} for model {fingerprint[:12]}; stored in {store.root}", file=sys.stderr)
+    return ray.put(data)

@@ -120,7 +120,16 @@ class CompressWorker(_Worker):
         self._check()
         return basis_file(self.lm, texts)
 
-    def compress(self, src, recipe, label: str, source: str, basis: bytes | None = None) -> CompressOutcome:
+    def measure_profile(self, versions) -> tuple[bytes | None, str]:
+        """The model's Fisher profile file measured on ``versions``' caches (kdnctl/compress/layer_profile.py)."""
+        from kdnctl.compress.layer_profile import measure
+
+        self._check()
+        return measure(self.objects, self.lm, versions)
+
+    def compress(self, src, recipe, label: str, source: str, basis: bytes | None = None,
+                 profile: bytes | None = None) -> CompressOutcome:
+        from ..allocate.fisher_profile import decode, model_profile
         from ..compress.document import build_compressed_version
 
         self._check()
@@ -128,8 +137,10 @@ class CompressWorker(_Worker):
 
         t0 = time.perf_counter()
         fingerprint = self.lm.fingerprint if self.lm is not None else None
-        # the store's key basis for this model comes with every task (a restarted worker has it too)
-        with model_basis(fingerprint, provide(basis) if basis is not None and fingerprint else None):
+        # the store's key basis and Fisher profile for this model come with every task (a restarted
+        # worker has them too)
+        with model_basis(fingerprint, provide(basis) if basis is not None and fingerprint else None), \
+                model_profile(fingerprint, decode(profile, "the store's Fisher profile") if profile is not None else None):
             record, score_s = build_compressed_version(self.objects, src, recipe, label, source,
                                                        lm=self.lm, fingerprint=fingerprint)
         self.objects.stamp_blake3(record.chunks)

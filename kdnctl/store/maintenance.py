@@ -31,6 +31,7 @@ from kdnctl.errors import BundleFormatError, KdnError, StoreCorruptError
 
 from . import bases
 from . import catalog as cat
+from . import profiles
 from .records import CATALOG_HINT, SHA_RE, VersionRecord, bundle_mismatch
 
 DEFAULT_GRACE_S = 600.0  # superseded objects stay this long after they stopped being current
@@ -212,6 +213,8 @@ class Maintenance:
                             n_held += kind == "held"
                         elif kind == bases.KIND:
                             basis_recs.append(bases.parse(cat.split(k), v))
+                        elif kind == profiles.KIND:  # a record that reads is all a profile needs
+                            profiles.parse(cat.split(k), v)
                         elif kind not in META_KEYS:
                             bad(f"unknown catalog meta entry {_show(k)}")
                     except (KdnError, ValueError, UnicodeDecodeError):

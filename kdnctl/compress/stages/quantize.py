@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ...allocate import fisher_profile as fpro
 from ...allocate import layer_fisher as lf
 from ...allocate.rate import clamp_steps, relative_steps, step_floor
 from ...errors import UsageError
@@ -161,8 +162,17 @@ class Quantize(Stage):
                             for x, s, wd in zip(job.xs[i], shifts, widen)) for i in range(job.n_layers)]
         n_tokens = job.keys[0].shape[1]
         if recipe.layers == "fisher" and n_tokens > job.header:
-            probe = lf.probe_ids(job.lm, job.token_ids, job.header)  # the document's own text, over the kept tokens' cache
-            fisher = lf.channel_fisher(job.lm, job.keys, job.values, probe, int(job.positions.max()) + 1,
-                                       0.25 ** job.levels.float(), recipe.seed)
+            fisher = self.layer_fisher(job, d)
             job.mult = lf.layer_multipliers(lf.layer_damage(fisher, job.base))
             job.base = [(k * job.mult[i, 0], v * job.mult[i, 1]) for i, (k, v) in enumerate(job.base)]
+
+    @staticmethod
+    def layer_fisher(job: Job, head_dim: int):
+        """Per layer (keys, values) ``[H, D]``: the model's Fisher profile where the store has one
+        (kdnctl/compress/layer_profile.py), else the document's own estimate."""
+        profile = fpro.profile_for(getattr(job.lm, "fingerprint", None))
+        if profile is not None:
+            return fpro.as_layers(fpro.check(profile, job.n_layers, job.keys[0].shape[0], head_dim, "Fisher profile"))
+        probe = lf.probe_ids(job.lm, job.token_ids, job.header)  # the document's own text, over the kept tokens' cache
+        return lf.channel_fisher(job.lm, job.keys, job.values, probe, int(job.positions.max()) + 1,
+                                 0.25 ** job.levels.float(), job.recipe.seed)

@@ -1,0 +1,110 @@
+"""A model's Fisher profile: the per-channel Fisher estimate of :mod:`kdnctl.allocate.layer_fisher`,
+measured once per model on a few documents instead of once per compressed document.
+
+The layer multipliers need only how much each layer's and role's error costs relative to the
+others. That pattern belongs to the model more than to the document: on the five example
+documents, the multipliers from the other four documents' mean profile differ from a document's
+own by a median factor of 1.07-1.09, about as much as two draws of its own estimate differ from
+each other (1.04-1.07; ``research/probes/fisher_profile.py``). The profile saves every later
+compress the probe's forward and backward, most of a compress at the 0.25 default.
+
+A profile is float32 ``[L, 2, H, D]`` (layer, keys/values, KV head, channel): each calibration
+document's channel Fisher with every token weighted the same, divided by its own total so that
+each document counts the same, then averaged. ``layer_damage`` takes it as it takes one
+document's estimate; the multipliers do not depend on its scale.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterable
+
+import torch
+
+from kdnctl.errors import BundleFormatError
+
+from . import layer_fisher as lf
+
+CAL_DOCS = 4  # documents a profile is measured on at most
+CAL_TOKENS = 1536  # tokens of each (the cache the probe reads)
+
+# while a compress runs (``model_profile``): model fingerprint -> its profile
+_PROFILE_FOR_MODEL: contextvars.ContextVar[dict[str, torch.Tensor]] = contextvars.ContextVar("profile_for_model",
+                                                                                              default={})
+
+
+Sample = tuple[list[int], int, list[torch.Tensor], list[torch.Tensor], int]
+
+
+def calibrate(lm, samples: Iterable[Sample], seed: int = 0) -> torch.Tensor | None:
+    """The profile of ``samples``: per document, its token ids, its header's length, its cache's
+    keys and values per layer ``[H, T, D]`` as stored, and the position after the cache (where
+    the probe of ``layer_fisher`` starts). None where no document is longer than its header."""
+    total, n = None, 0
+    for ids, header, keys, values, start in samples:
+        if len(ids) <= header:
+            continue
+        probe = lf.probe_ids(lm, ids, header)
+        fisher = lf.channel_fisher(lm, keys, values, probe, start, torch.ones(len(ids)), seed)
+        x = torch.stack([torch.stack([k, v]) for k, v in fisher]).double()
+        if not float(x.sum()) > 0:
+            continue
+        x = x / x.sum()
+        total, n = (x if total is None else total + x), n + 1
+    return None if total is None else (total / n).float()
+
+
+def as_layers(profile: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``profile`` in the per-layer ``(keys, values)`` form ``layer_fisher.layer_damage`` takes."""
+    return [(p[0], p[1]) for p in profile]
+
+
+def check(profile, n_layers: int, n_heads: int, head_dim: int, what: str) -> torch.Tensor:
+    """``profile`` if it is a finite, non-negative float32 ``[L, 2, H, D]`` of these sizes."""
+    want = [n_layers, 2, n_heads, head_dim]
+    if not isinstance(profile, torch.Tensor) or profile.dtype != torch.float32 or list(profile.shape) != want:
+        got = f"{profile.dtype} {list(profile.shape)}" if isinstance(profile, torch.Tensor) else type(profile).__name__
+        raise BundleFormatError(f"{what}: a Fisher profile must be float32 {want}, got {got}")
+    if not bool(torch.isfinite(profile).all()) or bool((profile < 0).any()):
+        raise BundleFormatError(f"{what}: a Fisher profile holds a negative or non-finite value")
+    return profile
+
+
+def encode(profile: torch.Tensor) -> bytes:
+    """The profile's bytes (safetensors, one tensor ``fisher``)."""
+    from safetensors.torch import save
+
+    return save({"fisher": profile.float().contiguous()}, metadata={"kdnctl": "fisher_profile"})
+
+
+def decode(data: bytes, what: str) -> torch.Tensor:
+    """The profile in ``data`` (:func:`encode`'s bytes); unreadable -> ``BundleFormatError``."""
+    from safetensors.torch import load
+
+    try:
+        t = load(bytes(data))["fisher"]
+    except Exception as exc:  # safetensors raises its own error types
+        raise BundleFormatError(f"{what} is not a readable Fisher profile: {str(exc)[:120]}") from None
+    if t.dim() != 4 or t.shape[1] != 2:
+        raise BundleFormatError(f"{what}: a Fisher profile must be [L, 2, H, D], got {list(t.shape)}")
+    return check(t, t.shape[0], t.shape[2], t.shape[3], what)
+
+
+def profile_for(fingerprint: str | None) -> torch.Tensor | None:
+    """The profile a compress running now uses for model ``fingerprint``, or None (the document's own estimate)."""
+    return None if fingerprint is None else _PROFILE_FOR_MODEL.get().get(fingerprint)
+
+
+@contextlib.contextmanager
+def model_profile(fingerprint: str | None, profile: torch.Tensor | None):
+    """Within the block, :func:`profile_for` ``(fingerprint)`` is ``profile`` (nothing changes with None)."""
+    if profile is None or fingerprint is None:
+        yield
+        return
+    token = _PROFILE_FOR_MODEL.set({**_PROFILE_FOR_MODEL.get(), fingerprint: profile})
+    try:
+        yield
+    finally:
+        _PROFILE_FOR_MODEL.reset(token)
+
