@@ -36,9 +36,9 @@ DOC, N_TOKENS = "faq.md", 300
 # chunk's meta without name and stamps; sha256 of every chunk's code blobs)
 GOLDEN = {
     "AuthenticAMD-AVX2-fp32": {
-        0.25: ("f1da5f76fff7b816f904aa27bcc1e0c3c39a20affc883501f594ca82031ff3cc",
-               "fc6777d5eba99a9fa59656dedab85be604675d8ef63cf40b02cdfdeb39795020",
-               "1f388c9c18707918ff2e9df37af8820a7ffe08499a0d66de30dd9ca374a30939"),
+        0.25: ("306372a91ebf4e454cc96ce8a2344368bddc9d8d735f6057d9fea85683bc26f6",
+               "9c0b47dbc82a5c2bf65064fa2dc46f7d5915f6aac8c7f43e849b6d2ecd482266",
+               "55633a8946fe63faa0f33938defab364f56a4b24291c0d29cf8650c2cf1c756c"),
         0.083: ("1e0d5b354fb50e946fa45f9384b2bd03c49d1823fc9518520c30d343421d4d89",
                 "6df3d22a13fe4ac8e6eb191d86f3151110c0ddc3c392a15b87900feba65a56fa",
                 "bda6a8c22c4f6d318c8a61dfcc333d23030f5e39e2edc90d8f7ec83a8d6c7fae"),

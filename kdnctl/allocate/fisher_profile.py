@@ -22,7 +22,7 @@ from typing import Iterable
 
 import torch
 
-from kdnctl.errors import BundleFormatError
+from kdnctl.format.fisher_profile import check, decode, encode  # noqa: F401 (the profile's file, re-exported)
 
 from . import layer_fisher as lf
 
@@ -58,37 +58,6 @@ def calibrate(lm, samples: Iterable[Sample], seed: int = 0) -> torch.Tensor | No
 def as_layers(profile: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``profile`` in the per-layer ``(keys, values)`` form ``layer_fisher.layer_damage`` takes."""
     return [(p[0], p[1]) for p in profile]
-
-
-def check(profile, n_layers: int, n_heads: int, head_dim: int, what: str) -> torch.Tensor:
-    """``profile`` if it is a finite, non-negative float32 ``[L, 2, H, D]`` of these sizes."""
-    want = [n_layers, 2, n_heads, head_dim]
-    if not isinstance(profile, torch.Tensor) or profile.dtype != torch.float32 or list(profile.shape) != want:
-        got = f"{profile.dtype} {list(profile.shape)}" if isinstance(profile, torch.Tensor) else type(profile).__name__
-        raise BundleFormatError(f"{what}: a Fisher profile must be float32 {want}, got {got}")
-    if not bool(torch.isfinite(profile).all()) or bool((profile < 0).any()):
-        raise BundleFormatError(f"{what}: a Fisher profile holds a negative or non-finite value")
-    return profile
-
-
-def encode(profile: torch.Tensor) -> bytes:
-    """The profile's bytes (safetensors, one tensor ``fisher``)."""
-    from safetensors.torch import save
-
-    return save({"fisher": profile.float().contiguous()}, metadata={"kdnctl": "fisher_profile"})
-
-
-def decode(data: bytes, what: str) -> torch.Tensor:
-    """The profile in ``data`` (:func:`encode`'s bytes); unreadable -> ``BundleFormatError``."""
-    from safetensors.torch import load
-
-    try:
-        t = load(bytes(data))["fisher"]
-    except Exception as exc:  # safetensors raises its own error types
-        raise BundleFormatError(f"{what} is not a readable Fisher profile: {str(exc)[:120]}") from None
-    if t.dim() != 4 or t.shape[1] != 2:
-        raise BundleFormatError(f"{what}: a Fisher profile must be [L, 2, H, D], got {list(t.shape)}")
-    return check(t, t.shape[0], t.shape[2], t.shape[3], what)
 
 
 def profile_for(fingerprint: str | None) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 from kdnctl.errors import BundleFormatError, StoreCorruptError
+from kdnctl.format.fisher_profile import decode
 
 from . import catalog as cat
 from .bases import _seal
@@ -35,8 +36,6 @@ class ProfileRecord:
 
 def parse(key_parts: list[str], raw: bytes) -> ProfileRecord:
     """A profile record from its meta entry; damage -> StoreCorruptError."""
-    from kdnctl.allocate.fisher_profile import decode
-
     what = f"Fisher profile record {'/'.join(key_parts)[:80]}"
     try:
         if b'"' + SUM_KEY.encode() + b'"' not in raw:  # every profile record is sealed
