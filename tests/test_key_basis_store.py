@@ -208,13 +208,14 @@ def test_remote_loads_and_pulls_find_the_store_basis(calibrated, tmp_path):
 
 def test_ray_workers_calibrate_once_and_code_with_the_store_basis(tmp_path, lm):
     """``compress --ray``: workers cannot read the catalog; the driver has a worker calibrate the
-    basis, records it, and hands it to every task; a second run reuses it. The bytes equal a
-    single-process compress with the same basis."""
+    basis and measure the Fisher profile, records them, and hands them to every task; later runs
+    reuse them. The bytes equal a single-process compress with the same basis and profile."""
     ray = pytest.importorskip("ray")
     from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.distributed.compress import compress_on_ray
     from kdnctl.models.load import load_model, use_loaded_models
     from kdnctl.store import Store
+    from kdnctl.store.profiles import profile_record
 
     kb.forget_provided()
     path = build_model_dir("qwen2", tmp_path / "model", lm.tokenizer)
@@ -228,8 +229,12 @@ def test_ray_workers_calibrate_once_and_code_with_the_store_basis(tmp_path, lm):
             compress_on_ray(st, [DOC.name], CompressRecipe(budget=0.25), address="local", workers=1, model=str(path))
             recs = _records(store)
             assert [r.fingerprint for r in recs] == [mlm.fingerprint]
+            profile = profile_record(st, mlm.fingerprint)  # measured by a worker, recorded by the driver
+            assert profile is not None
             compress_on_ray(st, [DOC.name], CompressRecipe(budget=0.083), address="local", workers=1, model=str(path))
+            compress_on_ray(st, [DOC.name], CompressRecipe(budget=0.3), address="local", workers=1, model=str(path))
             assert _records(store) == recs  # reused: no second calibration
+            assert profile_record(st, mlm.fingerprint) == profile
     finally:
         ray.shutdown()
     sha = recs[0].object
