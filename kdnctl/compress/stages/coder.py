@@ -10,8 +10,8 @@ whole sentences), is kept and quantized. Each channel's step follows from how mu
 one scale per document is fitted so the encoded bundles fill the byte cap
 (``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default where every token is kept)
 each layer's and role's steps are first scaled by how much its error costs the model
-(``kdnctl.allocate.layer_fisher``); ``key_weight`` W makes every key step ``1/sqrt(W)`` of its
-value-relative size. The prompt header and the last ``protect`` tokens are
+(``kdnctl.allocate.layer_fisher``, the model's profile where the store has one); ``key_weight``
+W makes every key step ``1/sqrt(W)`` of its value-relative size. The prompt header and the last ``protect`` tokens are
 quantized ``2**PROTECT_LEVEL`` times finer (``--protect-level``): they precede every question. With ``backfill``
 ("A-B", opt-in) layers A..B also keep the evicted tokens, ``2**backfill_shift`` times coarser
 (the keys ``2**backfill_key_shift`` where it is set: per-role levels). Where ``backfill`` names

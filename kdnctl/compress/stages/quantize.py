@@ -4,7 +4,8 @@ at one scale.
 The quantizer (``kdnctl.quant.entropy.EntropyQuantizer``) takes the RoPE off the keys; a
 channel's step is relative to its weight (the precision stage) and floored where its codes would
 outgrow ec's range; with ``layers="fisher"`` each layer's and role's steps are first scaled by
-how much its error costs the model (``kdnctl.allocate.layer_fisher``); ``key_weight`` W makes
+how much its error costs the model (``kdnctl.allocate.layer_fisher``, from the model's profile
+where the store has one: ``kdnctl.allocate.fisher_profile``); ``key_weight`` W makes
 every key step ``1/sqrt(W)`` of its value-relative size. ``codes_at`` codes every chunk at one
 scale of those steps; the encode stage fits that scale to the byte cap.
 """
