@@ -59,7 +59,7 @@ def factors(a: torch.Tensor, b: torch.Tensor) -> dict:
 def own_estimates(seen: dict):
     """Compresses in the block use each document's own estimate (no profile) and record its
     seed-0 and seed-1 estimates and steps in ``seen`` by document id."""
-    real_scope, real_fisher = cdoc.profile_scope, Quantize.layer_fisher
+    real_scope, real_fisher = cdoc.profile_scope, Quantize.__dict__["layer_fisher"]  # the staticmethod itself
 
     def fisher(job, head_dim):
         probe = lf.probe_ids(job.lm, job.token_ids, job.header)
