@@ -1,7 +1,7 @@
 """The model's Fisher profile against each document's own Fisher estimate: how far the layer
 multipliers move, and what a `b0.25` compress takes with each, beside a bare prefill.
 
-    python research/probes/fisher_profile.py [--docs examples/corpus] [--repeats 2] [--out DIR]
+    python research/probes/fisher_profile.py [--docs examples/corpus] [--repeats 2] [--out DIR] [--time-only]
 
 The documents are ingested once into a temporary store (torch on 2 threads, SmolLM2 fp32).
 
@@ -99,6 +99,7 @@ def main() -> None:
     ap.add_argument("--docs", default=str(ROOT / "examples" / "corpus"))
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--out", default=None, help="folder for results.json")
+    ap.add_argument("--time-only", action="store_true", help="part 2 alone")
     args = ap.parse_args()
     torch.set_num_threads(2)
     lm = load_model(dtype="float32")
@@ -114,11 +115,11 @@ def main() -> None:
         # 1. agreement
         seen: dict = {}
         with own_estimates(seen):
-            for d in docs:
+            for d in ([] if args.time_only else docs):
                 compress_seconds(st, lm, d.doc_id, "own")
         versions = calibration_versions(st, lm.fingerprint)
-        everything = list(samples(st, [st.get_version(d.doc_id, "full") for d in docs], max_tokens=fpro.CAL_TOKENS))
-        for i, d in enumerate(docs):
+        everything = [] if args.time_only else list(samples(st, [st.get_version(d.doc_id, "full") for d in docs], max_tokens=fpro.CAL_TOKENS))
+        for i, d in enumerate([] if args.time_only else docs):
             n = st.get_version(d.doc_id, "full").n_tokens
             rec = seen[d.doc_id]
             others = fpro.calibrate(lm, [s for j, s in enumerate(everything) if j != i])

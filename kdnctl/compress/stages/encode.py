@@ -159,12 +159,9 @@ class Encode(Stage):
                                  f"coarsest steps: the smallest it reaches here is {math.ceil(smallest * 1000) / 1000:g}",
                                  hint="raise --budget, or --keep fewer tokens first")
             feedback = rows is not None and recipe.refit_feedback
+            # (the objects' bytes are not counted again before this encode: the overhead counted
+            # at the usual scale puts the fit under the cap, and a miss takes the same step either way)
             sizes = None if counted[0] is None or feedback else counted[0].blob_sizes(alpha)
-            if sizes is not None:  # the objects' bytes from the counted blobs: no encode where they miss the cap
-                total = counted_total(sizes, alpha)
-                if total > cap:
-                    overhead = total - payload(alpha) + 256
-                    continue
             codes = qz.codes_at(job, alpha, feedback, kept_keys, own_widths=False)
             if sizes is not None and [{k: v.numel() for k, v in c.items()} for c in codes] != sizes:
                 # the counts missed the encoder's bytes: fit again from encodes (never expected;
