@@ -2,11 +2,11 @@
 measured once per model on a few documents instead of once per compressed document.
 
 The layer multipliers need only how much each layer's and role's error costs relative to the
-others. That pattern belongs to the model more than to the document: on the five example
-documents, the multipliers from the other four documents' mean profile differ from a document's
-own by a median factor of 1.07-1.09, about as much as two draws of its own estimate differ from
-each other (1.04-1.07; ``research/probes/fisher_profile.py``). The profile saves every later
-compress the probe's forward and backward, most of a compress at the 0.25 default.
+others, a pattern that belongs mostly to the model (``research/probes/fisher_profile.py``): the
+profile saves every later compress the probe's forward and backward, most of a compress at the
+0.25 default, and moves the answers about as much as another seed of a document's own estimate
+(``research/results/quality-fisher-profile-2026-11-30/``). It weights every token the same, where
+a document's own estimate counts tokens stored 4x finer 16x less.
 
 A profile is float32 ``[L, 2, H, D]`` (layer, keys/values, KV head, channel): each calibration
 document's channel Fisher with every token weighted the same, divided by its own total so that
