@@ -41,13 +41,19 @@ def _seal(d: dict) -> bytes:
     return dumps_json(d)
 
 
+def unseal_model_record(raw: bytes, what: str) -> dict:
+    """The fields of a model's basis or profile record, which is always sealed (ValueError where
+    it is not; StoreCorruptError where its checksum fails)."""
+    if b'"' + SUM_KEY.encode() + b'"' not in raw:
+        raise ValueError(f"{what} is not sealed")
+    return _unseal(raw, what)
+
+
 def parse(key_parts: list[str], raw: bytes) -> BasisRecord:
     """A basis record from its meta entry; damage -> StoreCorruptError."""
     what = f"key basis record {'/'.join(key_parts)[:80]}"
     try:
-        if b'"' + SUM_KEY.encode() + b'"' not in raw:  # every basis record is sealed
-            raise ValueError
-        d = _unseal(raw, what)
+        d = unseal_model_record(raw, what)
     except (ValueError, UnicodeDecodeError):
         raise StoreCorruptError(f"{what} is unreadable", hint=CATALOG_HINT) from None
     if not isinstance(d, dict):

@@ -19,8 +19,7 @@ from kdnctl.errors import BundleFormatError, StoreCorruptError
 from kdnctl.format.fisher_profile import decode
 
 from . import catalog as cat
-from .bases import _seal
-from .reads import SUM_KEY, _unseal
+from .bases import _seal, unseal_model_record
 from .records import CATALOG_HINT
 
 KIND = "fisher"  # meta key prefix
@@ -38,9 +37,7 @@ def parse(key_parts: list[str], raw: bytes) -> ProfileRecord:
     """A profile record from its meta entry; damage -> StoreCorruptError."""
     what = f"Fisher profile record {'/'.join(key_parts)[:80]}"
     try:
-        if b'"' + SUM_KEY.encode() + b'"' not in raw:  # every profile record is sealed
-            raise ValueError
-        d = _unseal(raw, what)
+        d = unseal_model_record(raw, what)
         data = base64.b64decode(d["profile"], validate=True)
         decode(data, what)
     except (ValueError, UnicodeDecodeError, TypeError, KeyError, binascii.Error, BundleFormatError):
