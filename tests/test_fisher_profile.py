@@ -46,7 +46,8 @@ def test_profile_is_the_mean_of_each_documents_normalised_estimate(tiny_lm, stor
 
     versions = calibration_versions(store, tiny_lm.fingerprint)
     assert [v.doc_id for v in versions] == sorted(DOCS)  # by document id
-    got = fpro.calibrate(tiny_lm, samples(store, versions))
+    got, n = fpro.calibrate(tiny_lm, samples(store, versions))
+    assert n == len(DOCS)
     want = []
     for ids, header, keys, values, start in samples(store, versions):
         assert start == len(ids) and header > 0 and keys[0].shape[1] == len(ids)

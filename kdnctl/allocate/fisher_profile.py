@@ -37,10 +37,11 @@ _PROFILE_FOR_MODEL: contextvars.ContextVar[dict[str, torch.Tensor]] = contextvar
 Sample = tuple[list[int], int, list[torch.Tensor], list[torch.Tensor], int]
 
 
-def calibrate(lm, samples: Iterable[Sample], seed: int = 0) -> torch.Tensor | None:
-    """The profile of ``samples``: per document, its token ids, its header's length, its cache's
-    keys and values per layer ``[H, T, D]`` as stored, and the position after the cache (where
-    the probe of ``layer_fisher`` starts). None where no document is longer than its header."""
+def calibrate(lm, samples: Iterable[Sample], seed: int = 0) -> tuple[torch.Tensor | None, int]:
+    """(the profile of ``samples``, how many documents it is measured on): per document, its token
+    ids, its header's length, its cache's keys and values per layer ``[H, T, D]`` as stored, and
+    the position after the cache (where the probe of ``layer_fisher`` starts). None where no
+    document is longer than its header."""
     total, n = None, 0
     for ids, header, keys, values, start in samples:
         if len(ids) <= header:
@@ -52,7 +53,7 @@ def calibrate(lm, samples: Iterable[Sample], seed: int = 0) -> torch.Tensor | No
             continue
         x = x / x.sum()
         total, n = (x if total is None else total + x), n + 1
-    return None if total is None else (total / n).float()
+    return (None if total is None else (total / n).float()), n
 
 
 def as_layers(profile: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

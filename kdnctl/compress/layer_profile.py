@@ -10,7 +10,6 @@ profile, also after ``rebuild-catalog`` drops the record.
 from __future__ import annotations
 
 import contextlib
-import sys
 
 import torch
 
@@ -68,10 +67,10 @@ def samples(objects, versions, max_tokens: int = fpro.CAL_TOKENS):
 
 def measure(objects, lm, versions) -> tuple[bytes | None, str]:
     """(the profile file measured on ``versions``' caches, or None; how it was made, one line)."""
-    profile = fpro.calibrate(lm, samples(objects, versions))
+    profile, n = fpro.calibrate(lm, samples(objects, versions))
     if profile is None:
         return None, ""
-    return fpro.encode(profile), f"measured on {len(versions)} document(s) of this store"
+    return fpro.encode(profile), f"measured on {n} document(s) of this store"
 
 
 def ensure_profile(store, lm, wanted: bool) -> torch.Tensor | None:
@@ -85,14 +84,11 @@ def ensure_profile(store, lm, wanted: bool) -> torch.Tensor | None:
     fp = lm.fingerprint
     rec = profile_record(store, fp)
     if rec is not None:
-        return fpro.decode(rec.data, f"the store's Fisher profile for model {fp[:12]}")
+        return rec.profile
     data, source = measure(store, lm, calibration_versions(store, fp))
     if data is None:
         return None
-    with store.writer():
-        commit_profile(store, fp, data, source)
-    print(f"Fisher profile {source} for model {fp[:12]}; stored in {getattr(store, 'root', 'the store')}",
-          file=sys.stderr)
+    commit_profile(store, fp, data, source)
     return fpro.decode(data, "the new Fisher profile")
 
 

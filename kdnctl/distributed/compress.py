@@ -85,8 +85,6 @@ def profile_ref(ray, store: Store, recipe: CompressRecipe, actor):
     """The store's Fisher profile for the workers' model (measured by ``actor`` on the store's
     documents first where the store has none; kdnctl/compress/layer_profile.py), put once into
     Ray's object store; None where the recipe wants none or there is nothing to measure it on."""
-    import sys
-
     from kdnctl.compress.layer_profile import calibration_versions, wants_profile
     from kdnctl.store.profiles import commit_profile, profile_record
 
@@ -100,5 +98,4 @@ def profile_ref(ray, store: Store, recipe: CompressRecipe, actor):
     if data is None:
         return None
     commit_profile(store, fingerprint, data, source)
-    print(f"Fisher profile {source} for model {fingerprint[:12]}; stored in {store.root}", file=sys.stderr)
     return ray.put(data)

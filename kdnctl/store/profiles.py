@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import sys
 import time
 from dataclasses import dataclass
+
+import torch
 
 from kdnctl.errors import BundleFormatError, StoreCorruptError
 from kdnctl.format.fisher_profile import decode
@@ -29,6 +32,7 @@ KIND = "fisher"  # meta key prefix
 class ProfileRecord:
     fingerprint: str
     data: bytes  # the profile file
+    profile: torch.Tensor  # what it holds, checked
     created: float
     source: str  # how it was made (one line)
 
@@ -39,14 +43,14 @@ def parse(key_parts: list[str], raw: bytes) -> ProfileRecord:
     try:
         d = unseal_model_record(raw, what)
         data = base64.b64decode(d["profile"], validate=True)
-        decode(data, what)
+        profile = decode(data, what)
     except (ValueError, UnicodeDecodeError, TypeError, KeyError, binascii.Error, BundleFormatError):
         raise StoreCorruptError(f"{what} is damaged", hint=CATALOG_HINT) from None
     created, source = d.get("created"), d.get("source", "")
     if (len(key_parts) != 2 or not key_parts[1] or not isinstance(created, (int, float)) or isinstance(created, bool)
             or not isinstance(source, str)):
         raise StoreCorruptError(f"{what} is damaged", hint=CATALOG_HINT)
-    return ProfileRecord(key_parts[1], data, float(created), source)
+    return ProfileRecord(key_parts[1], data, profile, float(created), source)
 
 
 def profile_record(store, fingerprint: str) -> ProfileRecord | None:
@@ -57,10 +61,12 @@ def profile_record(store, fingerprint: str) -> ProfileRecord | None:
 
 
 def commit_profile(store, fingerprint: str, data: bytes, source: str) -> None:
-    """Record the profile file ``data`` for ``fingerprint`` in one txn. Needs the writer lock."""
-    store._require_writer("commit_profile")
+    """Record the profile file ``data`` for ``fingerprint`` in one txn and say so on stderr in
+    one line. Takes the writer lock."""
     now = time.time()
     rec = {"profile": base64.b64encode(bytes(data)).decode("ascii"), "created": now, "source": source[:200]}
-    with store._env.begin(write=True) as txn:
+    with store.writer(), store._env.begin(write=True) as txn:
         txn.put(cat.key(KIND, fingerprint), _seal(rec), db=store._db["meta"])
         store._stamp_commit(txn, now)
+    print(f"Fisher profile {source} for model {fingerprint[:12]}; stored in {getattr(store, 'root', 'the store')}",
+          file=sys.stderr)

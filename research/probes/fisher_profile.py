@@ -122,7 +122,7 @@ def main() -> None:
         for i, d in enumerate([] if args.time_only else docs):
             n = st.get_version(d.doc_id, "full").n_tokens
             rec = seen[d.doc_id]
-            others = fpro.calibrate(lm, [s for j, s in enumerate(everything) if j != i])
+            others = fpro.calibrate(lm, [s for j, s in enumerate(everything) if j != i])[0]
             own = [lf.layer_multipliers(lf.layer_damage(e, rec["steps"])) for e in rec["est"]]
             prof = lf.layer_multipliers(lf.layer_damage(fpro.as_layers(others), rec["steps"]))
             out["agreement"][d.doc_id] = {"tokens": n, "profile_vs_own": factors(prof, own[0]),
