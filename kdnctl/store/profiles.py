@@ -14,7 +14,7 @@ import base64
 import binascii
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,7 +32,7 @@ KIND = "fisher"  # meta key prefix
 class ProfileRecord:
     fingerprint: str
     data: bytes  # the profile file
-    profile: torch.Tensor  # what it holds, checked
+    profile: torch.Tensor = field(compare=False)  # what it holds, checked (records compare by their bytes)
     created: float
     source: str  # how it was made (one line)
 
