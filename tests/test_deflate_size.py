@@ -99,12 +99,17 @@ def test_counted_payload_equals_the_encoded_one_through_a_compress(tiny_lm, tmp_
     from kdnctl.compress.stages import payload_size as ps
     from kdnctl.compress.stages import quantize as qz
 
-    checked = []
+    checked, widths = [], set()
     counted = ps.PayloadSize.__call__
 
     def both(self, alpha):
         n = counted(self, alpha)
         checked.append((n, sum(t.numel() for c in qz.codes_at(self.job, alpha, own_widths=False) for t in c.values())))
+        # the version's blobs from the counted codes are codes_at's, byte for byte and in its order
+        stored, encoded = self.blobs(alpha), qz.codes_at(self.job, alpha)
+        assert stored is not None and [list(c) for c in stored] == [list(c) for c in encoded]
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(stored, encoded) for k in a)
+        widths.update(int(t[0]) for c in stored for k, t in c.items() if k.endswith(".codes"))
         return n
 
     monkeypatch.setattr(ps.PayloadSize, "__call__", both)
@@ -117,27 +122,73 @@ def test_counted_payload_equals_the_encoded_one_through_a_compress(tiny_lm, tmp_
                 compress_document(st, doc, recipe, lm=tiny_lm)
     assert len(checked) >= 8
     assert all(a == b for a, b in checked), checked
+    assert widths == {1, 3}  # blobs of one-byte codes, and of frames at their own widths
 
 
 def test_a_compress_whose_probes_are_counted_encodes_once(tiny_lm, tmp_path_factory, monkeypatch):
     """Every probe counted, and an attempt whose counted objects miss the cap refitted without
-    encoding: the version is encoded once, at the scale it stores."""
+    encoding: the version is encoded once, at the scale it stores, from the counted codes."""
     from budgetkit import trimmed_store
 
     from kdnctl.compress.document import CompressRecipe, compress_document
     from kdnctl.compress.stages import encode
+    from kdnctl.compress.stages import payload_size as ps
     from kdnctl.compress.stages import quantize as qz
 
-    encodes = []
-    real = qz.codes_at
+    encodes, stored = [], []
+    real, real_blobs = qz.codes_at, ps.PayloadSize.blobs
 
     def counting(job, alpha, *a, **k):
         encodes.append(alpha)
         return real(job, alpha, *a, **k)
 
+    def counting_blobs(self, alpha):
+        stored.append(alpha)
+        return real_blobs(self, alpha)
+
     monkeypatch.setattr(encode.qz, "codes_at", counting)
+    monkeypatch.setattr(ps.PayloadSize, "blobs", counting_blobs)
     st = trimmed_store(tmp_path_factory, tiny_lm, {"lab-protocol.rst": 333})
     with st.writer():
         out = compress_document(st, "lab-protocol.rst", CompressRecipe(budget=0.6, quant="ec"), lm=tiny_lm)
     assert out.status == "compressed"
-    assert len(encodes) == 1
+    assert encodes == [] and len(stored) == 1
+
+
+def test_blobs_that_miss_their_counts_make_the_compress_fit_from_encodes(tiny_lm, tmp_path_factory, monkeypatch):
+    """Where a stored blob's bytes are not its count (another deflate than the one counted), the
+    compress drops the counts, fits from real encodes and stores ``codes_at``'s blobs: the
+    version's codes blobs are those a compress without counting stores at the same scale, under
+    the cap."""
+    from budgetkit import fp16_size, trimmed_store
+
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.compress.stages import encode
+    from kdnctl.compress.stages import payload_size as ps
+    from kdnctl.compress.stages import quantize as qz
+    from kdnctl.format.bundle import decode_bundle
+    from kdnctl.kernels.ec import deflate_size
+
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"lab-protocol.rst": 333})
+    encodes = []
+    real, real_count = qz.codes_at, deflate_size.codes_blob_bytes
+
+    def counting(job, alpha, *a, **k):
+        out = real(job, alpha, *a, **k)
+        encodes.append((alpha, k.get("own_widths", True), out))
+        return out
+
+    monkeypatch.setattr(encode.qz, "codes_at", counting)
+    monkeypatch.setattr(ps.deflate_size, "codes_blob_bytes",
+                        lambda codes, bins, peaks, own=False: real_count(codes, bins, peaks, own) + (1 if own else 0))
+    with st.writer():
+        compress_document(st, "lab-protocol.rst", CompressRecipe(budget=0.6, quant="ec"), lm=tiny_lm, label="missed")
+    version = st.get_version("lab-protocol.rst", "missed")
+    bundles = [decode_bundle(st.read_object(c.object)) for c in version.chunks]
+    alpha = bundles[0].meta["quant"]["alpha"]
+    probes = [a for a, own, _ in encodes if not own]
+    assert len(probes) >= 2 and alpha in {round(a, 6) for a in probes}  # the fit encoded its probes
+    last = [out for a, own, out in encodes if own]
+    assert len(last) == 1  # the version, encoded once at its frames' own widths
+    assert all(torch.equal(b.tensors[k], t) for b, chunk in zip(bundles, last[0]) for k, t in chunk.items())
+    assert sum(c.nbytes for c in version.chunks) <= 0.6 * fp16_size(st, "lab-protocol.rst")

@@ -41,7 +41,6 @@ RoPE (``key_rope_theta``) and rotated back to their positions after decoding.
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -77,7 +76,7 @@ def decompress_frame(blob: bytes, size: int, what: str, coding: str) -> bytes:
     return CODERS[coding].decompress(blob, size, what)
 
 
-def _u8(data: bytes) -> torch.Tensor:
+def as_u8(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
 
 
@@ -149,7 +148,7 @@ def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, codin
 def encode_params(step: torch.Tensor, mean: torch.Tensor, bins: torch.Tensor, coding: str = DEFAULT_CODING) -> torch.Tensor:
     """The params blob: one frame of float16 ``step``, float16 ``mean`` (``[H, D]``), uint8 ``bins``."""
     raw = torch.cat([step.half().flatten(), mean.half().flatten()]).numpy().tobytes() + bins.numpy().tobytes()
-    return _u8(compress_frame(raw, coding, codes=False))
+    return as_u8(compress_frame(raw, coding, codes=False))
 
 
 def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Callable[[bytes], bytes] | None = None,
@@ -169,7 +168,7 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
     width = 1 if lim <= 127 else OWN_WIDTHS if own_widths else 2
     bins = spread_bins(codes, stored)
     if stored is None and not reference:
-        return _u8(frame_blob(codes, bins, width, lambda data: compress(data) if compress else compress_frame(data, coding))), bins
+        return as_u8(frame_blob(codes, bins, width, lambda data: compress(data) if compress else compress_frame(data, coding))), bins
     flat = codes.permute(0, 2, 1).reshape(h * d, t)  # channel-major rows
     keep = None if stored is None else stored.repeat_interleave(d, 0)  # [H * D, T]
     order = torch.argsort(bins.flatten(), stable=True)
@@ -188,30 +187,7 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
     sizes = torch.tensor([len(f) for f in frames], dtype=torch.int32)
     blob = bytes([width, len(frames)]) + sizes.numpy().tobytes() + \
         torch.tensor(peaks, dtype=torch.int16).numpy().tobytes() + b"".join(frames)
-    return _u8(blob), bins
-
-
-def own_width_frames(blob: torch.Tensor, coding: str = DEFAULT_CODING) -> torch.Tensor:
-    """A codes blob of two-byte codes (width 2) rewritten with each frame at its own width
-    (``OWN_WIDTHS``): the frames of one code per byte-group whose peak fits a byte re-coded a byte
-    per code, the others as they are. The same codes, what :func:`encode_codes` writes with
-    ``own_widths``; other blobs (and other codings) are returned as they are."""
-    raw = blob.numpy().tobytes()
-    if coding != "deflate" or len(raw) < 2 or raw[0] != 2:
-        return blob
-    n = raw[1]
-    sizes = np.frombuffer(raw, dtype="<i4", count=n, offset=2)
-    peaks = np.frombuffer(raw, dtype="<i2", count=n, offset=2 + 4 * n)
-    pos, frames = 2 + 6 * n, []
-    for size, peak in zip(sizes.tolist(), peaks.tolist()):
-        frame = raw[pos:pos + size]
-        pos += size
-        if size and codes_per_byte(peak) == 1 and frame_width(OWN_WIDTHS, peak) == 1:
-            codes = np.frombuffer(zlib.decompressobj(-15).decompress(frame), dtype="<i2")  # this process's own frame
-            frame = compress_frame(codes.astype(np.int8).tobytes(), coding)
-        frames.append(frame)
-    return _u8(bytes([OWN_WIDTHS, n]) + np.array([len(f) for f in frames], "<i4").tobytes() + peaks.tobytes()
-               + b"".join(frames))
+    return as_u8(blob), bins
 
 
 def decode_params(params: torch.Tensor, h: int, d: int, what: str, coding: str = DEFAULT_CODING):

@@ -4,7 +4,7 @@ that the codes are the same.
     python research/probes/own_widths.py --store DIR [--store DIR ...] --versions b0.25,b0.083
 
 For every chunk of each version in each store, every codes blob is rewritten by
-``entropy.own_width_frames`` (what a compress now does after fitting its scale), decoded by the
+``own_width_frames``, decoded by the
 reference decoder before and after (the integer codes must be equal), and the whole object
 encoded again (``encode_bundle``). Prints, per version: documents, chunks, blobs of two-byte
 codes, the objects' bytes before and after, and their ratio. With ``--time N``, the first N
@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import zlib
 from pathlib import Path
 
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,8 +29,32 @@ sys.path.insert(0, str(ROOT))
 
 from kdnctl.format.bundle import KVBundle, decode_bundle, encode_bundle  # noqa: E402
 from kdnctl.quant import ec_batch  # noqa: E402
-from kdnctl.quant.entropy import decode_role_ints, own_width_frames  # noqa: E402
+from kdnctl.quant.entropy import (DEFAULT_CODING, OWN_WIDTHS, as_u8, codes_per_byte, compress_frame,  # noqa: E402
+                                  decode_role_ints, frame_width)
 from kdnctl.store import Store  # noqa: E402
+
+
+def own_width_frames(blob: torch.Tensor, coding: str = DEFAULT_CODING) -> torch.Tensor:
+    """A codes blob of two-byte codes (width 2) rewritten with each frame at its own width
+    (``OWN_WIDTHS``): the frames of one code per byte-group whose peak fits a byte re-coded a byte
+    per code, the others as they are. The same codes, what :func:`encode_codes` writes with
+    ``own_widths``; other blobs (and other codings) are returned as they are."""
+    raw = blob.numpy().tobytes()
+    if coding != "deflate" or len(raw) < 2 or raw[0] != 2:
+        return blob
+    n = raw[1]
+    sizes = np.frombuffer(raw, dtype="<i4", count=n, offset=2)
+    peaks = np.frombuffer(raw, dtype="<i2", count=n, offset=2 + 4 * n)
+    pos, frames = 2 + 6 * n, []
+    for size, peak in zip(sizes.tolist(), peaks.tolist()):
+        frame = raw[pos:pos + size]
+        pos += size
+        if size and codes_per_byte(peak) == 1 and frame_width(OWN_WIDTHS, peak) == 1:
+            codes = np.frombuffer(zlib.decompressobj(-15).decompress(frame), dtype="<i2")  # this process's own frame
+            frame = compress_frame(codes.astype(np.int8).tobytes(), coding)
+        frames.append(frame)
+    return as_u8(bytes([OWN_WIDTHS, n]) + np.array([len(f) for f in frames], "<i4").tobytes() + peaks.tobytes()
+               + b"".join(frames))
 
 
 def layer_tokens(tensors: dict, layer: int) -> int:

@@ -14,7 +14,6 @@ from ...errors import UsageError
 from ...format.bundle import KVBundle, derived_meta, encode_bundle
 from ...format.names import tensor_name
 from ...format.kept import kept_positions_dtype
-from ...quant.entropy import own_width_frames
 from ...presses.window_layers import first_row
 from ...versions import child_recipe
 from . import quantize as qz
@@ -82,11 +81,12 @@ class Encode(Stage):
         n_tokens, cap = job.keys[0].shape[1], job.cap
 
         # The scale is fitted on the bytes of the blobs that give a role's frames one width
-        # (``own_widths`` False); the frames then take their own widths (``own_width_frames``):
-        # the same codes in fewer bytes, so a version stores the K/V its budget's acceptance
-        # table measured, under its cap.
+        # (``own_widths`` False); the version stores its frames at their own widths: the same
+        # codes in fewer bytes, so it stores the K/V its budget's acceptance table measured,
+        # under its cap.
         # The probes count the bytes (``PayloadSize``) where they can, else encode; the version
-        # stored is encoded at the fitted scale either way.
+        # stored is encoded at the fitted scale either way (from the counted codes where the
+        # probes counted).
         counted = [PayloadSize.for_job(job)]
 
         def encoded_size(codes) -> int:
@@ -161,23 +161,23 @@ class Encode(Stage):
             feedback = rows is not None and recipe.refit_feedback
             # (the objects' bytes are not counted again before this encode: the overhead counted
             # at the usual scale puts the fit under the cap, and a miss takes the same step either way)
-            sizes = None if counted[0] is None or feedback else counted[0].blob_sizes(alpha)
-            codes = qz.codes_at(job, alpha, feedback, kept_keys, own_widths=False)
-            if sizes is not None and [{k: v.numel() for k, v in c.items()} for c in codes] != sizes:
-                # the counts missed the encoder's bytes: fit again from encodes (never expected;
-                # tests/test_deflate_size.py holds the counts to the encoder's bytes)
-                counted[0] = None
-                payload.cache_clear()
-                alpha = None
-                continue
+            codes = None
+            if counted[0] is not None and not feedback:
+                codes = counted[0].blobs(alpha)  # the codes the counts came from, deflated
+                if codes is None and counted[0].blob_sizes(alpha) is not None:
+                    # the counts missed the encoder's bytes: fit again from encodes (never expected;
+                    # tests/test_deflate_size.py holds the counts to the encoder's bytes)
+                    counted[0] = None
+                    payload.cache_clear()
+                    alpha = None
+                    continue
+            if codes is None:
+                codes = qz.codes_at(job, alpha, feedback, kept_keys)
             new_tensors, metas, total = bundles_at(codes, alpha)
             if total <= cap:
                 n_rows = sum(n_heads * n_all - len(narrow.get(i, ())) * (n_all - n_tokens) if i in backfill
                              else n_heads * (n_tokens - first_row(job.wins, i, 0, n_tokens)) for i in range(job.n_layers))
                 mix = {"keys": {"ec": n_rows}, "values": {"ec": n_rows}}
-                coding = job.quantizer.coding
-                new_tensors = [{k: own_width_frames(v, coding) if k.endswith(".codes") else v for k, v in t.items()}
-                               for t in new_tensors]
                 job.result = (new_tensors, metas, n_rows / (n_heads * job.n_layers * n_all), mix)
                 return
             overhead = total - payload(alpha) + 256

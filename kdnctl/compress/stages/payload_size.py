@@ -23,7 +23,8 @@ import torch
 from ...format.names import tensor_name
 from ...kernels.ec import deflate_size
 from ...quant.coders.deflate import deflate_compress
-from ...quant.entropy import spread_bins
+from ...quant.entropy import OWN_WIDTHS, as_u8, spread_bins
+from ...quant.frames import frame_blob
 from ...quant.grid import quantize_codes, stored_step_mean
 from . import quantize as qz
 from .base import Job
@@ -84,10 +85,25 @@ class PayloadSize:
                                      for c in range(len(self.job.kept_bounds))]
         return self._seen[alpha]
 
-    def _layer(self, alpha: float, i: int) -> list[list[tuple[str, int]]] | None:
-        """Per chunk, layer ``i``'s (blob name, bytes) in ``codes_at``'s order."""
+    def blobs(self, alpha: float) -> list[dict[str, torch.Tensor]] | None:
+        """Every chunk's blobs at ``alpha`` as ``codes_at(job, alpha)`` writes them (frames of their
+        own widths), from the same codes the counts come from; None where a code would overflow
+        or where a blob's bytes are not the bytes counted for it (the counts then describe
+        another encoder: the caller fits again from encodes)."""
+        counted = self.blob_sizes(alpha)
+        if counted is None:
+            return None
+        with qz.one_torch_thread(), ThreadPoolExecutor(qz.ENCODE_WORKERS) as pool:
+            layers = list(pool.map(lambda i: self._layer_blobs(alpha, i, counted), range(self.job.n_layers)))
+        if any(x is None for x in layers):
+            return None
+        return [{name: t for layer in layers for name, t in layer[c]} for c in range(len(self.job.kept_bounds))]
+
+    def _coded(self, alpha: float, i: int):
+        """Layer ``i``'s roles at ``alpha``, chunk by chunk in ``codes_at``'s order per chunk:
+        (chunk, blob name stem, codes ``[H, T, D]``, bins ``[H * D]``, each row's largest
+        ``|code|``, the params frame's raw bytes)."""
         job = self.job
-        out = [[] for _ in job.kept_bounds]
         for r, (x, step) in enumerate(zip(job.xs[i], qz.steps_at(job, alpha, i))):
             name = tensor_name(i, ROLES[r])
             step16 = step.to(torch.float16).float()
@@ -96,13 +112,38 @@ class PayloadSize:
             for idx, xs, means, levels in self.groups[i][r]:
                 codes = quantize_codes(xs, step16, means, levels, basis)
                 bins = torch.empty(codes.shape[0], codes.shape[1] * codes.shape[3], dtype=torch.uint8)
-                peaks = np.empty(bins.shape[1], np.int64)
                 for c in range(len(idx)):
+                    peaks = np.empty(bins.shape[1], np.int64)
                     if not deflate_size.spread_bins_exact(codes[c].numpy(), bins[c].numpy(), peaks):
                         bins[c] = spread_bins(codes[c]).flatten()  # a spread at a bin's edge: torch's rounding
-                    n = deflate_size.codes_blob_bytes(codes[c].numpy(), bins[c].numpy(), peaks)
-                    if n < 0:
-                        return None
-                    params = step_bytes + self.mean_bytes[i][r][idx[c]] + bins[c].numpy().tobytes()
-                    out[idx[c]] += [(f"{name}.codes", n), (f"{name}.params", len(deflate_compress(params, huffman_only=False)))]
+                    yield idx[c], name, codes[c], bins[c], peaks, step_bytes + self.mean_bytes[i][r][idx[c]] + \
+                        bins[c].numpy().tobytes()
+
+    def _layer(self, alpha: float, i: int) -> list[list[tuple[str, int]]] | None:
+        """Per chunk, layer ``i``'s (blob name, bytes) in ``codes_at``'s order."""
+        out = [[] for _ in self.job.kept_bounds]
+        for c, name, codes, bins, peaks, params in self._coded(alpha, i):
+            n = deflate_size.codes_blob_bytes(codes.numpy(), bins.numpy(), peaks)
+            if n < 0:
+                return None
+            out[c] += [(f"{name}.codes", n), (f"{name}.params", len(deflate_compress(params, huffman_only=False)))]
+        return out
+
+    def _layer_blobs(self, alpha: float, i: int, counted: list[dict[str, int]]
+                     ) -> list[list[tuple[str, torch.Tensor]]] | None:
+        """Per chunk, layer ``i``'s (blob name, blob) in ``codes_at``'s order; each codes blob's
+        bytes checked against its count (``counted``: the blobs whose frames all take two bytes
+        where a code needs them; a blob of one-byte codes is the same either way, the others
+        are counted again at their own widths)."""
+        out = [[] for _ in self.job.kept_bounds]
+        for c, name, codes, bins, peaks, params in self._coded(alpha, i):
+            lim = int(peaks.max()) if peaks.size else 0
+            width = 1 if lim <= 127 else OWN_WIDTHS
+            h, _, d = codes.shape
+            blob = frame_blob(codes, bins.view(h, d), width, deflate_compress)
+            want = counted[c][f"{name}.codes"] if width == 1 else \
+                deflate_size.codes_blob_bytes(codes.numpy(), bins.numpy(), peaks, True)
+            if len(blob) != want:
+                return None
+            out[c] += [(f"{name}.codes", as_u8(blob)), (f"{name}.params", as_u8(deflate_compress(params, huffman_only=False)))]
         return out

@@ -4,7 +4,7 @@ A deflated frame's bytes are a function of its byte histograms, block by block
 (``zlib_blocks``, exact for zlib's Huffman-only blocks). :func:`codes_blob_bytes` counts every
 frame of a role's codes as
 ``kdnctl.quant.entropy.encode_codes`` would cut them (``own_widths`` False: what the scale
-fit measures), generating each frame's bytes on the fly.
+fit measures; True: what a version stores), generating each frame's bytes on the fly.
 
 The reference is zlib itself: ``tests/test_deflate_size.py`` checks the counts against real
 deflates, and :func:`matches_zlib` checks this process's zlib once before the encoder relies on
@@ -28,8 +28,8 @@ codes_per_byte = njit(digits.codes_per_byte)
 
 
 @njit
-def codes_blob_bytes(codes, bins, row_peak):
-    """``len`` of ``encode_codes(codes, "deflate", own_widths=False)``'s blob, for integer
+def codes_blob_bytes(codes, bins, row_peak, own_widths=False):
+    """``len`` of ``encode_codes(codes, "deflate", own_widths=own_widths)``'s blob, for integer
     ``codes [H, T, D]`` (float32, as the quantizer leaves them), their ``bins [H * D]``
     (``spread_bins``, flattened) and each row's largest ``|code|`` (:func:`spread_bins_exact`
     gives both); -1 where a code is beyond int16 (the encoder refuses it). The frames take the
@@ -72,12 +72,13 @@ def codes_blob_bytes(codes, bins, row_peak):
         per = codes_per_byte(peak)
         if per == 0:
             continue
-        n_bytes = (m * t + per - 1) // per if per > 1 else m * t * width
+        fw = 1 if own_widths and peak <= 127 else width  # (digits.frame_width)
+        n_bytes = (m * t + per - 1) // per if per > 1 else m * t * fw
         if n_bytes < BLOCK_LITERALS:  # one block (most frames): no block check per byte
-            _frame_hist(rows, members, m, t, per, peak, width, hist)
+            _frame_hist(rows, members, m, t, per, peak, fw, hist)
             total += close_stream(hist, n_bytes, 0, work)
         else:
-            total += _frame_blocks(rows, members, m, t, per, peak, width, hist, work)
+            total += _frame_blocks(rows, members, m, t, per, peak, fw, hist, work)
     return total
 
 
@@ -206,7 +207,7 @@ def matches_zlib() -> bool:
 def warm() -> bool:
     """Compile the counting kernels now (numba keeps them on disk; ``scripts/install.sh`` and a
     compress loading its model call this) and check them: True when this zlib is the one counted
-    and a made-up blob counts to the encoder's bytes."""
+    and a made-up blob counts to the encoder's bytes at either width."""
     import torch
 
     from kdnctl.kernels.feedback import cpu as feedback_cpu
@@ -215,7 +216,9 @@ def warm() -> bool:
     w = np.ones((2, 2))
     feedback_cpu.round_tokens(w, np.eye(2), np.zeros(2), np.ones((2, 2)), np.empty((2, 2)))
     codes = torch.round(torch.randn(2, 9, 4, generator=torch.Generator().manual_seed(0)) * 3)
-    bins, peaks = np.empty(8, np.uint8), np.empty(8, np.int64)
-    spread_bins_exact(codes.numpy(), bins, peaks)
-    want = len(encode_codes(codes, "deflate", own_widths=False)[0])
-    return matches_zlib() and codes_blob_bytes(codes.numpy(), spread_bins(codes).flatten().numpy(), peaks) == want
+    codes[0, 0, 0] = 300.0  # two-byte codes: the frames' widths differ between the two blobs
+    bins, peaks = spread_bins(codes).flatten().numpy(), np.empty(8, np.int64)
+    spread_bins_exact(codes.numpy(), np.empty(8, np.uint8), peaks)
+    return matches_zlib() and all(
+        codes_blob_bytes(codes.numpy(), bins, peaks, own) == len(encode_codes(codes, "deflate", own_widths=own)[0])
+        for own in (False, True))
