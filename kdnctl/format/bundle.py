@@ -26,6 +26,7 @@ from .header import (  # noqa: F401  (re-exported: the header format's names liv
 )
 from .kept import fold_kept_positions, unfold_kept_positions
 from .layout import layout_views, parse_head_cached
+from .safetensors_bytes import file_bytes
 from .names import REQUIRED_META_KEYS, REQUIRED_MODEL_KEYS, tensor_name, role_levels
 from .tensor_views import tensor_index, tensor_views
 
@@ -212,10 +213,13 @@ def encode_bundle(b: KVBundle) -> bytes:
         meta_json = json.dumps(b.meta, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise BundleFormatError(f"bundle meta is not JSON-serialisable: {e}") from None
-    from safetensors.torch import save
-
     metadata = {META_KEY: meta_json, DIGEST_KEY: header_digest(meta_json, tensors)}
-    return _canonical_header(save(tensors, metadata=metadata))
+    data = file_bytes(tensors, metadata)
+    if data is None:  # a dtype the writer does not know: safetensors writes it
+        from safetensors.torch import save
+
+        data = _canonical_header(save(tensors, metadata=metadata))
+    return data
 
 
 def _canonical_header(data: bytes) -> bytes:
