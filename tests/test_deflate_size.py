@@ -45,9 +45,10 @@ def test_this_zlib_is_the_one_counted():
 SHAPES = [(3, 256, 64), (2, 7, 8), (4, 100, 16), (1, 1, 5), (3, 37, 24), (2, 20001, 4)]
 
 
+@pytest.mark.parametrize("own", [False, True], ids=["two-byte frames", "own widths"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("scale", [0.2, 1.5, 9.0, 300.0, 4000.0])
-def test_blob_bytes_equal_the_encoders(shape, scale):
+def test_blob_bytes_equal_the_encoders(shape, scale, own):
     g = torch.Generator().manual_seed(hash((shape, scale)) % 1000)
     h, t, d = shape
     codes = torch.round(torch.randn(h, t, d, generator=g) * scale * torch.rand(1, 1, d, generator=g))
@@ -58,8 +59,8 @@ def test_blob_bytes_equal_the_encoders(shape, scale):
     if ds.spread_bins_exact(codes.numpy(), mine, peaks):
         assert (mine == bins.numpy()).all()
     assert (peaks == codes.abs().amax(1).flatten().long().numpy()).all()
-    want = len(encode_codes(codes, "deflate", own_widths=False)[0])
-    assert ds.codes_blob_bytes(codes.numpy(), bins.numpy(), peaks) == want
+    want = len(encode_codes(codes, "deflate", own_widths=own)[0])
+    assert ds.codes_blob_bytes(codes.numpy(), bins.numpy(), peaks, own) == want
 
 
 def test_codes_beyond_int16_are_refused_as_the_encoder_refuses_them():

@@ -13,11 +13,21 @@ def quantize_codes(x: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, leve
     into its axes: ``round(((x - mean) / step) @ basis * 2**level)``. Chunks of one length may
     come together: ``x [C, H, T, D]``, ``mean [C, H, D]``, ``levels [C, T]`` (the same arithmetic
     per element, so the same codes as one chunk at a time)."""
+    return quantize_centred(x - mean[..., None, :], step, level_scales(levels), basis)
+
+
+def level_scales(levels: torch.Tensor) -> torch.Tensor:
+    """``2**level`` of every token, shaped to scale ``[..., T, D]`` rows (``levels [..., T]``)."""
+    return torch.pow(2.0, levels.float())[..., None, :, None]
+
+
+def quantize_centred(centred: torch.Tensor, step: torch.Tensor, scales: torch.Tensor,
+                     basis: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`quantize_codes` of ``x - mean`` (``centred``) with ``level_scales(levels)``
+    (``scales``): what does not move with the step is computed once where many steps are tried."""
     if basis is None:
-        div = step[..., None, :] / torch.pow(2.0, levels.float())[..., None, :, None]
-        return torch.round((x - mean[..., None, :]) / div)
-    u = (x - mean[..., None, :]) / step[..., None, :]
-    return torch.round((u @ basis) * torch.pow(2.0, levels.float())[..., None, :, None])
+        return torch.round(centred / (step[..., None, :] / scales))
+    return torch.round(((centred / step[..., None, :]) @ basis) * scales)
 
 
 def dequantize_codes(codes: torch.Tensor, step: torch.Tensor, mean: torch.Tensor, levels: torch.Tensor,

@@ -25,7 +25,7 @@ from ...kernels.ec import deflate_size
 from ...quant.coders.deflate import deflate_compress
 from ...quant.entropy import OWN_WIDTHS, as_u8, spread_bins
 from ...quant.frames import frame_blob
-from ...quant.grid import quantize_codes, stored_step_mean
+from ...quant.grid import level_scales, quantize_centred, stored_step_mean
 from . import quantize as qz
 from .base import Job
 
@@ -51,9 +51,12 @@ class PayloadSize:
             for x, levels in zip(job.xs[i], job.levels_by_role):
                 means = [stored_step_mean(x[:, a:b], torch.ones(x.shape[0], x.shape[2]))[1] for a, b in job.kept_bounds]
                 mean_bytes.append([m.half().numpy().tobytes() for m in means])
-                groups.append([(idx, torch.stack([x[:, job.kept_bounds[c][0]:job.kept_bounds[c][1]] for c in idx]),
-                                torch.stack([means[c] for c in idx]),
-                                torch.stack([levels[job.kept_bounds[c][0]:job.kept_bounds[c][1]] for c in idx]))
+                # each group's rows less their chunk's mean, and its tokens' level scales: what
+                # every probe's quantization shares
+                groups.append([(idx, torch.stack([x[:, job.kept_bounds[c][0]:job.kept_bounds[c][1]] for c in idx])
+                                - torch.stack([means[c] for c in idx])[..., None, :],
+                                level_scales(torch.stack([levels[job.kept_bounds[c][0]:job.kept_bounds[c][1]]
+                                                          for c in idx])))
                                for idx in by_len.values()])
             self.mean_bytes.append(mean_bytes)
             self.groups.append(groups)
@@ -109,8 +112,8 @@ class PayloadSize:
             step16 = step.to(torch.float16).float()
             basis = job.basis[i] if job.basis is not None and ROLES[r] == "keys" else None
             step_bytes = step16.half().numpy().tobytes()
-            for idx, xs, means, levels in self.groups[i][r]:
-                codes = quantize_codes(xs, step16, means, levels, basis)
+            for idx, centred, scales in self.groups[i][r]:
+                codes = quantize_centred(centred, step16, scales, basis)
                 bins = torch.empty(codes.shape[0], codes.shape[1] * codes.shape[3], dtype=torch.uint8)
                 for c in range(len(idx)):
                     peaks = np.empty(bins.shape[1], np.int64)
