@@ -1,6 +1,9 @@
-import sys, time, hashlib, tempfile, statistics
+"""Time to first token of the default behind the forward with other layer groups, against full.
+    python research/results/ttft-4k-2026-11-30/overlap_groups.py SIZE REPEATS"""
+import sys, hashlib, tempfile, statistics
 from pathlib import Path
-sys.path.insert(0, "/work/main"); sys.path.insert(0, "/work/main/bench")
+ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(ROOT)); sys.path.insert(0, str(ROOT / "bench"))
 import torch
 torch.set_num_threads(1)
 import ttft
