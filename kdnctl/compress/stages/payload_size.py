@@ -126,7 +126,7 @@ class PayloadSize:
         """Per chunk, layer ``i``'s (blob name, bytes) in ``codes_at``'s order."""
         out = [[] for _ in self.job.kept_bounds]
         for c, name, codes, bins, peaks, params in self._coded(alpha, i):
-            n = deflate_size.codes_blob_bytes(codes.numpy(), bins.numpy(), peaks)
+            n = deflate_size.codes_blob_bytes(codes.numpy(), bins.numpy(), peaks, False)  # (the signature warm() compiles)
             if n < 0:
                 return None
             out[c] += [(f"{name}.codes", n), (f"{name}.params", len(deflate_compress(params, huffman_only=False)))]
