@@ -1,12 +1,12 @@
 """The bytes ``ec`` codes take at one scale, counted without deflating: the scale fit's probes.
 
-The encode stage fits one scale of the steps to the byte cap by probing scales (``kdnctl.allocate.rate``);
-each probe used to encode the whole document. What a probe needs is only the size: the codes
-are quantized as the encoder quantizes them (the same function, the same shapes), binned
-as it bins them, and the code frames' deflated bytes are counted from their byte histograms
-(``kdnctl.kernels.ec.deflate_size``, exact for zlib's Huffman-only blocks); only the small
-params frame of each blob is deflated. The stage still encodes the version it stores at the
-fitted scale, and checks the counted size against it.
+The encode stage fits one scale of the steps to the byte cap by probing scales (``kdnctl.allocate.rate``).
+What a probe needs is only the size: the codes are quantized as the encoder quantizes them
+(the same arithmetic, chunks of one length together), binned as it bins them, and the code
+frames' deflated bytes are counted from their byte histograms (``kdnctl.kernels.ec.deflate_size``,
+exact for zlib's Huffman-only blocks); only the small params frame of each blob is deflated.
+At the fitted scale :meth:`PayloadSize.blobs` deflates those same codes into the blobs the
+version stores (each frame at its own width) and checks every blob against its count.
 
 It applies where the encode stage codes every kept row of every layer in full (no backfilled,
 narrowed or window layers), with deflate frames and a zlib that writes what the counts
