@@ -51,6 +51,71 @@ def test_a_failed_decode_reaches_every_waiter():
         ready.wait_all()
 
 
+def _held_decode(chunks, n_layers, n_groups):
+    """A grouped decode whose background thread holds off until released, so that whatever is
+    written before then was written by the waiting thread itself."""
+    import threading
+
+    h, d = chunks[0].meta["quant"]["n_heads"], chunks[0].meta["quant"]["head_dim"]
+    total = sum(c.layer_len(0) for c in chunks)
+    out = tuple(torch.full((n_layers, h, total, d), float("nan")) for _ in range(2))
+    starts = [sum(c.layer_len(0) for c in chunks[:i]) for i in range(len(chunks))]
+    ready = LayersReady(layer_groups(n_layers, n_groups))
+    reported = []
+
+    def done(g):
+        reported.append(g)
+        ready.done(g)
+
+    job = ec_batch.GroupedDecode(out, chunks, starts, chunks[0].meta["quant"], groups=ready.groups, on_group=done)
+    release, started = threading.Event(), threading.Event()
+
+    def background(r):
+        release.wait(5)  # (a waiter that does not help is stuck until then: the asserts below fail, no hang)
+        started.set()
+        job.run(workers=1)
+
+    ready.start(background, helper=job.help)
+    return ready, out, release, reported, started
+
+
+def test_a_waiting_thread_decodes_its_group_itself():
+    from test_ec_batch import _chunk, _fast
+
+    h, d, n_layers = 3, 16, 6
+    chunks = [_chunk(41 + j, h, 33 + 5 * j, d, n_layers, start=40 * j) for j in range(3)]
+    want = _fast(chunks, n_layers, h, d)
+    ready, out, release, reported, started = _held_decode(chunks, n_layers, 3)
+    ready.wait(2)  # layer 2: group 1 (layers 2-3), with the background thread held
+    assert not started.is_set() and sorted(reported) == [0, 1]
+    for o, w in zip(out, want):
+        assert torch.equal(o[:4], w[:4])  # groups 0 and 1, written by this thread
+        assert o[4:].isnan().all()  # a later group's jobs are left to the background
+    release.set()
+    ready.wait_all()
+    assert sorted(reported) == [0, 1, 2]  # every group reported once, whichever thread finished it
+    assert all(torch.equal(o, w) for o, w in zip(out, want))
+
+
+def test_a_corrupt_frame_met_by_the_waiting_thread_reaches_every_waiter():
+    from test_ec_batch import _chunk
+
+    h, d, n_layers = 3, 16, 4
+    chunks = [_chunk(51 + j, h, 20, d, n_layers, start=20 * j) for j in range(2)]
+    blob = chunks[1].tensors["layers.0.values.codes"].clone()
+    blob[1] = 0  # no frames: its bins need some
+    chunks[1].tensors["layers.0.values.codes"] = blob
+    ready, out, release, _, started = _held_decode(chunks, n_layers, 2)
+    with pytest.raises(BundleFormatError, match="layers.0.values"):
+        ready.wait(0)
+    assert not started.is_set()  # met by this thread's own decode
+    release.set()
+    with pytest.raises(BundleFormatError, match="layers.0.values"):
+        ready.wait(3)
+    with pytest.raises(BundleFormatError):
+        ready.wait_all()
+
+
 @pytest.fixture(scope="module")
 def store(lm, tmp_path_factory):
     from budgetkit import trimmed_store

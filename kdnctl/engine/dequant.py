@@ -171,9 +171,9 @@ def ec_batch_into(bundles, n_layers: int, stacked, offsets, lens, profile=None, 
     if not ec_batch.eligible(bundles, n_layers, quant, stacked):
         return False
     starts = [o[0] for o in offsets]
-    if ready is not None:  # one worker: the forward keeps a core (a second worker takes it: no time gained on 2 cores)
-        ready.start(lambda r: ec_batch.decode_into(stacked, bundles, starts, quant, workers=1, groups=r.groups,
-                                                   on_group=r.done))
+    if ready is not None:  # one worker: the forward keeps a core, and decodes itself while it waits
+        job = ec_batch.GroupedDecode(stacked, bundles, starts, quant, groups=ready.groups, on_group=ready.done)
+        ready.start(lambda r: job.run(workers=1), helper=job.help)
         return True
     t0 = time.perf_counter()
     ec_batch.decode_into(stacked, bundles, starts, quant)

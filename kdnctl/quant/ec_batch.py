@@ -69,72 +69,105 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     (consecutive layer ranges covering every layer) the work goes group by group, in order, and
     ``on_group(g)`` is called once every chunk's keys and values of group ``g`` are written (a
     question's forward can start on the first layers while the last are decoded)."""
+    GroupedDecode(out, bundles, starts, quant_meta, groups, on_group).run(workers)
+
+
+class GroupedDecode:
+    """The (layer group, chunk, role) jobs of one decode, taken in order by whichever thread is
+    free: the decode's own workers (:meth:`run`) and a thread that would otherwise wait for a group
+    (:meth:`help`: a question's forward waiting for its first layers decodes some of them itself
+    instead of idling). Each job writes its own part of the cache, so the K/V do not depend on
+    which thread ran which job."""
+
+    def __init__(self, out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[int], quant_meta: dict,
+                 groups: list[range] | None = None, on_group=None):
+        h, d = quant_meta.get("n_heads"), quant_meta.get("head_dim")
+        if not all(isinstance(x, int) and x > 0 for x in (h, d)):
+            raise BundleFormatError("ec meta needs n_heads and head_dim")
+        n_layers = out[0].shape[0]
+        if tuple(out[0].shape[1:2]) != (h,) or out[0].shape[3] != d:
+            raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
+        self.out, self.bundles, self.starts, self.quant_meta = out, bundles, starts, quant_meta
+        self.h, self.d, self.n_layers = h, d, n_layers
+        self.basis_t = _basis_t(quant_meta.get("key_basis"), n_layers, h, d)
+        self.groups = [range(n_layers)] if groups is None else groups
+        self.on_group = on_group
+        # group by group; in a group the costlier keys first (a basis matmul and RoPE), so the last
+        # jobs left are short ones
+        self.jobs = [(g, c, role) for g in range(len(self.groups)) for role in sorted(ROLES, key=lambda r: r != "keys")
+                     for c in range(len(bundles))]
+        self.next = 0
+        self.left = [2 * len(bundles)] * len(self.groups)  # jobs of each group not yet done
+        self.lock = threading.Lock()
+        self.buffers = threading.local()  # each thread's scratch
+
+    def run(self, workers: int = WORKERS) -> None:
+        """Decode every job not yet taken, on ``workers`` threads (this one alone where 1)."""
+        if workers <= 1 or len(self.jobs) <= 1:
+            self._run_all()
+            return
+        # the chunks are the parallel work: the key basis's matmuls run on one torch thread each. (Not
+        # behind a forward, on_group set: torch's thread count is the process's, and the forward's.)
+        threads = torch.get_num_threads()
+        if self.on_group is None:
+            torch.set_num_threads(1)
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                for f in [pool.submit(self._run_all) for _ in range(workers)]:
+                    f.result()
+        finally:
+            if self.on_group is None:
+                torch.set_num_threads(threads)
+
+    def help(self, group: int) -> bool:
+        """Decode the next job if it belongs to ``group`` or an earlier one; False when none is left
+        there (the rest are being decoded by other threads, or a later group's are next)."""
+        job = self._take(group)
+        if job is None:
+            return False
+        with torch.inference_mode():
+            self._do(job)
+        return True
+
+    def _run_all(self) -> None:
+        with torch.inference_mode():  # (thread-local: a worker does not inherit the caller's)
+            while (job := self._take(None)) is not None:
+                self._do(job)
+
+    def _take(self, up_to: int | None):
+        with self.lock:
+            if self.next >= len(self.jobs) or (up_to is not None and self.jobs[self.next][0] > up_to):
+                return None
+            self.next += 1
+            return self.jobs[self.next - 1]
+
+    def _do(self, job) -> None:
+        g, c, role = job
+        h, d = self.h, self.d
+        b, layers = self.bundles[c], self.groups[g]
+        t = b.layer_len(0)
+        buf = self.buffers
+        if getattr(buf, "scratch", None) is None or buf.scratch.shape[0] < 2 * h * d * t:
+            buf.scratch = np.empty(max(2 * h * d * t, 1), np.uint8)
+            # codes in rows (+8: packed digits may run past a frame's end)
+            buf.zs = (np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16))
+            buf.state = _cpu_state()
+        basis = None if role != "keys" or self.basis_t is None else self.basis_t[layers.start:layers.stop]
+        if basis is not None and (getattr(buf, "zbuf", None) is None or buf.zbuf.numel() < 2 * len(layers) * h * t * d):
+            buf.zbuf = torch.empty(2 * self.n_layers * h * t * d)  # the scaled codes, then the rotated keys
+        _decode_chunk_role(b, role, t, self.starts[c], self.out[ROLES.index(role)], self.quant_meta, h, d, basis,
+                           buf.scratch, buf.zs, buf.state, layers, getattr(buf, "zbuf", None))
+        with self.lock:
+            self.left[g] -= 1
+            finished = self.left[g] == 0
+        if finished and self.on_group is not None:
+            self.on_group(g)
+
+
+def _cpu_state() -> np.ndarray:
     from kdnctl.kernels.ec import cpu
 
-    h, d = quant_meta.get("n_heads"), quant_meta.get("head_dim")
-    if not all(isinstance(x, int) and x > 0 for x in (h, d)):
-        raise BundleFormatError("ec meta needs n_heads and head_dim")
-    n_layers = out[0].shape[0]
-    if tuple(out[0].shape[1:2]) != (h,) or out[0].shape[3] != d:
-        raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
-    basis_t = _basis_t(quant_meta.get("key_basis"), n_layers, h, d)
-    groups = [range(n_layers)] if groups is None else groups
-    # group by group; in a group the costlier keys first (a basis matmul and RoPE), so the last
-    # jobs left are short ones
-    jobs = [(g, c, role) for g in range(len(groups)) for role in sorted(ROLES, key=lambda r: r != "keys")
-            for c in range(len(bundles))]
-    left = [2 * len(bundles)] * len(groups)  # jobs of each group not yet done
-
-    pending = iter(jobs)
-    lock = threading.Lock()
-
-    def run():
-        with torch.inference_mode():  # (thread-local: a worker does not inherit the caller's)
-            run_jobs()
-
-    def run_jobs():
-        # each worker takes the next (group, chunk, role) when it is free: a keys job costs several
-        # values jobs, and on a shared machine one core may be slower than the other
-        scratch = zs8 = zs16 = zbuf = None
-        state = cpu.new_state()
-        while True:
-            with lock:
-                job = next(pending, None)
-            if job is None:
-                return
-            g, c, role = job
-            b, layers = bundles[c], groups[g]
-            t = b.layer_len(0)
-            if scratch is None or scratch.shape[0] < 2 * h * d * t:
-                scratch = np.empty(max(2 * h * d * t, 1), np.uint8)
-                # codes in rows (+8: packed digits may run past a frame's end)
-                zs8, zs16 = np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16)
-            basis = None if role != "keys" or basis_t is None else basis_t[layers.start:layers.stop]
-            if basis is not None and (zbuf is None or zbuf.numel() < 2 * len(layers) * h * t * d):
-                zbuf = torch.empty(2 * n_layers * h * t * d)  # the scaled codes, then the rotated keys
-            _decode_chunk_role(b, role, t, starts[c], out[ROLES.index(role)], quant_meta, h, d, basis, scratch,
-                               (zs8, zs16), state, layers, zbuf)
-            with lock:
-                left[g] -= 1
-                finished = left[g] == 0
-            if finished and on_group is not None:
-                on_group(g)
-
-    if workers <= 1 or len(jobs) <= 1:
-        run()
-        return
-    # the chunks are the parallel work: the key basis's matmuls run on one torch thread each. (Not
-    # behind a forward, on_group set: torch's thread count is the process's, and the forward's.)
-    threads = torch.get_num_threads()
-    if on_group is None:
-        torch.set_num_threads(1)
-    try:
-        with ThreadPoolExecutor(workers) as pool:
-            for f in [pool.submit(run) for _ in range(workers)]:
-                f.result()
-    finally:
-        if on_group is None:
-            torch.set_num_threads(threads)
+    return cpu.new_state()
 
 
 def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_meta: dict, h: int, d: int,
