@@ -30,7 +30,7 @@ class Chunk:
 
 
 def _chunk(seed: int, h: int, t: int, d: int, n_layers: int, *, theta=10000.0, basis=None, own_positions=False,
-           spread=1.0, start=0, own_widths=True):
+           spread=1.0, start=0, own_widths=True, own_levels=False):
     g = torch.Generator().manual_seed(seed)
     q = EntropyQuantizer(key_rope_theta=theta, key_basis="test" if basis is not None else None)
     meta = {"quant": {**q.meta(h, d), "scheme": "ec"}}
@@ -45,6 +45,8 @@ def _chunk(seed: int, h: int, t: int, d: int, n_layers: int, *, theta=10000.0, b
             if i == 1 and role == "values" and t:
                 x[0, t // 2, 0] = 500.0
             lv = tensors["token_levels"]
+            if own_levels:  # each layer's role coded with levels of its own (``layers.i.role.levels``)
+                lv = tensors[f"layers.{i}.{role}.levels"] = torch.randint(0, 4, (t,), dtype=torch.uint8, generator=g)
             axes = basis[i] if basis is not None and role == "keys" else None
             tensors[f"layers.{i}.{role}.codes"], tensors[f"layers.{i}.{role}.params"] = encode_role(
                 x, torch.full((h, d), 0.3), lv, basis=axes, own_widths=own_widths)

@@ -21,12 +21,17 @@ def test_layer_groups_cover_every_layer_once_in_order(n_layers, n_groups):
     assert len(groups) == min(n_groups, n_layers) and max(map(len, groups)) - min(map(len, groups)) <= 1
 
 
-def test_grouped_decode_writes_what_one_pass_writes_and_reports_each_group_once():
-    from test_ec_batch import _chunk, _fast
+@pytest.mark.parametrize("own", [False, True])
+def test_grouped_decode_writes_what_one_pass_writes_and_reports_each_group_once(own):
+    """``own``: each layer with positions of its own, each layer's role with levels of its own
+    (the tables a chunk's layer groups share are sliced per group)."""
+    from test_ec_batch import _chunk, _fast, _reference
 
     h, d, n_layers = 3, 16, 5
-    chunks = [_chunk(31 + j, h, 40 + 3 * j, d, n_layers, start=50 * j) for j in range(3)]
+    chunks = [_chunk(31 + j, h, 40 + 3 * j, d, n_layers, start=50 * j, own_positions=own, own_levels=own)
+              for j in range(3)]
     want = _fast(chunks, n_layers, h, d)
+    assert all(torch.equal(a, b) for a, b in zip(want, _reference(chunks, n_layers, h, d)))
     total = sum(c.layer_len(0) for c in chunks)
     out = tuple(torch.full((n_layers, h, total, d), float("nan")) for _ in range(2))
     starts = [sum(c.layer_len(0) for c in chunks[:i]) for i in range(len(chunks))]
@@ -114,6 +119,7 @@ def test_a_corrupt_frame_met_by_the_waiting_thread_reaches_every_waiter():
         ready.wait(3)
     with pytest.raises(BundleFormatError):
         ready.wait_all()
+    assert all(o[2:].isnan().all() for o in out)  # the failed load's later group: no thread decoded it
 
 
 @pytest.fixture(scope="module")

@@ -97,9 +97,13 @@ class GroupedDecode:
         self.jobs = [(g, c, role) for g in range(len(self.groups)) for role in sorted(ROLES, key=lambda r: r != "keys")
                      for c in range(len(bundles))]
         self.next = 0
+        self.failed = False
         self.left = [2 * len(bundles)] * len(self.groups)  # jobs of each group not yet done
         self.lock = threading.Lock()
         self.buffers = threading.local()  # each thread's scratch
+        # (chunk, role) -> _chunk_tables of all its layers: the same positions and levels serve every
+        # layer group (made by whichever thread gets there first; two threads make the same arrays)
+        self.tables: dict[tuple[int, str], tuple] = {}
 
     def run(self, workers: int = WORKERS) -> None:
         """Decode every job not yet taken, on ``workers`` threads (this one alone where 1)."""
@@ -136,12 +140,19 @@ class GroupedDecode:
 
     def _take(self, up_to: int | None):
         with self.lock:
-            if self.next >= len(self.jobs) or (up_to is not None and self.jobs[self.next][0] > up_to):
+            if self.failed or self.next >= len(self.jobs) or (up_to is not None and self.jobs[self.next][0] > up_to):
                 return None
             self.next += 1
             return self.jobs[self.next - 1]
 
     def _do(self, job) -> None:
+        try:
+            self._decode(job)
+        except BaseException:
+            self.failed = True  # no thread takes another job: the load has failed
+            raise
+
+    def _decode(self, job) -> None:
         g, c, role = job
         h, d = self.h, self.d
         b, layers = self.bundles[c], self.groups[g]
@@ -155,8 +166,12 @@ class GroupedDecode:
         basis = None if role != "keys" or self.basis_t is None else self.basis_t[layers.start:layers.stop]
         if basis is not None and (getattr(buf, "zbuf", None) is None or buf.zbuf.numel() < 2 * len(layers) * h * t * d):
             buf.zbuf = torch.empty(2 * self.n_layers * h * t * d)  # the scaled codes, then the rotated keys
+        tables = self.tables.get((c, role))
+        if tables is None:
+            tables = self.tables[c, role] = _chunk_tables(b.tensors, role, [tensor_name(i, role) for i in range(self.n_layers)],
+                                                          t, self.quant_meta, h, d)
         _decode_chunk_role(b, role, t, self.starts[c], self.out[ROLES.index(role)], self.quant_meta, h, d, basis,
-                           buf.scratch, buf.zs, buf.state, layers, getattr(buf, "zbuf", None))
+                           buf.scratch, buf.zs, buf.state, layers, getattr(buf, "zbuf", None), tables)
         with self.lock:
             self.left[g] -= 1
             finished = self.left[g] == 0
@@ -172,14 +187,15 @@ def _cpu_state() -> np.ndarray:
 
 def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_meta: dict, h: int, d: int,
                        basis_t: torch.Tensor | None, scratch: np.ndarray, zs: tuple[np.ndarray, np.ndarray], state: np.ndarray,
-                       layers: range, zbuf: torch.Tensor | None = None) -> None:
+                       layers: range, zbuf: torch.Tensor | None = None, chunk_tables=None) -> None:
     """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``, the ``layers`` (``basis_t``:
     theirs) in one kernel call that writes each token row once, dequantized and RoPE'd. In a key basis the kernel writes
     the scaled codes channel by channel (``[L, H, D, t]``) to the first half of ``zbuf`` (flat,
     room for ``2 L H t D``); one batched matmul with the basis (its columns scaled by the steps)
     and the mean, reading them transposed, rotates them into token rows in its second half (a
     BLAS matmul: several times the speed of a loop in the kernel), and a last pass RoPEs them
-    into the cache."""
+    into the cache. ``chunk_tables``: ``_chunk_tables`` of every layer of the chunk's role, made once for
+    all its layer groups (else made here for ``layers``)."""
     from kdnctl.kernels.ec import cpu
 
     inflate_frames, decode_blobs, rope_blobs = cpu.kernels()
@@ -211,12 +227,11 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
     sm = pv[:, : 4 * hd].copy().view(np.float16).astype(np.float32).reshape(n_layers, 2, hd)
     step, mean = np.ascontiguousarray(sm[:, 0]), np.ascontiguousarray(sm[:, 1])
     bins = np.ascontiguousarray(pv[:, 4 * hd:])
-    lsc = _level_scales(tensors, prefixes, t)
-    cos = sin = np.zeros((1, 1, 1, 1), np.float32)
-    cs_idx = np.full(n_layers, -1, np.int64)
-    theta = quant_meta.get("key_rope_theta")
-    if role == "keys" and theta:
-        cos, sin, cs_idx = _rope_tables(tensors, prefixes, t, h, d, float(theta))
+    if chunk_tables is None:
+        lsc, cos, sin, cs_idx = _chunk_tables(tensors, role, prefixes, t, quant_meta, h, d)
+    else:
+        lsc, cos, sin, cs_idx = chunk_tables
+        lsc, cs_idx = lsc[layers.start:layers.stop], cs_idx[layers.start:layers.stop]
     err = np.zeros(n_layers, np.int32)
     layer_idx = np.arange(layers.start, layers.stop, dtype=np.int64)
     tables = cpu.digit_tables()
@@ -237,6 +252,18 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
         torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, d, t).transpose(1, 2),
                       m.view(n_layers * h, d, d), out=y.view(n_layers * h, t, d))
         rope_blobs(y.numpy(), out.numpy(), layer_idx, tok, t, cos, sin, cs_idx)  # (the cache written once)
+
+
+def _chunk_tables(tensors, role: str, prefixes: list[str], t: int, quant_meta: dict, h: int, d: int):
+    """(level scales ``[L, t]``, cos, sin, RoPE table index per layer) of ``prefixes``' layers:
+    ``_level_scales`` and, for keys with RoPE, ``_rope_tables`` (no RoPE: index -1)."""
+    lsc = _level_scales(tensors, prefixes, t)
+    cos = sin = np.zeros((1, 1, 1, 1), np.float32)
+    cs_idx = np.full(len(prefixes), -1, np.int64)
+    theta = quant_meta.get("key_rope_theta")
+    if role == "keys" and theta:
+        cos, sin, cs_idx = _rope_tables(tensors, prefixes, t, h, d, float(theta))
+    return lsc, cos, sin, cs_idx
 
 
 def _span(blobs: list[torch.Tensor]) -> tuple[np.ndarray, np.ndarray]:
