@@ -6,6 +6,11 @@ torch thread unless ``--threads`` (``bench/ttft.py``'s setting).
     python research/probes/surprisal_blas.py speed --sizes 1024,2048,4096 --repeats 3
     python research/probes/surprisal_blas.py ranks --tasks 40
     python research/probes/surprisal_blas.py scorer --sizes 1024,4096 --repeats 7 --threads 1,2
+    python research/probes/surprisal_blas.py versions --tasks 4
+
+``versions``: the first ``--tasks`` contexts of each task file ingested both ways and compressed
+with the 0.25 default; how many loaded caches are equal element for element, and in the others
+the share of K/V elements that differ.
 
 ``scorer``: the surprisal alone (both paths on the hidden states of one forward over the
 document), interleaved, medians and paired ratios: what the ingest numbers above carry under the
@@ -125,6 +130,36 @@ def scorer(lm, args) -> None:
             print(f"| {n} | {th} | {t_:.3f} | {b:.3f} | {paired:.3f} | {1e3 * t_ / n:.3f} -> {1e3 * b / n:.3f} |", flush=True)
 
 
+def versions(lm, args) -> None:
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.engine.hf import load_document
+
+    contexts = []
+    for name in ("realtext.jsonl", "realtext-words.jsonl"):
+        with open(ROOT / "examples" / "eval" / name) as f:
+            contexts += [json.loads(line)["text"] for line in list(f)[:args.tasks]]
+    equal, shares = 0, []
+    with tempfile.TemporaryDirectory() as tmp_s:
+        for i, text in enumerate(contexts):
+            doc = Document(f"task-{i}.txt", text, "eval", hashlib.sha256(text.encode()).hexdigest())
+            caches = {}
+            for host in (True, False):
+                PATH["host"] = host
+                st = Store(Path(tmp_s) / f"{i}-{host}")
+                ingest_documents(st, lm, [doc], IngestOptions())
+                with st.writer():
+                    compress_document(st, doc.doc_id, CompressRecipe(), lm=lm, label="b0.25")
+                ctx = load_document(lm, st, doc.doc_id, "b0.25")
+                caches[host] = torch.cat([*(k.flatten() for k in ctx.keys), *(v.flatten() for v in ctx.values)])
+                st.close()
+            diff = int((caches[True] != caches[False]).sum())
+            equal += diff == 0
+            shares.append(diff / caches[True].numel())
+            print(f"context {i}: {caches[True].numel()} elements, {diff} differ", flush=True)
+    print(f"{equal} of {len(contexts)} loaded 0.25 caches equal element for element; elements that differ: "
+          f"{max(shares):.2e} at most")
+
+
 def ranks(lm, args) -> None:
     from kdnctl.models import adapter_for
     from kdnctl.scorers.sentences import sentence_bounds, token_texts
@@ -162,7 +197,7 @@ def ranks(lm, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=("speed", "ranks", "scorer"))
+    ap.add_argument("mode", choices=("speed", "ranks", "scorer", "versions"))
     ap.add_argument("--sizes", default="1024,2048,4096")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tasks", type=int, default=40)
@@ -170,7 +205,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(int(str(args.threads).split(",")[0]))
     lm = load_model(dtype="float32")
-    {"speed": speed, "ranks": ranks, "scorer": scorer}[args.mode](lm, args)
+    {"speed": speed, "ranks": ranks, "scorer": scorer, "versions": versions}[args.mode](lm, args)
 
 
 if __name__ == "__main__":
