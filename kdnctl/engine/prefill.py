@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from .attention import AttentionState, kdn_attention
+from ..kernels.vocab import cpu as vocab_cpu, reference as vocab_reference
 from ..models import adapter_for
 from kdnctl.models.cache_args import cache_arg
 
@@ -51,8 +52,8 @@ class SurprisalScorer:
     only the logsumexp over the vocabulary runs in ``dtype`` (bf16 by default where native: ~5x
     faster than fp32 on AVX512-BF16 CPUs; the statistic moves by a few hundredths of a nat, which
     ranking tokens does not notice, see tests/test_stats_reference.py). In fp32 on the host the
-    logsumexp runs on numpy's BLAS (``kdnctl.kernels.vocab.cpu``: 1.3-1.5x the speed of torch's
-    matmul on AMD CPUs), elsewhere on torch (``kdnctl.kernels.vocab.reference``)."""
+    logsumexp runs on numpy's BLAS (``kdnctl.kernels.vocab.cpu``: its matmul 1.3-1.5x the speed
+    of torch's on a 2-core AMD EPYC), elsewhere on torch (``kdnctl.kernels.vocab.reference``)."""
 
     ROW_TILE = 256  # rows per torch projection: a [256, VOCAB_TILE] fp32 tile of logits at a time
 
@@ -67,17 +68,15 @@ class SurprisalScorer:
 
     def __call__(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """hidden [m, d] (row i predicts targets[i]) -> surprisal [m] (fp32)."""
-        from kdnctl.kernels.vocab import cpu, reference
-
         h = hidden.float()
         target = (h * self.weight[targets].float()).sum(-1)
         if self.bias is not None:
             target = target + self.bias[targets].float()
         # -log p(target) = logsumexp(logits) - logit[target]: no log-softmax tensor
         if self.host:
-            return cpu.vocab_logsumexp(h, self.low, self.bias) - target
+            return vocab_cpu.vocab_logsumexp(h, self.low, self.bias) - target
         x = hidden.to(self.dtype)
-        lse = torch.cat([reference.vocab_logsumexp(x[s : s + self.ROW_TILE], self.low, self.bias)
+        lse = torch.cat([vocab_reference.vocab_logsumexp(x[s : s + self.ROW_TILE], self.low, self.bias)
                          for s in range(0, x.shape[0], self.ROW_TILE)]) if x.shape[0] else x.new_zeros(0, dtype=torch.float32)
         return lse - target
 

@@ -8,7 +8,8 @@ surprisal tile). Rows go in blocks to the process's torch thread count of Python
 a single-threaded sgemm into its own scratch and a running logsumexp over vocabulary tiles (numpy
 releases the GIL in both); numpy's BLAS runs on one thread meanwhile, so no BLAS worker threads
 are left spinning against the forward's. The result is the reference's (``reference.py``) up to
-the order of fp32 additions: a few 1e-6 of a nat (``tests/test_vocab_logsumexp.py``).
+the order of fp32 additions: at most 3.8e-5 nats on 40 real contexts
+(``research/probes/surprisal_blas.py ranks``; ``tests/test_vocab_logsumexp.py``).
 """
 
 from __future__ import annotations
