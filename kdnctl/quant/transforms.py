@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
+import threading
 
 import torch
 
@@ -43,14 +45,42 @@ def rotate(x: torch.Tensor) -> torch.Tensor:
 def _cos_sin(positions: torch.Tensor, d: int, theta: float):
     if positions.device.type != "cpu" or positions.numel() == 0:
         return _cos_sin_of(positions, d, theta)
-    # every layer of a chunk rotates by the same positions: compute the tables once per chunk
+    # every layer of a chunk rotates by the same positions, and a prefix layout's chunk c has the
+    # same positions in every document: the tables are computed once per process for each set of positions
     p = positions.contiguous()
-    return _cos_sin_cached(p.numpy().tobytes(), p.dtype, tuple(p.shape), d, float(theta))
+    return _COS_SIN.get((p.numpy().tobytes(), p.dtype, tuple(p.shape), d, float(theta)))
 
 
-@functools.lru_cache(maxsize=8)
-def _cos_sin_cached(raw: bytes, dtype, shape: tuple, d: int, theta: float):
-    return _cos_sin_of(torch.frombuffer(bytearray(raw), dtype=dtype).view(shape), d, theta)
+class _CosSinCache:
+    """The cos/sin tables of the positions most recently asked for, up to ``limit`` bytes of
+    tables (least recently used out first): a long document's chunks all stay, a whole
+    document's positions at once (a compress) do not push out more than they need."""
+
+    def __init__(self, limit: int):
+        self.limit, self.bytes, self.lock = limit, 0, threading.Lock()
+        self.tables: collections.OrderedDict = collections.OrderedDict()
+
+    def get(self, key: tuple):
+        with self.lock:
+            hit = self.tables.get(key)
+            if hit is not None:
+                self.tables.move_to_end(key)
+                return hit
+        raw, dtype, shape, d, theta = key
+        hit = _cos_sin_of(torch.frombuffer(bytearray(raw), dtype=dtype).view(shape), d, theta)
+        size = 2 * hit[0].numel() * 4
+        with self.lock:
+            if size <= self.limit and key not in self.tables:
+                self.tables[key] = hit
+                self.bytes += size
+                while self.bytes > self.limit:
+                    _, old = self.tables.popitem(last=False)
+                    self.bytes -= 2 * old[0].numel() * 4
+        return hit
+
+
+# 64 MB: every 256-token chunk of a 64k-token context at head size 128
+_COS_SIN = _CosSinCache(64 << 20)
 
 
 def _cos_sin_of(positions: torch.Tensor, d: int, theta: float):
