@@ -44,7 +44,7 @@ def test_tiled_logsumexp_equals_the_whole_vocabulary_one():
             on_torch = host(h, t)
             target = (h * head.weight[t]).sum(-1) + (head.bias[t] if bias else 0)
             assert torch.equal(got, cpu.vocab_logsumexp(h, head.weight, head.bias if bias else None) - target)
-        assert reference.VOCAB_TILE < 20000 and cpu.VOCAB_TILE < 20000  # more than one tile
+        assert SurprisalScorer.HOST_VOCAB_TILE < 20000 and cpu.VOCAB_TILE < 20000  # more than one tile
         assert SurprisalScorer.ROW_TILE < 300
         torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
         torch.testing.assert_close(on_torch, want, atol=1e-4, rtol=0)

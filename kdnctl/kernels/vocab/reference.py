@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-VOCAB_TILE = 8192  # vocabulary rows per projection: a tile's fp32 logits stay in the CPU cache
+VOCAB_TILE = 8192  # vocabulary rows per projection: a tile of logits at a time, not all of them
 
 
 def vocab_logsumexp(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
