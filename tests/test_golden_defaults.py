@@ -43,6 +43,14 @@ GOLDEN = {
                 "6df3d22a13fe4ac8e6eb191d86f3151110c0ddc3c392a15b87900feba65a56fa",
                 "bda6a8c22c4f6d318c8a61dfcc333d23030f5e39e2edc90d8f7ec83a8d6c7fae"),
     },
+    "AuthenticAMD-AVX512-bf16": {
+        0.25: ("2e5e45ac89b8c62c4bb0fff372832fbd4d5344be3f4c638a51e38fe516f07dd4",
+               "c2eb4f05b72defc201ad4f8f542857f88c4f77512c7ff600151685df760e2746",
+               "f00a220e6ea529e7d5d5ad6af3ae162ffeff8398e7f922a7151ca2e2692e60f7"),
+        0.083: ("fe8a9541f81edb6ac69ea8902e41643a746dcae2b802c10254c2549cd77db40b",
+                "e3852973ad07ad6ade6bf0135c39099f67521e5ddd1cf402c72443d1decb3ebf",
+                "f70751b3947fd9748a955b886ec0997b139c3261ba6ab85ca5d5fc6aaaf6f9f8"),
+    },
 }
 BUDGETS = (0.083, 0.25)
 
