@@ -79,10 +79,47 @@ def test_local_surprisal_batched_equals_naive(tiny_lm, window, batch_tokens):
     ids = tiny_lm.tokenizer(text, add_special_tokens=False).input_ids
     bounds = sentence_bounds(token_texts(tiny_lm.tokenizer, ids))
     assert len(bounds) >= 5
-    got = local_sentence_surprisal(tiny_lm, ids, bounds, window=window, batch_tokens=batch_tokens)
+    got = local_sentence_surprisal(tiny_lm, ids, bounds, window=window, batch_tokens=batch_tokens, pack=0)
     want = _naive_local(tiny_lm, ids, bounds, window)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert float(got.std()) > 0
+
+
+def _naive_rows(lm, ids, bounds, rows):
+    """Reference for packed rows: one unpadded forward per row, each sentence's mean -log p in it."""
+    out = torch.zeros(len(bounds))
+    for c, sents in rows:
+        b = bounds[sents[-1]][1]
+        with torch.inference_mode():
+            logp = torch.log_softmax(lm.model(input_ids=torch.tensor([ids[c:b]])).logits[0].float(), -1)
+        for j in sents:
+            sa, sb = bounds[j]
+            nll = [-float(logp[k - c - 1, ids[k]]) for k in range(max(sa, c + 1), sb)]
+            out[j] = sum(nll) / len(nll) if nll else 0.0
+    return out
+
+
+@pytest.mark.parametrize("window,pack,batch_tokens", [(5, 12, 40), (16, 30, 8192), (3, 1000, 8192)])
+def test_local_surprisal_packed_rows_equal_naive(tiny_lm, window, pack, batch_tokens):
+    """Rows that carry several sentences score each as one forward over the row does; the first
+    sentence of every row as in a row of its own."""
+    from kdnctl.scorers.sentences import local_rows, local_sentence_surprisal
+
+    text = ("NAME\nls - list.\n\nThe locker code of the juniper group is 9793. The locker code of the cedar group "
+            "is 1234.\nA longer ordinary sentence about listing directory contents, sorted by name? x y. z!\nend")
+    ids = tiny_lm.tokenizer(text, add_special_tokens=False).input_ids
+    bounds = sentence_bounds(token_texts(tiny_lm.tokenizer, ids))
+    rows = local_rows(bounds, window, pack)
+    assert [j for _, s in rows for j in s] == list(range(len(bounds)))  # every sentence once, in order
+    assert any(len(s) > 1 for _, s in rows) and len(rows) < len(bounds)
+    for c, s in rows:
+        assert c == max(0, bounds[s[0]][0] - window)
+        assert len(s) == 1 or bounds[s[-1]][1] - bounds[s[0]][0] <= pack
+    got = local_sentence_surprisal(tiny_lm, ids, bounds, window=window, batch_tokens=batch_tokens, pack=pack)
+    torch.testing.assert_close(got, _naive_rows(tiny_lm, ids, bounds, rows), rtol=1e-4, atol=1e-4)
+    alone = _naive_local(tiny_lm, ids, bounds, window)
+    firsts = [s[0] for _, s in rows]
+    torch.testing.assert_close(got[firsts], alone[firsts], rtol=1e-4, atol=1e-4)
 
 
 def test_sentences_local_takes_the_better_rank(tiny_lm):

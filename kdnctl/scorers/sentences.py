@@ -57,33 +57,65 @@ def token_texts(tokenizer, token_ids: list[int]) -> list[str]:
 
 
 LOCAL_WINDOW = 64  # tokens of context before each sentence for the local surprisal
+# sentences that share a forward row with the sentence starting it: a sentence reads 64 to 128
+# tokens before it, and the forward costs ~2 tokens per document token instead of ~9 (sentences
+# of man pages and prose average 4-10 tokens); research/probes/local_pack.py
+LOCAL_PACK = 64
 GAP_WEIGHT = 0.5  # sentences-gap: the share of (local - whole) added to the local surprisal
 
 
+def local_rows(bounds: list[tuple[int, int]], window: int = LOCAL_WINDOW,
+               pack: int | None = None) -> list[tuple[int, list[int]]]:
+    """The rows of the local surprisal's forward: ``(first token, sentence indices)``. Each row
+    starts ``window`` tokens before its first sentence; ``pack`` > 0 lets a row carry the
+    sentences after its first while they end within ``pack`` tokens of its first sentence's
+    start, so a later sentence of a row reads from ``window`` up to ``window + pack`` tokens
+    before it, and the forward costs about ``(1 + window / pack)`` tokens per document token
+    instead of ``(1 + window / sentence length)``. The first sentence of every row is scored
+    exactly as in a row of its own. ``pack`` None: ``LOCAL_PACK``."""
+    pack = LOCAL_PACK if pack is None else pack
+    rows, i = [], 0
+    while i < len(bounds):
+        a = bounds[i][0]
+        k = i + 1
+        while pack > 0 and k < len(bounds) and bounds[k][1] - a <= pack:
+            k += 1
+        rows.append((max(0, a - window), list(range(i, k))))
+        i = k
+    return rows
+
+
 def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, int]], window: int = LOCAL_WINDOW,
-                             batch_tokens: int = 8192) -> torch.Tensor:
+                             batch_tokens: int = 8192, pack: int | None = None) -> torch.Tensor:
     """``[S]`` per sentence: the mean -log p of its tokens given only the ``window`` tokens before
-    it (one padded forward per batch of sentences, logits only where a sentence token is
-    predicted). A fact stated in a repeated template ("The locker code of the juniper group is
-    9793.") is predictable given the whole document once the template has been seen, but not
-    given its neighbourhood: this is the surprisal of a fact where it stands."""
-    rows = [(max(0, a - window), a, b) for a, b in bounds]
-    out = torch.zeros(len(rows))
-    order = sorted(range(len(rows)), key=lambda r: rows[r][2] - rows[r][0])
+    it (one padded forward per batch of rows, logits only where a sentence token is predicted;
+    ``pack``: sentences that share a row, ``local_rows``). A fact stated in a repeated template
+    ("The locker code of the juniper group is 9793.") is predictable given the whole document
+    once the template has been seen, but not given its neighbourhood: this is the surprisal of a
+    fact where it stands."""
+    rows = local_rows(bounds, window, pack)
+    ends = [bounds[r[1][-1]][1] for r in rows]
+    out = torch.zeros(len(bounds))
+    order = sorted(range(len(rows)), key=lambda r: ends[r] - rows[r][0])
     batch: list[int] = []
 
     decoder = adapter_for(lm.model).decoder
 
     def run(idx: list[int]) -> None:
-        n = max(rows[r][2] - rows[r][0] for r in idx)
+        n = max(ends[r] - rows[r][0] for r in idx)
         x = torch.zeros(len(idx), n, dtype=torch.long)
         mask = torch.zeros(len(idx), n, dtype=torch.long)
-        scored = torch.zeros(len(idx), n, dtype=torch.bool)  # position j predicts token j+1
+        # which sentence each position's prediction (of the token after it) belongs to, -1: none
+        owner = torch.full((len(idx), n), -1, dtype=torch.long)
         for i, r in enumerate(idx):
-            c, a, b = rows[r]
+            c, sents = rows[r]
+            b = ends[r]
             x[i, :b - c] = torch.tensor(token_ids[c:b])
             mask[i, :b - c] = 1
-            scored[i, max(a - c - 1, 0):b - c - 1] = True
+            for j in sents:
+                sa, sb = bounds[j]
+                owner[i, max(sa - c - 1, 0):sb - c - 1] = j
+        scored = owner >= 0
         dev = lm.device
         with torch.inference_mode():
             hidden = decoder(input_ids=x.to(dev), attention_mask=mask.to(dev)).last_hidden_state
@@ -91,14 +123,16 @@ def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, i
             logits = lm.model.get_output_embeddings()(hidden[sel]).float()
             target = x.to(dev)[:, 1:][sel[:, :-1]] if n > 1 else x.new_zeros(0).to(dev)
             nll = (torch.logsumexp(logits, -1) - logits.gather(-1, target[:, None])[:, 0]).cpu()
-        start = 0
-        for r, k in zip(idx, scored.sum(1).tolist()):
-            out[r] = nll[start:start + k].mean() if k else 0.0
-            start += k
+        who = owner[scored]
+        total = torch.zeros(len(bounds), dtype=nll.dtype).index_add_(0, who, nll)
+        count = torch.zeros(len(bounds), dtype=nll.dtype).index_add_(0, who, torch.ones_like(nll))
+        for r in idx:
+            for j in rows[r][1]:
+                out[j] = total[j] / count[j] if count[j] > 0 else 0.0
 
     for r in order:
-        c, a, b = rows[r]
-        if batch and (len(batch) + 1) * (b - c) > batch_tokens:
+        c = rows[r][0]
+        if batch and (len(batch) + 1) * (ends[r] - c) > batch_tokens:
             run(batch)
             batch = []
         batch.append(r)
