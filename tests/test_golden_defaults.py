@@ -39,17 +39,14 @@ GOLDEN = {
         0.25: ("306372a91ebf4e454cc96ce8a2344368bddc9d8d735f6057d9fea85683bc26f6",
                "9c0b47dbc82a5c2bf65064fa2dc46f7d5915f6aac8c7f43e849b6d2ecd482266",
                "55633a8946fe63faa0f33938defab364f56a4b24291c0d29cf8650c2cf1c756c"),
-        0.083: ("1e0d5b354fb50e946fa45f9384b2bd03c49d1823fc9518520c30d343421d4d89",
-                "6df3d22a13fe4ac8e6eb191d86f3151110c0ddc3c392a15b87900feba65a56fa",
-                "bda6a8c22c4f6d318c8a61dfcc333d23030f5e39e2edc90d8f7ec83a8d6c7fae"),
+        0.083: ("5b89efd49bfb1277ba2aff0a63086e3f5242ed2de3d148168c4e774c060fc7ba",
+                "7ba1af88b3f117a879c1ee2f433d37082d6ae0f363aaa1e14b591d49df37f05d",
+                "7f8de238d4a83379b5828c3b7c35e716760670e3e07a68d54afa5f747e90dbca"),
     },
     "AuthenticAMD-AVX512-bf16": {
         0.25: ("2e5e45ac89b8c62c4bb0fff372832fbd4d5344be3f4c638a51e38fe516f07dd4",
                "c2eb4f05b72defc201ad4f8f542857f88c4f77512c7ff600151685df760e2746",
                "f00a220e6ea529e7d5d5ad6af3ae162ffeff8398e7f922a7151ca2e2692e60f7"),
-        0.083: ("fe8a9541f81edb6ac69ea8902e41643a746dcae2b802c10254c2549cd77db40b",
-                "e3852973ad07ad6ade6bf0135c39099f67521e5ddd1cf402c72443d1decb3ebf",
-                "f70751b3947fd9748a955b886ec0997b139c3261ba6ab85ca5d5fc6aaaf6f9f8"),
     },
 }
 BUDGETS = (0.083, 0.25)

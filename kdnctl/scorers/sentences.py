@@ -88,8 +88,9 @@ def local_rows(bounds: list[tuple[int, int]], window: int = LOCAL_WINDOW,
 def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, int]], window: int = LOCAL_WINDOW,
                              batch_tokens: int = 8192, pack: int | None = None) -> torch.Tensor:
     """``[S]`` per sentence: the mean -log p of its tokens given only the ``window`` tokens before
-    it (one padded forward per batch of rows, logits only where a sentence token is predicted;
-    ``pack``: sentences that share a row, ``local_rows``). A fact stated in a repeated template
+    it, or up to ``pack`` more where it shares a forward row with the sentences before it
+    (``local_rows``; one padded forward per batch of rows, logits only where a sentence token is
+    predicted). A fact stated in a repeated template
     ("The locker code of the juniper group is 9793.") is predictable given the whole document
     once the template has been seen, but not given its neighbourhood: this is the surprisal of a
     fact where it stands."""
@@ -146,7 +147,8 @@ def local_sentence_scores(lm, surprisal: torch.Tensor, token_ids: list[int], win
     """``[T]`` scores of the ``sentences-local`` scorer: per sentence the better of two ranks (in
     [0, 1] over the document's sentences), its mean surprisal given the whole document (as
     ``sentences``: a needle that does not belong where it stands) and given only the ``window``
-    tokens before it (``local_sentence_surprisal``: facts in a repeated template); ties break
+    to ``window + LOCAL_PACK`` tokens before it (``local_sentence_surprisal``: facts in a repeated
+    template); ties break
     by the token's own surprisal as in ``sentence_surprisal``.
 
     ``gap_weight`` (``GAP_WEIGHT`` for the ``sentences-gap`` scorer) adds that much of the gap
@@ -203,9 +205,9 @@ class SentencesScorer(Scorer):
 
 class LocalSentencesScorer(Scorer):
     """``sentences-local``: per sentence the better of two ranks, its mean surprisal given the
-    whole document and given only the ``LOCAL_WINDOW`` tokens before it (one extra batched
-    forward): facts stated in a repeated template are predictable given the document, not where
-    they stand."""
+    whole document and given only the ``LOCAL_WINDOW`` to ``LOCAL_WINDOW + LOCAL_PACK`` tokens
+    before it (one extra batched forward of ~2 tokens per document token): facts stated in a
+    repeated template are predictable given the document, not where they stand."""
 
     name = "sentences-local"
     stats = ("surprisal",)

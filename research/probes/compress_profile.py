@@ -40,7 +40,7 @@ from kdnctl.store import Store  # noqa: E402
 PARTS = [
     ("key weights: a forward over the document", "sensitivity.py", "_key_weights"),
     ("Fisher estimate: probe forward + backward", "layer_fisher.py", "channel_fisher"),
-    ("local sentence surprisal: a forward per sentence window", "sentences.py", "local_sentence_surprisal"),
+    ("local sentence surprisal: a forward over its rows", "sentences.py", "local_sentence_surprisal"),
     ("document queries for the refit: a forward", "refit.py", "document_queries"),
     ("value refit", "refit.py", "refit_values"),
     ("values rounded with feedback", "feedback.py", "feedback_values"),
