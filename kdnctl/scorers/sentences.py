@@ -90,10 +90,9 @@ def local_sentence_surprisal(lm, token_ids: list[int], bounds: list[tuple[int, i
     """``[S]`` per sentence: the mean -log p of its tokens given only the ``window`` tokens before
     it, or up to ``pack`` more where it shares a forward row with the sentences before it
     (``local_rows``; one padded forward per batch of rows, logits only where a sentence token is
-    predicted). A fact stated in a repeated template
-    ("The locker code of the juniper group is 9793.") is predictable given the whole document
-    once the template has been seen, but not given its neighbourhood: this is the surprisal of a
-    fact where it stands."""
+    predicted). A fact stated in a repeated template ("The locker code of the juniper group is
+    9793.") is predictable given the whole document once the template has been seen, but not
+    given its neighbourhood: this is the surprisal of a fact where it stands."""
     rows = local_rows(bounds, window, pack)
     ends = [bounds[r[1][-1]][1] for r in rows]
     out = torch.zeros(len(bounds))
@@ -148,8 +147,7 @@ def local_sentence_scores(lm, surprisal: torch.Tensor, token_ids: list[int], win
     [0, 1] over the document's sentences), its mean surprisal given the whole document (as
     ``sentences``: a needle that does not belong where it stands) and given only the ``window``
     to ``window + LOCAL_PACK`` tokens before it (``local_sentence_surprisal``: facts in a repeated
-    template); ties break
-    by the token's own surprisal as in ``sentence_surprisal``.
+    template); ties break by the token's own surprisal as in ``sentence_surprisal``.
 
     ``gap_weight`` (``GAP_WEIGHT`` for the ``sentences-gap`` scorer) adds that much of the gap
     between the two surprisals (local minus whole: how much the document beyond the window
