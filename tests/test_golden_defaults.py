@@ -48,6 +48,14 @@ GOLDEN = {
                "c2eb4f05b72defc201ad4f8f542857f88c4f77512c7ff600151685df760e2746",
                "f00a220e6ea529e7d5d5ad6af3ae162ffeff8398e7f922a7151ca2e2692e60f7"),
     },
+    "GenuineIntel-AVX512-bf16": {
+        0.25: ("4d0a65b7fe013b8783f833e7926f06a3bda4398b586e171db62aeb0c767dd1b7",
+               "c251677cdfc454422b7cdd9881bed30c60c9644d27fb1ffb1667c1a8b4cd9910",
+               "b44a4ab3daf807f01e833458b080b99fcab61d94709fedbd9bdf25c3575bf34a"),
+        0.083: ("d35277c4d6bbe4c127873c5f741a5e2bd8472c1565b97c23f9311f66276fc549",
+                "b6a30e3aa1b3520b3be6980f7342fdab556fd5218b1589623f6c3efdbf03fb00",
+                "b350de8b77787c25505f97b743a4b68ac7ba554c4f942f4d274568a84b91e381"),
+    },
 }
 BUDGETS = (0.083, 0.25)
 
