@@ -37,7 +37,7 @@ what a model's first compress in a store measures once, its key basis and Fisher
 timed apart, before it).
 The load table gives the default's whole load in GB/s of the fp32 cache it fills; ``--profile``
 also its decode step alone (inflate, unpack, dequantize, key basis, RoPE). ``--profile`` adds the per-step breakdown of the stored path (one reader, so steps add up; the ec
-decode itself runs on its two threads, ``kdnctl.quant.ec_batch.WORKERS``).
+decode itself runs on every core, up to 16: ``kdnctl.quant.ec_batch.default_workers``).
 """
 
 from __future__ import annotations

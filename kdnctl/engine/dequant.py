@@ -156,15 +156,24 @@ def _decode_groups(out: torch.Tensor, q, s, z, fmt: str, g: int, layout: str) ->
             dst.copy_(codes.to(torch.float32).mul_(sc.float()).add_(ze.float()))
 
 
+def _ec_quant(bundles, n_layers: int, offsets, lens) -> dict | None:
+    """The chunks' quant meta where they are ec with every layer of a chunk as many tokens, coded
+    in every layer (what the compiled batch decoder takes), else None."""
+    quant = bundles[0].meta.get("quant") or {}
+    if quant.get("scheme") != "ec" or any(len(set(o)) != 1 for o in offsets) or any(len(set(n)) != 1 for n in lens):
+        return None
+    if not all(b.is_quantized(i) for b in bundles for i in range(n_layers)):
+        return None
+    return quant
+
+
 def ec_batch_into(bundles, n_layers: int, stacked, offsets, lens, profile=None, ready=None) -> bool:
     """Decode ec chunks (every layer of a chunk as many tokens) into the stacked CPU cache with
     the compiled batch decoder; False where it does not apply (the caller then places chunk by chunk).
     With ``ready`` (``kdnctl.engine.overlap.LayersReady``) the decode runs in the background, layer
     group by layer group, and this returns at once."""
-    quant = bundles[0].meta.get("quant") or {}
-    if quant.get("scheme") != "ec" or any(len(set(o)) != 1 for o in offsets) or any(len(set(n)) != 1 for n in lens):
-        return False
-    if not all(b.is_quantized(i) for b in bundles for i in range(n_layers)):
+    quant = _ec_quant(bundles, n_layers, offsets, lens)
+    if quant is None:
         return False
     from ..quant import ec_batch
 
@@ -177,6 +186,33 @@ def ec_batch_into(bundles, n_layers: int, stacked, offsets, lens, profile=None, 
         return True
     t0 = time.perf_counter()
     ec_batch.decode_into(stacked, bundles, starts, quant)
+    if profile is not None:
+        profile.dequantize += time.perf_counter() - t0
+    return True
+
+
+def ec_staged_into(bundles, n_layers: int, stacked, offsets, lens, profile=None) -> bool:
+    """ec chunks into a stacked cache the compiled decoder does not write (a GPU's, or a CPU
+    cache in float16 or bfloat16): decoded whole into float32 host memory (page-locked where the
+    cache is on a GPU) by the compiled batch decoder on every host core, then copied, cast, into
+    the cache in one copy per role. What it writes equals the reference decoder's float32
+    results cast to the cache's dtype. False where the batch decoder does not apply (the caller
+    then places chunk by chunk)."""
+    quant = _ec_quant(bundles, n_layers, offsets, lens)
+    if quant is None:
+        return False
+    from ..quant import ec_batch
+
+    if not ec_batch.eligible(bundles, n_layers, quant, (torch.empty(0), torch.empty(0))):  # (a float32 CPU cache)
+        return False
+    total = offsets[-1][0] + lens[-1][0]
+    _, h, _, d = stacked[0].shape
+    pin = stacked[0].device.type == "cuda"
+    t0 = time.perf_counter()
+    staging = tuple(torch.empty(n_layers, h, total, d, dtype=torch.float32, pin_memory=pin) for _ in range(2))
+    ec_batch.decode_into(staging, bundles, [o[0] for o in offsets], quant)
+    for big, host in zip(stacked, staging):
+        big[:, :, :total].copy_(host)  # (from page-locked memory at the link's speed; the cast on the device)
     if profile is not None:
         profile.dequantize += time.perf_counter() - t0
     return True

@@ -31,7 +31,17 @@ from kdnctl.errors import BundleFormatError
 from . import transforms as tf
 from .entropy import MAX_LEVEL, ROLES
 
-WORKERS = 2  # threads over chunks: the kernels release the GIL
+MAX_WORKERS = 16  # threads over (chunk, role) jobs, at most: the kernels release the GIL
+
+
+def default_workers() -> int:
+    """Every core this process may run on, up to ``MAX_WORKERS`` (two on a 2-core machine; a
+    GPU server's host decodes a version on all of its cores)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, MAX_WORKERS))
 
 
 def enabled() -> bool:
@@ -63,13 +73,14 @@ def eligible(bundles, n_layers: int, quant_meta: dict, out: tuple[torch.Tensor, 
 
 
 def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[int], quant_meta: dict,
-                workers: int = WORKERS, groups: list[range] | None = None, on_group=None) -> None:
+                workers: int | None = None, groups: list[range] | None = None, on_group=None) -> None:
     """Chunk ``c`` of ``bundles`` into ``out[role][:, :, starts[c]:starts[c] + T_c]`` (``out``:
     keys and values ``[L, H, T_slot, D]`` float32); call :func:`eligible` first. With ``groups``
     (consecutive layer ranges covering every layer) the work goes group by group, in order, and
     ``on_group(g)`` is called once every chunk's keys and values of group ``g`` are written (a
-    question's forward can start on the first layers while the last are decoded)."""
-    GroupedDecode(out, bundles, starts, quant_meta, groups, on_group).run(workers)
+    question's forward can start on the first layers while the last are decoded). ``workers``:
+    threads (:func:`default_workers` where None)."""
+    GroupedDecode(out, bundles, starts, quant_meta, groups, on_group).run(default_workers() if workers is None else workers)
 
 
 class GroupedDecode:
@@ -105,8 +116,10 @@ class GroupedDecode:
         # layer group (made by whichever thread gets there first; two threads make the same arrays)
         self.tables: dict[tuple[int, str], tuple] = {}
 
-    def run(self, workers: int = WORKERS) -> None:
-        """Decode every job not yet taken, on ``workers`` threads (this one alone where 1)."""
+    def run(self, workers: int | None = None) -> None:
+        """Decode every job not yet taken, on ``workers`` threads (this one alone where 1;
+        :func:`default_workers` where None)."""
+        workers = default_workers() if workers is None else workers
         if workers <= 1 or len(self.jobs) <= 1:
             self._run_all()
             return
