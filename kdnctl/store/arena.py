@@ -73,6 +73,7 @@ class ArenaPool:
 
 POOL = ArenaPool()  # cache buffers
 READ_POOL = ArenaPool()  # whole objects read for decoding (quantized chunks): dead once placed
+STAGING_POOL = ArenaPool(max_arenas=1)  # float32 K/V decoded on the host for a half-precision cache: dead once cast
 # downloaded objects (kdnctl/store/fetch.py), one exact-size bytearray each: a document's chunks
 # mostly share one size, so the next load's downloads land in memory the last one faulted in
 FETCH_POOL = ArenaPool(max_arenas=64, max_bytes=512 << 20)
