@@ -209,16 +209,20 @@ def ec_staged_into(bundles, n_layers: int, stacked, offsets, lens, profile=None)
     _, h, _, d = stacked[0].shape
     pin = stacked[0].device.type == "cuda"
     t0 = time.perf_counter()
+    staging = None
     if pin:
-        staging = tuple(torch.empty(n_layers, h, total, d, dtype=torch.float32, pin_memory=True) for _ in range(2))
-    else:  # pooled memory, faulted in by an earlier load
+        try:
+            staging = tuple(torch.empty(n_layers, h, total, d, dtype=torch.float32, pin_memory=True) for _ in range(2))
+        except RuntimeError:  # no page-locked memory to be had: pageable memory copies slower, but copies
+            pass
+    if staging is None:  # pooled memory, faulted in by an earlier load
         from ..store.arena import STAGING_POOL, kv_arena
 
         staging = kv_arena([total] * n_layers, h, d, 0, torch.float32, STAGING_POOL)[1] or \
             tuple(torch.empty(n_layers, h, total, d) for _ in range(2))  # (no tokens: nothing to pool)
     ec_batch.decode_into(staging, bundles, [o[0] for o in offsets], quant)
     for big, host in zip(stacked, staging):
-        big[:, :, :total].copy_(host)  # (from page-locked memory at the link's speed; the cast on the device)
+        big[:, :, :total].copy_(host)  # (to a GPU: from page-locked memory at the link's speed)
     if profile is not None:
         profile.dequantize += time.perf_counter() - t0
     return True
