@@ -17,9 +17,10 @@ times, as medians of ``--repeats`` in one run:
   the reference decoder (``host decode`` + dequantize, layer by layer) beside it; also per CPU
   second of the process (all threads), which a machine shared with other jobs moves far less;
 * compress: seconds per 1,000 tokens of the default's compress, beside ingest's;
-* load: ``load_document`` of the version onto ``--device`` (host decode + dequantize + RoPE +
-  placement; on a GPU the integers are dequantized there; the default's keys are rotated back
-  from the model's key basis, a matmul per layer), of the same budget with keys in channels
+* load: ``load_document`` of the version onto ``--device`` (the batch decoder on the host's cores,
+  into the cache on a CPU, into page-locked float32 memory copied to the device on a GPU), the
+  same through the reference decoder (``KDNCTL_EC_REFERENCE=1``: host decode layer by layer, the
+  integers dequantized on the device), of the same budget with keys in channels
   (``--key-basis none``), and of ``full`` for scale.
 
 The bytes and time per chunk say what a faster decoder would have to beat; the thread column
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import sys
 import tempfile
@@ -174,6 +176,19 @@ def main() -> None:
                 torch.cuda.synchronize(lm.device)
 
         load_ec = med(lambda: load("default"), args.repeats)
+
+        def load_by_reference():
+            before = os.environ.get("KDNCTL_EC_REFERENCE")
+            os.environ["KDNCTL_EC_REFERENCE"] = "1"
+            try:
+                load("default")
+            finally:
+                if before is None:
+                    del os.environ["KDNCTL_EC_REFERENCE"]
+                else:
+                    os.environ["KDNCTL_EC_REFERENCE"] = before
+
+        load_ref = med(load_by_reference, args.repeats)
         load_channels = med(lambda: load("channels"), args.repeats)
         load_full = med(lambda: load("full"), args.repeats)
         store.close()
@@ -194,6 +209,8 @@ def main() -> None:
         print(f"| host decode, the loader's inflate, {th} thread(s) | {s:.4f} | {1e3 * s / n_chunks:.2f} | {s / base:.0%} |")
     where = lm.device.type.upper()
     print(f"| {where} load of the default (load_document, 1 worker) | {load_ec:.4f} | {1e3 * load_ec / n_chunks:.2f} | - |")
+    print(f"| {where} load of the default, reference decoder (KDNCTL_EC_REFERENCE=1) | {load_ref:.4f} | "
+          f"{1e3 * load_ref / n_chunks:.2f} | the default's load is {load_ec / load_ref:.2f}x this |")
     print(f"| {where} load of the same budget, keys in channels (--key-basis none) | {load_channels:.4f} | "
           f"{1e3 * load_channels / n_chunks:.2f} | the default's load is {load_ec / load_channels:.2f}x this |")
     print(f"| {where} load of full (fp32, for scale) | {load_full:.4f} | {1e3 * load_full / n_chunks:.2f} | - |")
