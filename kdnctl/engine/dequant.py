@@ -195,8 +195,7 @@ def ec_staged_into(bundles, n_layers: int, stacked, offsets, lens, profile=None)
     """ec chunks into a stacked cache the compiled decoder does not write (a GPU's, or a CPU
     cache in float16 or bfloat16): decoded whole into float32 host memory (page-locked where the
     cache is on a GPU) by the compiled batch decoder on every host core, then copied, cast, into
-    the cache in one copy per role. What it writes equals the reference decoder's float32
-    results cast to the cache's dtype. False where the batch decoder does not apply (the caller
+    the cache in one copy per role: the batch decoder's float32 results, cast once. False where the batch decoder does not apply (the caller
     then places chunk by chunk)."""
     quant = _ec_quant(bundles, n_layers, offsets, lens)
     if quant is None:

@@ -80,7 +80,7 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     ``on_group(g)`` is called once every chunk's keys and values of group ``g`` are written (a
     question's forward can start on the first layers while the last are decoded). ``workers``:
     threads (:func:`default_workers` where None)."""
-    GroupedDecode(out, bundles, starts, quant_meta, groups, on_group).run(default_workers() if workers is None else workers)
+    GroupedDecode(out, bundles, starts, quant_meta, groups, on_group).run(workers)
 
 
 class GroupedDecode:
