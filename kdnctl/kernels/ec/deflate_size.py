@@ -25,6 +25,7 @@ from .zlib_blocks import BLOCK_LITERALS, block_bits, close_block, close_stream, 
 njit = functools.partial(numba.njit, nogil=True, cache=True)
 
 codes_per_byte = njit(digits.codes_per_byte)
+COPIES = 4  # histograms per frame counted at once (see codes_blob_bytes; _frame_hist sums four)
 
 
 @njit
@@ -34,7 +35,13 @@ def codes_blob_bytes(codes, bins, row_peak, own_widths=False):
     (``spread_bins``, flattened) and each row's largest ``|code|`` (:func:`spread_bins_exact`
     gives both); -1 where a code is beyond int16 (the encoder refuses it). The frames take the
     channels of one bin each, bins ascending, rows ``(head, channel)`` ascending, ``T`` codes per
-    row; their bytes are counted, not stored."""
+    row; their bytes are counted, not stored.
+
+    A frame of one block whose codes take whole bytes (not packed as digits) has a histogram
+    that does not depend on the order of its codes: those frames are counted in one pass over
+    ``codes`` as they lie. Frames of packed digits (a byte holds neighbouring codes of a row)
+    and frames of several blocks (where a block ends depends on the order) read their rows in
+    the frame's order."""
     h_n, t, d = codes.shape
     hd = h_n * d
     lim = 0
@@ -44,84 +51,123 @@ def codes_blob_bytes(codes, bins, row_peak, own_widths=False):
     if lim > 32767:
         return -1
     width = 1 if lim <= 127 else 2
-    rows = np.empty((hd, t), np.int32)  # channel-major, as the frames take them; copied in tiles of tokens
-    for h in range(h_n):
-        for j0 in range(0, t, 32):
-            j1 = min(t, j0 + 32)
-            for c in range(d):
-                for j in range(j0, j1):
-                    rows[h * d + c, j] = np.int32(codes[h, j, c])
     counts = np.zeros(256, np.int64)
+    peaks = np.zeros(256, np.int64)
     for r in range(hd):
         counts[bins[r]] += 1
-    work = new_work()
-    hist = np.zeros(256, np.int64)
-    members = np.empty(hd, np.int64)
+        if row_peak[r] > peaks[bins[r]]:
+            peaks[bins[r]] = row_peak[r]
+    # per bin: its frame's codes per byte, bytes per code, bytes, and where its histogram is
+    # counted (-1: in the frame's order)
+    per_of = np.zeros(256, np.int64)
+    fw_of = np.zeros(256, np.int64)
+    n_of = np.zeros(256, np.int64)
+    slot_of = np.full(256, -1, np.int64)
+    n_direct = 0
     total = 2
     for v in range(256):
         if counts[v] == 0:
             continue
         total += 6
-        m, peak = 0, 0
+        per = codes_per_byte(peaks[v])
+        fw = 1 if own_widths and peaks[v] <= 127 else width  # (digits.frame_width)
+        per_of[v], fw_of[v] = per, fw
+        n_of[v] = (counts[v] * t + per - 1) // per if per > 1 else counts[v] * t * fw
+        if per == 1 and n_of[v] < BLOCK_LITERALS:
+            slot_of[v] = n_direct
+            n_direct += 1
+    work = new_work()
+    hist = np.zeros(256, np.int64)
+    if n_direct:
+        # COPIES histograms per frame, a channel adding to copy c % COPIES: the codes of a frame
+        # are mostly a few values, and one counter incremented back to back waits on its last store
+        hists = np.zeros((n_direct * COPIES, 256), np.int32)
+        slot = np.empty(hd, np.int64)
+        wide = np.empty(hd, np.bool_)
+        for r in range(hd):
+            k = slot_of[bins[r]]
+            slot[r] = -1 if k < 0 else k * COPIES + r % COPIES
+            wide[r] = fw_of[bins[r]] == 2
+        for h in range(h_n):
+            for j in range(t):
+                for c in range(d):
+                    r = h * d + c
+                    k = slot[r]
+                    if k >= 0:
+                        q = np.int32(codes[h, j, c])
+                        hists[k, q & 0xFF] += 1
+                        if wide[r]:
+                            hists[k, (q >> 8) & 0xFF] += 1
+        for v in range(256):
+            k = slot_of[v]
+            if k >= 0:
+                for b in range(256):
+                    acc = 0
+                    for e in range(COPIES):
+                        acc += hists[k * COPIES + e, b]
+                    hist[b] = acc
+                total += close_stream(hist, n_of[v], 0, work)
+    members = np.empty(hd, np.int64)
+    buf = np.empty(hd * t, np.int32)
+    for v in range(256):
+        if counts[v] == 0 or slot_of[v] >= 0 or per_of[v] == 0:
+            continue
+        m = 0
         for r in range(hd):
             if bins[r] == v:
                 members[m] = r
                 m += 1
-                if row_peak[r] > peak:
-                    peak = row_peak[r]
-        per = codes_per_byte(peak)
-        if per == 0:
-            continue
-        fw = 1 if own_widths and peak <= 127 else width  # (digits.frame_width)
-        n_bytes = (m * t + per - 1) // per if per > 1 else m * t * fw
-        if n_bytes < BLOCK_LITERALS:  # one block (most frames): no block check per byte
-            _frame_hist(rows, members, m, t, per, peak, fw, hist)
-            total += close_stream(hist, n_bytes, 0, work)
+        if n_of[v] < BLOCK_LITERALS:  # one block: no block check per byte
+            _frame_hist(codes, members, m, t, per_of[v], peaks[v], hist, buf)
+            total += close_stream(hist, n_of[v], 0, work)
         else:
-            total += _frame_blocks(rows, members, m, t, per, peak, fw, hist, work)
+            total += _frame_blocks(codes, members, m, t, per_of[v], peaks[v], fw_of[v], hist, work)
     return total
 
 
 @njit
-def _frame_hist(rows, members, m, t, per, peak, width, hist):
-    """The byte histogram of one frame's rows."""
-    if per > 1:  # base-radix digits, least significant first, per to a byte (the last byte's missing digits 0)
-        radix = 2 * peak + 1
-        acc, k, mul = 0, 0, 1
-        for i in range(m):
-            row = rows[members[i]]
-            for j in range(t):
-                acc += (row[j] + peak) * mul
-                mul *= radix
-                k += 1
-                if k == per:
-                    hist[acc] += 1
-                    acc, k, mul = 0, 0, 1
-        if k > 0:
-            hist[acc] += 1
-    elif width == 1:
-        for i in range(m):
-            row = rows[members[i]]
-            for j in range(t):
-                hist[row[j] & 0xFF] += 1
-    else:  # little-endian int16
-        for i in range(m):
-            row = rows[members[i]]
-            for j in range(t):
-                hist[row[j] & 0xFF] += 1
-                hist[(row[j] >> 8) & 0xFF] += 1
+def _frame_hist(codes, members, m, t, per, peak, hist, buf):
+    """The byte histogram of one frame of packed digits: base-radix digits, least significant
+    first, ``per`` to a byte (the last byte's missing digits 0), rows in the frame's order.
+    The rows are first gathered into ``buf`` (each a strided read), then each byte is a sum of
+    ``per`` digits times fixed powers: no multiply waits on the one before."""
+    d = codes.shape[2]
+    n = m * t
+    for i in range(m):
+        h, c = members[i] // d, members[i] % d
+        for j in range(t):
+            buf[i * t + j] = np.int32(codes[h, j, c]) + peak
+    radix = 2 * peak + 1
+    pw = np.ones(per, np.int32)
+    for k in range(1, per):
+        pw[k] = pw[k - 1] * radix
+    whole = n // per
+    h4 = np.zeros((COPIES, 256), np.int32)
+    for b in range(whole):
+        acc = 0
+        for k in range(per):
+            acc += buf[b * per + k] * pw[k]
+        h4[b % COPIES, acc] += 1
+    if n > whole * per:
+        acc = 0
+        for k in range(n - whole * per):
+            acc += buf[whole * per + k] * pw[k]
+        h4[0, acc] += 1
+    for v in range(256):
+        hist[v] += h4[0, v] + h4[1, v] + h4[2, v] + h4[3, v]
 
 
 @njit
-def _frame_blocks(rows, members, m, t, per, peak, width, hist, work):
+def _frame_blocks(codes, members, m, t, per, peak, width, hist, work):
     """One frame of more than one block: its bytes, block by block."""
+    d = codes.shape[2]
     n = bitpos = 0
     radix = 2 * peak + 1
     acc, k, mul = 0, 0, 1
     for i in range(m):
-        row = rows[members[i]]
+        h, c = members[i] // d, members[i] % d
         for j in range(t):
-            q = np.int64(row[j])
+            q = np.int64(codes[h, j, c])
             if per > 1:
                 acc += (q + peak) * mul
                 mul *= radix
@@ -156,9 +202,11 @@ def spread_bins_exact(codes, bins, row_peak):
     channel lies within ``BIN_MARGIN`` of a bin's edge, where float32 arithmetic could round it
     the other way: the caller takes torch's ``spread_bins`` for that chunk."""
     h_n, t, d = codes.shape
-    s1 = np.zeros(d, np.int64)
-    s2 = np.zeros(d, np.int64)
-    mx = np.zeros(d, np.int64)
+    # integer sums held in float64, exact while below 2**53 (|code| <= 32767, so for T < 2**22
+    # tokens): the loop over channels runs in vector registers, where int64 multiplies do not
+    s1 = np.zeros(d, np.float64)
+    s2 = np.zeros(d, np.float64)
+    mx = np.zeros(d, np.float64)
     ok = True
     for h in range(h_n):
         s1[:] = 0
@@ -166,19 +214,18 @@ def spread_bins_exact(codes, bins, row_peak):
         mx[:] = 0
         for j in range(t):
             for c in range(d):
-                q = np.int64(codes[h, j, c])
+                q = np.float64(codes[h, j, c])
                 s1[c] += q
                 s2[c] += q * q
-                a = abs(q)
-                if a > mx[c]:
-                    mx[c] = a
+                mx[c] = max(mx[c], abs(q))
         for c in range(d):
-            row_peak[h * d + c] = mx[c]
+            row_peak[h * d + c] = np.int64(mx[c])
             if t == 0:
                 bins[h * d + c] = 4
                 continue
             if t > 1:
-                var = (t * s2[c] - s1[c] * s1[c]) / (float(t) * float(t))  # exact integers, one rounding
+                # exact integers (t * s2 and s1 * s1 below 2**53 too), one rounding
+                var = (np.int64(t) * np.int64(s2[c]) - np.int64(s1[c]) * np.int64(s1[c])) / (float(t) * float(t))
                 spread = np.sqrt(max(var, 0.0))
             else:
                 spread = float(mx[c])
