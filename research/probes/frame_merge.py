@@ -24,7 +24,6 @@ import sys
 import zlib
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,10 +31,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from default_version import default_bundles  # noqa: E402
-from inflate_floor import isal_inflate_all  # noqa: E402
+from inflate_floor import blobs_of, isal_inflate_all  # noqa: E402
 
-from kdnctl.format.names import tensor_name  # noqa: E402
-from kdnctl.kernels.ec import digits  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant.coders.deflate import deflate_compress  # noqa: E402
 
@@ -43,29 +40,7 @@ from kdnctl.quant.coders.deflate import deflate_compress  # noqa: E402
 def blob_frames(bundles, role: str) -> list[list[tuple[bytes, bool]]]:
     """Per (chunk, layer) blob of ``role``: each stored frame's inflated bytes and whether it
     holds one-byte codes (int8, not packed)."""
-    out = []
-    for b in bundles:
-        t = b.layer_len(0)
-        h, d = b.meta["quant"]["n_heads"], b.meta["quant"]["head_dim"]
-        for i in range(b.n_layers):
-            raw = b.tensors[f"{tensor_name(i, role)}.codes"].numpy()
-            params = zlib.decompress(b.tensors[f"{tensor_name(i, role)}.params"].numpy().tobytes(), -15)
-            counts = np.bincount(np.frombuffer(params[4 * h * d:], np.uint8), minlength=256)
-            counts = counts[counts > 0]
-            width, n_frames = int(raw[0]), int(raw[1])
-            sizes = raw[2:2 + 4 * n_frames].view(np.uint32)
-            peaks = raw[2 + 4 * n_frames:2 + 6 * n_frames].view(np.int16)
-            pos, frames = 2 + 6 * n_frames, []
-            for f in range(n_frames):
-                size, peak = int(sizes[f]), int(peaks[f])
-                per, m = digits.codes_per_byte(peak), int(counts[f]) * t
-                n = 0 if per == 0 else (m + per - 1) // per if per > 1 else digits.frame_width(width, peak) * m
-                if size:
-                    frames.append((zlib.decompress(raw[pos:pos + size].tobytes(), -15, n),
-                                   per == 1 and digits.frame_width(width, peak) == 1))
-                pos += size
-            out.append(frames)
-    return out
+    return [[(zlib.decompress(f, -15, n), one) for f, n, one in blob] for blob in blobs_of(bundles, role)]
 
 
 def layout(blobs, how: str) -> list[bytes]:

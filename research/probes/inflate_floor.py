@@ -42,8 +42,9 @@ from kdnctl.models.load import load_model  # noqa: E402
 BUCKETS = ((0, 256), (256, 1024), (1024, 4096), (4096, 1 << 40))
 
 
-def frames_of(bundles, role: str) -> list[tuple[bytes, int]]:
-    """(deflated frame, its inflated size) of every stored code frame of ``role``."""
+def blobs_of(bundles, role: str) -> list[list[tuple[bytes, int, bool]]]:
+    """Per (chunk, layer) codes blob of ``role``: each stored frame's (deflated bytes, inflated
+    size, whether it holds one-byte codes: int8, not packed digits), frames of no bytes left out."""
     out = []
     for b in bundles:
         t = b.layer_len(0)
@@ -56,15 +57,21 @@ def frames_of(bundles, role: str) -> list[tuple[bytes, int]]:
             width, n_frames = int(raw[0]), int(raw[1])
             sizes = raw[2:2 + 4 * n_frames].view(np.uint32)
             peaks = raw[2 + 4 * n_frames:2 + 6 * n_frames].view(np.int16)
-            pos = 2 + 6 * n_frames
+            pos, frames = 2 + 6 * n_frames, []
             for f in range(n_frames):
                 size, peak = int(sizes[f]), int(peaks[f])
                 per, m = digits.codes_per_byte(peak), int(counts[f]) * t
                 n = 0 if per == 0 else (m + per - 1) // per if per > 1 else digits.frame_width(width, peak) * m
                 if size:
-                    out.append((raw[pos:pos + size].tobytes(), n))
+                    frames.append((raw[pos:pos + size].tobytes(), n, per == 1 and digits.frame_width(width, peak) == 1))
                 pos += size
+            out.append(frames)
     return out
+
+
+def frames_of(bundles, role: str) -> list[tuple[bytes, int]]:
+    """(deflated frame, its inflated size) of every stored code frame of ``role``."""
+    return [(f, n) for blob in blobs_of(bundles, role) for f, n, _ in blob]
 
 
 def isal_inflate_all(frames: list[tuple[bytes, int]], repeats: int) -> tuple[float, np.ndarray]:
