@@ -25,7 +25,7 @@ from .zlib_blocks import BLOCK_LITERALS, block_bits, close_block, close_stream, 
 njit = functools.partial(numba.njit, nogil=True, cache=True)
 
 codes_per_byte = njit(digits.codes_per_byte)
-COPIES = 4  # histograms per frame counted at once (see codes_blob_bytes; _frame_hist sums four)
+COPIES = 4  # histograms per frame counted at once (see codes_blob_bytes)
 
 
 @njit
@@ -153,8 +153,9 @@ def _frame_hist(codes, members, m, t, per, peak, hist, buf):
         for k in range(n - whole * per):
             acc += buf[whole * per + k] * pw[k]
         h4[0, acc] += 1
-    for v in range(256):
-        hist[v] += h4[0, v] + h4[1, v] + h4[2, v] + h4[3, v]
+    for e in range(COPIES):
+        for v in range(256):
+            hist[v] += h4[e, v]
 
 
 @njit
