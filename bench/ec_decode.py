@@ -17,8 +17,11 @@ times, as medians of ``--repeats`` in one run:
   the reference decoder (``host decode`` + dequantize, layer by layer) beside it; also per CPU
   second of the process (all threads), which a machine shared with other jobs moves far less;
 * compress: seconds per 1,000 tokens of the default's compress, beside ingest's;
-* load: ``load_document`` of the version onto ``--device`` (the batch decoder on the host's cores,
-  into the cache on a CPU, into page-locked float32 memory copied to the device on a GPU), the
+* on a GPU, the device decoder (``kdnctl.quant.ec_device``: the host inflates, one kernel per role
+  writes the cache) into a float32 and a bfloat16 cache, beside the staged path it replaces (the
+  batch decoder into page-locked float32 host memory, copied); GB/s of the fp32 cache's bytes;
+* load: ``load_document`` of the version onto ``--device`` (the batch decoder on the host's cores
+  into the cache on a CPU, the device decoder on a GPU), the
   same through the reference decoder (``KDNCTL_EC_REFERENCE=1``: host decode layer by layer, the
   integers dequantized on the device), of the same budget with keys in channels
   (``--key-basis none``), and of ``full`` for scale.
@@ -162,6 +165,31 @@ def main() -> None:
                 ec_batch.decode_into(out, bundles, starts, q, workers=th)  # (first call: numba's cache)
                 batch[th] = med_cpu(lambda: ec_batch.decode_into(out, bundles, starts, q, workers=th), args.repeats)
 
+        device_rows = {}
+        if lm.device.type == "cuda":  # the device decoder against the staged path, same chunks
+            from kdnctl.engine.dequant import ec_staged_into
+            from kdnctl.quant import ec_device
+
+            offsets = [[s_] * n_layers for s_ in starts]
+            lens = [[b.layer_len(0)] * n_layers for b in bundles]
+
+            def synced(fn):
+                def run():
+                    fn()
+                    torch.cuda.synchronize(lm.device)
+                return run
+
+            for dtype in (torch.float32, torch.bfloat16):
+                dev_out = tuple(torch.empty(n_layers, q["n_heads"], n_tokens, q["head_dim"], dtype=dtype, device=lm.device)
+                                for _ in range(2))
+                if ec_device.eligible(bundles, n_layers, q, dev_out):
+                    fn = synced(lambda: ec_device.decode_into(dev_out, bundles, starts, q))
+                    fn()  # (first call: Triton's compile)
+                    device_rows[f"device decoder (kdnctl.quant.ec_device), {dtype} cache"] = med_cpu(fn, args.repeats)
+                fn = synced(lambda: ec_staged_into(bundles, n_layers, dev_out, offsets, lens))
+                fn()
+                device_rows[f"staged (batch decoder on the host, copied), {dtype} cache"] = med_cpu(fn, args.repeats)
+
         def reference_decode():
             for b in bundles:
                 for role, o in zip(entropy.ROLES, out):
@@ -221,6 +249,8 @@ def main() -> None:
     for th, (s, c) in batch.items():
         print(f"| batch (kdnctl.quant.ec_batch), {th} thread(s) | {s:.4f} | {fp32_gb / s:.2f} | {ref / s:.1f}x faster | "
               f"{c:.4f} | {fp32_gb / c:.2f} |")
+    for name, (s, c) in device_rows.items():
+        print(f"| {name} | {s:.4f} | {fp32_gb / s:.2f} | {ref / s:.1f}x faster | {c:.4f} | {fp32_gb / c:.2f} |")
     print(f"\nCompress vs ingest, seconds per 1,000 tokens: ingest {1e3 * ingest_s / n_tokens:.2f}, "
           f"default compress {1e3 * compress_s / n_tokens:.2f} ({compress_s / ingest_s:.2f}x ingest)")
 

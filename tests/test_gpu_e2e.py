@@ -127,12 +127,18 @@ def test_gpu_load_still_checks_every_byte(gpu_lm, tmp_path):
 @pytest.mark.parametrize("budget", [0.25, 0.083])
 def test_gpu_loads_size_budgeted_versions_like_the_cpu_decoder(gpu_lm, gpu_store, budget):
     """Size-budgeted (the auto recipes: ec, entropy-coded) versions made with the model on the GPU load onto it:
-    the coded tensors are decoded on the host and the dense K/V land on the device equal to the
-    CPU decoder's (what bench/quality.py --device cuda evaluates)."""
+    the device decoder (host inflate, one kernel per role) writes K/V equal to the CPU decoder's
+    (what bench/quality.py --device cuda evaluates)."""
+    from kdnctl.quant import ec_device
+
     with gpu_store.writer():
         label = compress_document(gpu_store, DOC, CompressRecipe(budget=budget), lm=gpu_lm).label
-    ctx = load_document(gpu_lm, gpu_store, DOC, label, workers=1)
+    calls, real = [], ec_device.decode_into
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ec_device, "decode_into", lambda *a, **k: (calls.append(a), real(*a, **k))[1])
+        ctx = load_document(gpu_lm, gpu_store, DOC, label, workers=1)
     assert ctx.keys[0].is_cuda
+    assert calls  # the device decoder wrote the cache
     bundles = [decode_bundle(gpu_store.read_object(c.object)) for c in gpu_store.get_version(DOC, label).chunks]
     for layer in (0, 29):
         for role, got in ((0, ctx.keys[layer]), (1, ctx.values[layer])):

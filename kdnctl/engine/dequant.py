@@ -191,6 +191,30 @@ def ec_batch_into(bundles, n_layers: int, stacked, offsets, lens, profile=None, 
     return True
 
 
+def ec_device_into(bundles, n_layers: int, stacked, offsets, lens, profile=None) -> bool:
+    """Decode ec chunks into a stacked cache on a GPU with the device decoder
+    (``kdnctl.quant.ec_device``: the host inflates, one kernel per role writes the cache); False
+    where it does not apply (no Triton, or chunks it does not take: the caller stages them)."""
+    from ..kernels.dispatch import use_triton
+
+    if not use_triton(stacked[0]):
+        return False
+    quant = _ec_quant(bundles, n_layers, offsets, lens)
+    if quant is None:
+        return False
+    from ..quant import ec_device
+
+    if not ec_device.eligible(bundles, n_layers, quant, stacked):
+        return False
+    t0 = time.perf_counter()
+    ec_device.decode_into(stacked, bundles, [o[0] for o in offsets], quant)
+    if profile is not None:
+        if stacked[0].is_cuda:
+            torch.cuda.synchronize(stacked[0].device)  # (the launches are asynchronous)
+        profile.dequantize += time.perf_counter() - t0
+    return True
+
+
 def ec_staged_into(bundles, n_layers: int, stacked, offsets, lens, profile=None) -> bool:
     """ec chunks into a stacked cache the compiled decoder does not write (a GPU's, or a CPU
     cache in float16 or bfloat16): decoded whole into float32 host memory (page-locked where the

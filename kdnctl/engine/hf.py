@@ -37,7 +37,7 @@ from ..models import adapter_for
 from kdnctl.quant.store_basis import basis_shas, provide_store_bases
 from ..store import LocalObjects, ReadStore, bundle_mismatch
 from .attention import AttentionState
-from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into, ec_staged_into
+from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into, ec_device_into, ec_staged_into
 from .generate import GenerationResult, forward_suffix, full_prefill_generate, generate, stop_ids  # noqa: F401
 from ..quant import layer_kv
 from .overlap import LayersReady, layer_groups
@@ -230,7 +230,9 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
                 profile.place += prof.place
 
     # ec: every chunk decoded in one compiled pass per role (kdnctl/quant/ec_batch.py), straight into
-    # a float32 CPU cache, else (a GPU's cache, a half-precision one) through float32 host memory
+    # a float32 CPU cache; into a GPU's cache by the device decoder (kdnctl/quant/ec_device.py: the
+    # host inflates, a kernel per role writes the cache), else (no Triton, a half-precision CPU
+    # cache) through float32 host memory
     ready = LayersReady(layer_groups(n_layers)) if overlap and profile is None else None
     batched = False
     if stacked is not None and not placed:
@@ -238,7 +240,8 @@ def context_from_bundles(lm: LoadedModel, bundles: list[KVBundle], *, label: str
             batched = ec_batch_into(bundles, n_layers, stacked, offsets, lens, profile, ready)
         else:
             ready = None  # (decoded before this returns)
-            batched = ec_staged_into(bundles, n_layers, stacked, offsets, lens, profile)
+            batched = ec_device_into(bundles, n_layers, stacked, offsets, lens, profile) or \
+                ec_staged_into(bundles, n_layers, stacked, offsets, lens, profile)
     if not batched:
         ready = None
         _run(place, range(len(bundles)), workers)

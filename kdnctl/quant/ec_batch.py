@@ -57,6 +57,12 @@ def eligible(bundles, n_layers: int, quant_meta: dict, out: tuple[torch.Tensor, 
     """Whether :func:`decode_into` takes these chunks (else the reference decodes them)."""
     if any(o.dtype != torch.float32 or o.device.type != "cpu" for o in out):
         return False
+    return batch_layout(bundles, n_layers, quant_meta)
+
+
+def batch_layout(bundles, n_layers: int, quant_meta: dict) -> bool:
+    """The chunks are what the compiled host kernels parse (deflate frames, every layer of a chunk
+    as many tokens, no narrowed heads, one head layout) and the kernels are present."""
     for b in bundles:
         q = b.meta.get("quant") or {}
         if q.get("scheme") != "ec" or q.get("coding", "zstd") != "deflate":
@@ -211,35 +217,10 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
     all its layer groups (else made here for ``layers``)."""
     from kdnctl.kernels.ec import cpu
 
-    inflate_frames, decode_blobs, rope_blobs = cpu.kernels()
+    _, decode_blobs, rope_blobs = cpu.kernels()
     tensors = b.tensors
     n_layers = len(layers)
-    prefixes = [tensor_name(i, role) for i in layers]
-    codes, params = [], []
-    for p in prefixes:
-        c, pa = tensors.get(f"{p}.codes"), tensors.get(f"{p}.params")
-        if c is None or pa is None:
-            raise BundleFormatError(f"missing tensor {p}.codes/params")
-        if c.dtype != torch.uint8 or pa.dtype != torch.uint8 or c.dim() != 1 or pa.dim() != 1 or c.numel() < 2:
-            raise BundleFormatError(f"{p}: codes and params must be uint8 [n]")
-        codes.append(c)
-        params.append(pa)
-    raw, offs = _span(codes + params)
-    c_off, p_off = offs[:n_layers], offs[n_layers:]
-    c_len = np.array([x.numel() for x in codes], np.int64)
-    p_len = np.array([x.numel() for x in params], np.int64)
-    hd = h * d
-    pbuf = np.empty(n_layers * 5 * hd, np.uint8)
-    ok = np.zeros(n_layers, np.bool_)
-    inflate_frames(raw, p_off, p_len, pbuf, np.arange(n_layers, dtype=np.int64) * 5 * hd,
-                   np.full(n_layers, 5 * hd, np.int64), state, ok)
-    if not ok.all():
-        bad = prefixes[int(np.argmin(ok))]
-        raise BundleFormatError(f"{bad}.params is not a valid deflate stream of exactly {5 * hd} bytes")
-    pv = pbuf.reshape(n_layers, 5 * hd)
-    sm = pv[:, : 4 * hd].copy().view(np.float16).astype(np.float32).reshape(n_layers, 2, hd)
-    step, mean = np.ascontiguousarray(sm[:, 0]), np.ascontiguousarray(sm[:, 1])
-    bins = np.ascontiguousarray(pv[:, 4 * hd:])
+    prefixes, raw, c_off, c_len, step, mean, bins = chunk_params(b, role, layers, h * d, state)
     if chunk_tables is None:
         lsc, cos, sin, cs_idx = _chunk_tables(tensors, role, prefixes, t, quant_meta, h, d)
     else:
@@ -265,6 +246,43 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
         torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, d, t).transpose(1, 2),
                       m.view(n_layers * h, d, d), out=y.view(n_layers * h, t, d))
         rope_blobs(y.numpy(), out.numpy(), layer_idx, tok, t, cos, sin, cs_idx)  # (the cache written once)
+
+
+def chunk_params(b, role: str, layers: range, hd: int, state: np.ndarray):
+    """``(prefixes, raw, c_off, c_len, step, mean, bins)`` of chunk ``b``'s ``role`` in ``layers``:
+    every codes and params blob in one uint8 array (``raw``; the codes blobs at ``c_off``, ``c_len``
+    bytes each), and each layer's params inflated in one call: ``step``/``mean`` float32 and
+    ``bins`` uint8 ``[L, H*D]``."""
+    from kdnctl.kernels.ec import cpu
+
+    inflate_frames = cpu.kernels()[0]
+    tensors = b.tensors
+    n_layers = len(layers)
+    prefixes = [tensor_name(i, role) for i in layers]
+    codes, params = [], []
+    for p in prefixes:
+        c, pa = tensors.get(f"{p}.codes"), tensors.get(f"{p}.params")
+        if c is None or pa is None:
+            raise BundleFormatError(f"missing tensor {p}.codes/params")
+        if c.dtype != torch.uint8 or pa.dtype != torch.uint8 or c.dim() != 1 or pa.dim() != 1 or c.numel() < 2:
+            raise BundleFormatError(f"{p}: codes and params must be uint8 [n]")
+        codes.append(c)
+        params.append(pa)
+    raw, offs = _span(codes + params)
+    c_off, p_off = offs[:n_layers], offs[n_layers:]
+    c_len = np.array([x.numel() for x in codes], np.int64)
+    p_len = np.array([x.numel() for x in params], np.int64)
+    pbuf = np.empty(n_layers * 5 * hd, np.uint8)
+    ok = np.zeros(n_layers, np.bool_)
+    inflate_frames(raw, p_off, p_len, pbuf, np.arange(n_layers, dtype=np.int64) * 5 * hd,
+                   np.full(n_layers, 5 * hd, np.int64), state, ok)
+    if not ok.all():
+        bad = prefixes[int(np.argmin(ok))]
+        raise BundleFormatError(f"{bad}.params is not a valid deflate stream of exactly {5 * hd} bytes")
+    pv = pbuf.reshape(n_layers, 5 * hd)
+    sm = pv[:, : 4 * hd].copy().view(np.float16).astype(np.float32).reshape(n_layers, 2, hd)
+    step, mean = np.ascontiguousarray(sm[:, 0]), np.ascontiguousarray(sm[:, 1])
+    return prefixes, raw, c_off, c_len, step, mean, np.ascontiguousarray(pv[:, 4 * hd:])
 
 
 def _chunk_tables(tensors, role: str, prefixes: list[str], t: int, quant_meta: dict, h: int, d: int):
@@ -378,10 +396,11 @@ def _basis_t(sha: str | None, n_layers: int, h: int, d: int) -> torch.Tensor | N
 
 
 def warm() -> bool:
-    """Compile every kernel the CPU load runs, on a small made-up version, so that a first load
-    after installing pays no compile (numba keeps the machine code on disk; ``scripts/install.sh``
-    calls this). True when the compiled decode of it, with and without a key basis, equals the
-    reference decoder's; False where the compiled path is absent or off."""
+    """Compile every kernel the CPU load and a GPU load's host part run, on a small made-up
+    version, so that a first load after installing pays no compile (numba keeps the machine code
+    on disk; ``scripts/install.sh`` calls this). True when the compiled decode of it, with and
+    without a key basis, and the device decoder's, equal the reference decoder's; False where the
+    compiled path is absent or off."""
     if not enabled():
         return False
     from kdnctl.format.bundle import KVBundle
@@ -414,4 +433,9 @@ def warm() -> bool:
     _decode_chunk_role(b, "keys", t, 0, keys, quant, h, d, torch.eye(d).expand(n_layers, h, d, d).contiguous(),
                        np.empty(2 * h * d * t, np.uint8), (np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16)),
                        cpu.new_state(), range(n_layers), torch.empty(2 * n_layers * h * t * d))
-    return all(torch.allclose(got, w, rtol=1e-5, atol=1e-4) for got, w in zip((*out, keys), (*want, want[0])))
+    # the device decoder's host part (its rows here by the torch reference, on the CPU)
+    from . import ec_device
+
+    dev = tuple(torch.zeros(n_layers, h, t, d) for _ in ROLES)
+    ec_device.decode_into(dev, [b], [0], quant, workers=1)
+    return all(torch.allclose(got, w, rtol=1e-5, atol=1e-4) for got, w in zip((*out, keys, *dev), (*want, want[0], *want)))

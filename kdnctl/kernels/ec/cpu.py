@@ -74,3 +74,13 @@ def new_state() -> np.ndarray:
 
 def kernels():
     return _kernels()
+
+
+def inflate_blobs():
+    """The host part of a device decode (``cpu_jit.inflate_blobs``), or None where the kernels
+    are missing."""
+    if _kernels() is None:
+        return None
+    from . import cpu_jit
+
+    return cpu_jit.inflate_blobs

@@ -46,6 +46,18 @@ frame_width = njit(digits.frame_width)
 OWN_WIDTHS = digits.OWN_WIDTHS
 
 @njit
+def digits_in_range(packed, per, peak) -> bool:
+    """Every byte of ``packed`` holds ``per`` base-``2 peak + 1`` digits (is below ``radix**per``)."""
+    radix, lim = 2 * peak + 1, 1
+    for _ in range(per):
+        lim *= radix
+    top = 0
+    for i in range(packed.shape[0]):
+        if packed[i] > top:
+            top = packed[i]
+    return top < lim
+
+@njit
 def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> bool:
     """A frame's ``m`` codes (rows of ``t``, already inflated into ``scratch``; ``width``: the
     frame's bytes per code) at ``zs[base:base + m]``; packed digits may write up to ``per - 1`` codes past the end (the
@@ -61,14 +73,7 @@ def unpack_frame(scratch, n_bytes, width, per, peak, tables, zs, base, m) -> boo
             v = np.int32(scratch[2 * i]) | (np.int32(scratch[2 * i + 1]) << 8)
             dst[i] = v - 65536 if v >= 32768 else v
     else:
-        radix, lim = 2 * peak + 1, 1
-        for _ in range(per):
-            lim *= radix
-        top = 0
-        for i in range(n_bytes):
-            if scratch[i] > top:
-                top = scratch[i]
-        if top >= lim:
+        if not digits_in_range(scratch[:n_bytes], per, peak):
             return False
         tab = tables[peak]
         dst = zs[base:base + n_bytes * per]
@@ -175,6 +180,51 @@ def rope_row(row, y, cr, sr, half):
         row[i + half] = c2 * cr[i + half] + a * sr[i + half]
 
 @njit
+def frame_size(raw, p, n_frames, f):
+    """Frame ``f``'s deflated bytes and peak, from the header of the codes blob at ``raw[p]``."""
+    q = p + 2 + 4 * f
+    size = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8) | (np.int64(raw[q + 2]) << 16) | (np.int64(raw[q + 3]) << 24)
+    q = p + 2 + 4 * n_frames + 2 * f
+    return size, np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8)
+
+
+@njit
+def blob_layout(raw, p, n_raw, bins_b, hd, counts, start, slot):
+    """``(error, width, frames)`` of the codes blob at ``raw[p:p + n_raw]`` whose channels fall in
+    ``bins_b [H*D]``: its header checked against the bins (0: sound), ``counts[v]`` the channels of
+    bin ``v`` and ``slot[c]`` channel ``c``'s row in bin order (``start`` is scratch). Every frame
+    size is read as untrusted: they must add up to the blob."""
+    width, n_frames = raw[p], raw[p + 1]
+    if width != 1 and width != 2 and width != OWN_WIDTHS:
+        return ERR_WIDTH, width, n_frames
+    counts[:] = 0
+    for c in range(hd):
+        counts[bins_b[c]] += 1
+    n_bins, acc = 0, 0
+    for v in range(256):
+        start[v] = acc
+        acc += counts[v]
+        if counts[v] > 0:
+            n_bins += 1
+    head = 2 + 6 * n_frames
+    if n_bins != n_frames or n_raw < head:
+        return ERR_FRAMES, width, n_frames
+    total, bad = 0, False
+    for f in range(n_frames):
+        size, peak = frame_size(raw, p, n_frames, f)
+        if size >= 2 ** 31 or peak >= 32768:  # (a negative peak)
+            bad = True
+        total += size
+    if bad or head + total != n_raw:
+        return ERR_SIZES, width, n_frames
+    for c in range(hd):  # channels in bin order, ascending within a bin (a stable sort)
+        v = bins_b[c]
+        slot[c] = start[v]
+        start[v] += 1
+    return 0, width, n_frames
+
+
+@njit
 def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, plain, cos, sin, cs_idx,
                  tables, scratch, zs8, zs16, state, err):
     """Blob b (one layer of one role of a chunk): its codes at ``raw[c_off[b]:+c_len[b]]``,
@@ -202,46 +252,14 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
     sp, scr, z8 = raw.ctypes.data, scratch.ctypes.data, zs8.ctypes.data
     for b in range(c_off.shape[0]):
         p, n_raw, lay = c_off[b], c_len[b], layer[b]
-        width, n_frames = raw[p], raw[p + 1]
-        if width != 1 and width != 2 and width != OWN_WIDTHS:
-            err[b] = ERR_WIDTH
+        e, width, n_frames = blob_layout(raw, p, n_raw, bins[b], hd, counts, start, slot)
+        if e != 0:
+            err[b] = e
             continue
-        counts[:] = 0
-        for c in range(hd):
-            counts[bins[b, c]] += 1
-        n_bins, acc = 0, 0
-        for v in range(256):
-            start[v] = acc
-            acc += counts[v]
-            if counts[v] > 0:
-                n_bins += 1
         head = 2 + 6 * n_frames
-        if n_bins != n_frames or n_raw < head:
-            err[b] = ERR_FRAMES
-            continue
-        total, bad = 0, False
-        for f in range(n_frames):
-            q = p + 2 + 4 * f
-            size = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8) | (np.int64(raw[q + 2]) << 16) | (np.int64(raw[q + 3]) << 24)
-            if size >= 2 ** 31:
-                bad = True
-            q = p + 2 + 4 * n_frames + 2 * f
-            if raw[q + 1] >= 128:  # a negative peak
-                bad = True
-            total += size
-        if bad or head + total != n_raw:
-            err[b] = ERR_SIZES
-            continue
-        for c in range(hd):  # channels in bin order, ascending within a bin (a stable sort)
-            v = bins[b, c]
-            slot[c] = start[v]
-            start[v] += 1
         o, pos, fb = 0, p + head, 0
         for f in range(n_frames):
-            q = p + 2 + 4 * f
-            size = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8) | (np.int64(raw[q + 2]) << 16) | (np.int64(raw[q + 3]) << 24)
-            q = p + 2 + 4 * n_frames + 2 * f
-            peak = np.int64(raw[q]) | (np.int64(raw[q + 1]) << 8)
+            size, peak = frame_size(raw, p, n_frames, f)
             while counts[fb] == 0:  # the f-th bin that has channels
                 fb += 1
             n = counts[fb]
@@ -313,3 +331,61 @@ def rope_blobs(src, out, layer, tok, t, cos, sin, cs_idx):
                     a, c2 = s2[j, i], s2[j, i + half]
                     o2[tok + j, i] = a * cr[j, i] + (-c2) * sr[j, i]
                     o2[tok + j, i + half] = c2 * cr[j, i + half] + a * sr[j, i + half]
+
+@njit
+def inflate_blobs(raw, c_off, c_len, bins, t, u, u_pos, dry, ch_off, ch_first, ch_mode, state, err):
+    """A device decode's host part: blob b's code frames (as ``decode_blobs`` reads them) inflated,
+    one after another, into ``u`` from ``u_pos`` on, as they are stored (int8, int16 or packed
+    digits: unpacked on the device); returns the bytes written. For each channel ``c``:
+    ``ch_off[b, c]`` its frame's offset in ``u``, ``ch_first[b, c]`` its first code's index in
+    the frame (its row times ``t``), ``ch_mode[b, c]`` = codes per byte | bytes per code << 4 |
+    peak << 8 (codes per byte 0: every code 0, nothing stored). Each frame must inflate to
+    exactly its bytes and each packed byte hold digits in range, else ``err[b]`` (see
+    ``decode_blobs``). ``dry``: headers checked and the bytes counted, nothing inflated."""
+    init(state.ctypes.data)
+    hd = bins.shape[1]
+    counts = np.zeros(256, np.int64)
+    start = np.zeros(256, np.int64)
+    slot = np.zeros(hd, np.int64)
+    frame_at = np.zeros(256, np.int64)
+    frame_mode = np.zeros(256, np.int32)
+    sp, up = raw.ctypes.data, u.ctypes.data
+    o = u_pos
+    for b in range(c_off.shape[0]):
+        p, n_raw = c_off[b], c_len[b]
+        e, width, n_frames = blob_layout(raw, p, n_raw, bins[b], hd, counts, start, slot)
+        if e != 0:
+            err[b] = e
+            continue
+        pos, fb = p + 2 + 6 * n_frames, 0
+        for f in range(n_frames):
+            size, peak = frame_size(raw, p, n_frames, f)
+            while counts[fb] == 0:  # the f-th bin that has channels
+                fb += 1
+            per = codes_per_byte(peak)
+            m = counts[fb] * t
+            fw = frame_width(width, peak) if per == 1 else 1
+            n_bytes = 0 if per == 0 else fw * m if per == 1 else (m + per - 1) // per
+            if per == 0 and size:
+                err[b] = ERR_ZERO
+                break
+            if n_bytes and not dry:
+                if o + n_bytes > u.shape[0] or not inflate_one(state, sp + pos, size, up + o, n_bytes):
+                    err[b] = ERR_INFLATE
+                    break
+                if per > 1 and not digits_in_range(u[o:o + n_bytes], per, peak):
+                    err[b] = ERR_RANGE
+                    break
+            frame_at[fb] = o
+            frame_mode[fb] = per | (fw << 4) | (peak << 8)
+            fb += 1
+            o += n_bytes
+            pos += size
+        if err[b] != 0 or dry:
+            continue
+        for c in range(hd):
+            v = bins[b, c]
+            ch_off[b, c] = frame_at[v]
+            ch_first[b, c] = (slot[c] - (start[v] - counts[v])) * t
+            ch_mode[b, c] = frame_mode[v]
+    return o - u_pos
