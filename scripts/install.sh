@@ -45,6 +45,7 @@ fi
 # Compile the CPU decoder of compressed versions now (numba keeps it on disk), not in a user's
 # first load.
 python -c "from kdnctl.quant.ec_batch import warm; warm()" || say "the compiled CPU decoder is not available: loads use the reference decoder"
+python -c "from kdnctl.quant.ec_device import warm; warm()" || say "the device decoder's host part is not available: GPU loads stage through host memory"
 # ... and the compress kernels (the scale fit's byte counts, rounding with feedback)
 python -c "import sys; from kdnctl.kernels.ec.deflate_size import warm; sys.exit(0 if warm() else 1)" || \
   say "this zlib writes other bytes than the scale fit counts: compress encodes every probe (slower, the same versions)"

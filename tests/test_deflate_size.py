@@ -9,7 +9,7 @@ import torch
 
 from kdnctl.kernels.ec import deflate_size as ds
 from kdnctl.quant.coders.deflate import deflate_compress
-from kdnctl.quant.entropy import encode_codes, spread_bins
+from kdnctl.quant.entropy import SPREAD_BINS_PER_OCTAVE, encode_codes, spread_bins
 
 
 def _streams():
@@ -56,7 +56,7 @@ def test_blob_bytes_equal_the_encoders(shape, scale, own):
     bins = spread_bins(codes).flatten()
     peaks = np.empty(h * d, np.int64)
     mine = np.empty(h * d, np.uint8)
-    if ds.spread_bins_exact(codes.numpy(), mine, peaks):
+    if ds.spread_bins_exact(codes.numpy(), mine, peaks, SPREAD_BINS_PER_OCTAVE):
         assert (mine == bins.numpy()).all()
     assert (peaks == codes.abs().amax(1).flatten().long().numpy()).all()
     want = len(encode_codes(codes, "deflate", own_widths=own)[0])
@@ -68,17 +68,19 @@ def test_codes_beyond_int16_are_refused_as_the_encoder_refuses_them():
     codes[0, 2, 1] = 40000.0
     peaks = np.empty(3, np.int64)
     bins = np.empty(3, np.uint8)
-    ds.spread_bins_exact(codes.numpy(), bins, peaks)
+    ds.spread_bins_exact(codes.numpy(), bins, peaks, SPREAD_BINS_PER_OCTAVE)
     assert ds.codes_blob_bytes(codes.numpy(), bins, peaks) == -1
 
 
-def test_bins_flag_a_spread_at_a_bins_edge():
+@pytest.mark.parametrize("per_octave", [1, 2])
+def test_bins_flag_a_spread_at_a_bins_edge(per_octave):
     """Codes 0 and 1, ``ones`` of them 1: spread ``sqrt(p (1 - p))``. A count whose spread puts
-    twice the log2 of (spread + 0.25) within the margin of a half is left to torch's rounding."""
+    ``per_octave`` times the log2 of (spread + 0.25) within the margin of a half is left to
+    torch's rounding."""
     t = 1 << 16
     ones = np.arange(1, t)
     p = ones / t
-    v = np.log2(np.sqrt(p * (1 - p)) + 0.25) * 2
+    v = np.log2(np.sqrt(p * (1 - p)) + 0.25) * per_octave
     off = np.abs(v - np.floor(v) - 0.5)
     near, far = ones[off < ds.BIN_MARGIN / 2], ones[off > 2 * ds.BIN_MARGIN][::4000]
     assert len(near) and len(far)
@@ -86,9 +88,9 @@ def test_bins_flag_a_spread_at_a_bins_edge():
     for n, trusted in [*((int(n), False) for n in near), *((int(n), True) for n in far)]:
         codes = torch.zeros(1, t, 1)
         codes[0, :n, 0] = 1.0
-        assert ds.spread_bins_exact(codes.numpy(), bins, peaks) == trusted
+        assert ds.spread_bins_exact(codes.numpy(), bins, peaks, per_octave) == trusted
         if trusted:
-            assert int(bins[0]) == int(spread_bins(codes)[0, 0])
+            assert int(bins[0]) == int(spread_bins(codes, per_octave=per_octave)[0, 0])
 
 
 def test_counted_payload_equals_the_encoded_one_through_a_compress(tiny_lm, tmp_path_factory, monkeypatch):

@@ -234,6 +234,8 @@ def test_mutated_blobs_raise_only_format_errors(coding, inflater, monkeypatch):
     inflate (ISA-L's errors are not zlib's)."""
     import random
 
+    from fuzzkit import mutate
+
     from kdnctl.quant.coders import deflate
     monkeypatch.setattr(deflate, "INFLATER", inflater)
     torch.manual_seed(7)
@@ -245,16 +247,7 @@ def test_mutated_blobs_raise_only_format_errors(coding, inflater, monkeypatch):
     for case in range(600):
         name = rng.choice(["layers.0.keys.codes", "layers.0.keys.params"])
         b = bytearray(full[name].numpy().tobytes())
-        op = rng.randrange(4)
-        i = rng.randrange(len(b))
-        if op == 0:
-            b[i] ^= 1 << rng.randrange(8)
-        elif op == 1:
-            b[i] = rng.randrange(256)
-        elif op == 2:
-            del b[i:]
-        else:
-            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
+        op = mutate(b, rng, n_ops=4)
         bad = dict(full)
         bad[name] = torch.frombuffer(b, dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
         try:

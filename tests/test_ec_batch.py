@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from fuzzkit import mutate
+
 from kdnctl.errors import BundleFormatError
 from kdnctl.quant import ec_batch
 from kdnctl.quant.entropy import EntropyQuantizer, encode_role
@@ -108,7 +110,9 @@ def test_batch_decoder_equals_the_reference(h, t, d, theta, own, workers, own_wi
         assert torch.equal(a, b)  # the same float32 operations in the same order: bit for bit
 
 
-def test_every_packing_is_exercised():
+def every_packing_chunk() -> Chunk:
+    """A chunk (3 heads, 61 tokens, head dim 32, 2 layers) whose frames hold every packing of codes:
+    none stored, one per byte, 2, 3 and 5 digits to a byte (checked here)."""
     from kdnctl.quant.entropy import codes_per_byte
 
     c = _chunk(3, 3, 61, 32, 2)
@@ -118,6 +122,12 @@ def test_every_packing_is_exercised():
             n = int(blob[1])
             peaks |= set(blob[2 + 4 * n:2 + 6 * n].clone().view(torch.int16).tolist())
     assert {codes_per_byte(p) for p in peaks} >= {0, 1, 2, 3, 5}, sorted(peaks)
+    return c
+
+
+def test_every_packing_is_exercised():
+    c = every_packing_chunk()
+    assert torch.equal(_reference([c], 2, 3, 32)[1], _fast([c], 2, 3, 32)[1])
 
 
 def test_a_cache_made_under_inference_mode(with_basis):
@@ -149,25 +159,21 @@ def test_fuzzed_frames_fail_alike(coding_bits):
     h, t, d, n_layers = 2, 23, 8, 2
     rng = random.Random(20261129 + coding_bits)
     base = _chunk(31 + coding_bits, h, t, d, n_layers)
+    counts = fuzz_against_the_reference(base, n_layers, h, d, rng, 150,
+                                        lambda chunk: _fast([chunk], n_layers, h, d, workers=1))
+    assert counts["error"] > 50, counts
+
+
+def fuzz_against_the_reference(base, n_layers, h, d, rng, n_cases, decode) -> dict:
+    """``n_cases`` mutations (``fuzzkit.mutate``) of one codes or params blob of ``base``, each
+    decoded by the reference and by ``decode(chunk)``: both raise BundleFormatError or both give
+    the same K/V. Returns how many of each."""
     counts = {"error": 0, "decoded": 0}
-    for case in range(150):
+    for case in range(n_cases):
         tensors = dict(base.tensors)
         name = rng.choice([f"layers.{rng.randrange(n_layers)}.{r}.{p}" for r in ("keys", "values") for p in ("codes", "params")])
         b = bytearray(tensors[name].numpy().tobytes())
-        op, i = rng.randrange(5), rng.randrange(len(b))
-        if op == 0:
-            b[i] ^= 1 << rng.randrange(8)
-        elif op == 1:
-            b[i] = rng.randrange(256)
-        elif op == 2:
-            del b[i:]
-        elif op == 3:
-            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
-        else:  # a frame size or peak of the header rewritten
-            n = b[1] if len(b) > 1 else 0
-            j = 2 + rng.randrange(max(1, 6 * n))
-            if j < len(b):
-                b[j] = rng.randrange(256)
+        op = mutate(b, rng)
         tensors[name] = torch.frombuffer(b, dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
         chunk = Chunk(tensors, base.meta)
         try:
@@ -175,16 +181,16 @@ def test_fuzzed_frames_fail_alike(coding_bits):
         except BundleFormatError:
             ref = None
         try:
-            fast = _fast([chunk], n_layers, h, d, workers=1)
+            got = decode(chunk)
         except BundleFormatError:
-            fast = None
-        assert (ref is None) == (fast is None), (case, name, op)
+            got = None
+        assert (ref is None) == (got is None), (case, name, op)
         if ref is None:
             counts["error"] += 1
         else:
             counts["decoded"] += 1
-            assert all(torch.equal(a, b) for a, b in zip(ref, fast)), (case, name, op)
-    assert counts["error"] > 50, counts
+            assert all(torch.equal(a, b) for a, b in zip(ref, got)), (case, name, op)
+    return counts
 
 
 @pytest.mark.model

@@ -11,10 +11,10 @@ import random
 import pytest
 import torch
 
-from kdnctl.errors import BundleFormatError
 from kdnctl.quant import ec_batch, ec_device
 
-from test_ec_batch import Chunk, _chunk, _reference, with_basis  # noqa: F401  (a fixture)
+from test_ec_batch import (Chunk, _chunk, _reference, every_packing_chunk, fuzz_against_the_reference,  # noqa: F401
+                           with_basis)  # (a fixture)
 
 pytestmark = pytest.mark.skipif(not ec_batch.enabled(), reason="numba or ISA-L missing: loads take the reference path")
 
@@ -71,15 +71,7 @@ def test_device_decoder_equals_the_reference(kernel, h, t, d, theta, own, own_wi
 
 
 def test_every_packing_reaches_the_kernel(kernel):
-    from kdnctl.quant.entropy import codes_per_byte
-
-    c = _chunk(3, 3, 61, 32, 2)
-    peaks = set()
-    for name, blob in c.tensors.items():
-        if name.endswith(".codes"):
-            n = int(blob[1])
-            peaks |= set(blob[2 + 4 * n:2 + 6 * n].clone().view(torch.int16).tolist())
-    assert {codes_per_byte(p) for p in peaks} >= {0, 1, 2, 3, 5}, sorted(peaks)
+    c = every_packing_chunk()
     _close(_reference([c], 2, 3, 32), _device([c], 2, 3, 32))
 
 
@@ -138,41 +130,8 @@ def test_fuzzed_frames_are_refused_where_the_reference_refuses_them(seed):
     h, t, d, n_layers = 2, 23, 8, 2
     rng = random.Random(20261202 + seed)
     base = _chunk(31 + seed, h, t, d, n_layers)
-    counts = {"error": 0, "decoded": 0}
-    for case in range(120):
-        tensors = dict(base.tensors)
-        name = rng.choice([f"layers.{rng.randrange(n_layers)}.{r}.{p}" for r in ("keys", "values") for p in ("codes", "params")])
-        b = bytearray(tensors[name].numpy().tobytes())
-        op, i = rng.randrange(5), rng.randrange(len(b))
-        if op == 0:
-            b[i] ^= 1 << rng.randrange(8)
-        elif op == 1:
-            b[i] = rng.randrange(256)
-        elif op == 2:
-            del b[i:]
-        elif op == 3:
-            b[i:i] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 9)))
-        else:  # a frame size or peak of the header rewritten
-            n = b[1] if len(b) > 1 else 0
-            j = 2 + rng.randrange(max(1, 6 * n))
-            if j < len(b):
-                b[j] = rng.randrange(256)
-        tensors[name] = torch.frombuffer(b, dtype=torch.uint8) if b else torch.zeros(0, dtype=torch.uint8)
-        chunk = Chunk(tensors, base.meta)
-        try:
-            ref = _reference([chunk], n_layers, h, d)
-        except BundleFormatError:
-            ref = None
-        try:
-            got = _device([chunk], n_layers, h, d, workers=1)
-        except BundleFormatError:
-            got = None
-        assert (ref is None) == (got is None), (case, name, op)
-        if ref is None:
-            counts["error"] += 1
-        else:
-            counts["decoded"] += 1
-            assert all(torch.equal(a, b) for a, b in zip(ref, got)), (case, name, op)
+    counts = fuzz_against_the_reference(base, n_layers, h, d, rng, 120,
+                                        lambda chunk: _device([chunk], n_layers, h, d, workers=1))
     assert counts["error"] > 40, counts
 
 

@@ -206,3 +206,17 @@ def _on(basis_t: torch.Tensor, device: torch.device) -> torch.Tensor:
             _ON_DEVICE.clear()
         hit = _ON_DEVICE[key] = (basis_t, basis_t.to(device, torch.float32).contiguous())
     return hit[1]
+
+
+def warm() -> bool:
+    """Compile the host part of a device load (numba keeps it on disk; ``scripts/install.sh``
+    calls this) on :func:`ec_batch.made_up_version`, the rows by the torch reference on the CPU:
+    True when they equal the reference decoder's; False where the compiled path is absent or off."""
+    if not ec_batch.enabled():
+        return False
+    b, quant, want = ec_batch.made_up_version()
+    out = tuple(torch.zeros_like(w) for w in want)
+    if not eligible([b], want[0].shape[0], quant, out):
+        return False
+    decode_into(out, [b], [0], quant, workers=1)
+    return all(torch.allclose(got, w, rtol=1e-5, atol=1e-4) for got, w in zip(out, want))

@@ -107,12 +107,21 @@ def _digit_table(peak: int, per: int) -> np.ndarray:
     return ((np.arange(256)[:, None] // radix ** np.arange(per)) % radix - peak).astype(np.int8)
 
 
-def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torch.Tensor:
-    """``[H, D]`` uint8 bin of every channel of ``codes [H, T, D]``: twice the log2 of its
-    spread in steps (channels whose codes are alike share one entropy coder's table), over the
-    ``stored`` rows (bool ``[H, T]``) where only those are coded. Without ``stored``, ``codes``
-    may have leading dimensions (chunks of one length: ``[C, H, T, D]`` -> ``[C, H, D]``, each
-    channel's spread reduced as alone)."""
+# Spread bins per octave of spread. One bin per octave stores what two did (within 0.1% of the
+# bytes: the Huffman coder needs no finer grouping) in fewer frames, and a frame's inflate costs
+# about as much for its tables as for its bytes (research/results/rans-frames-2026-12-02/). The
+# decoder reads a bin as a label, so any bin width decodes.
+SPREAD_BINS_PER_OCTAVE = 1
+
+
+def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None, per_octave: int | None = None) -> torch.Tensor:
+    """``[H, D]`` uint8 bin of every channel of ``codes [H, T, D]``: ``per_octave`` times the
+    log2 of its spread in steps, rounded (channels whose codes are alike share one entropy
+    coder's table), over the ``stored`` rows (bool ``[H, T]``) where only those are coded.
+    Without ``stored``, ``codes`` may have leading dimensions (chunks of one length:
+    ``[C, H, T, D]`` -> ``[C, H, D]``, each channel's spread reduced as alone). ``per_octave``:
+    ``SPREAD_BINS_PER_OCTAVE`` where None."""
+    per_octave = SPREAD_BINS_PER_OCTAVE if per_octave is None else per_octave
     if codes.shape[-2] == 0:  # a chunk whose tokens were all evicted: one bin, no codes
         return torch.full(codes.shape[:-2] + codes.shape[-1:], 4, dtype=torch.uint8)
     if stored is not None:
@@ -121,7 +130,7 @@ def spread_bins(codes: torch.Tensor, stored: torch.Tensor | None = None) -> torc
         spread = (((c - ((c * w).sum(1) / n).unsqueeze(1)) ** 2 * w).sum(1) / n).sqrt()
     else:
         spread = codes.float().std(-2, unbiased=False) if codes.shape[-2] > 1 else codes.float().abs().amax(-2)
-    return torch.round(torch.log2(spread + 0.25) * 2).clamp(-4, 40).add(4).to(torch.uint8)
+    return torch.round(torch.log2(spread + 0.25) * per_octave).clamp(-4, 40).add(4).to(torch.uint8)
 
 
 def encode_role(x: torch.Tensor, step: torch.Tensor, levels: torch.Tensor, coding: str = DEFAULT_CODING,

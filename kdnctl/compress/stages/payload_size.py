@@ -23,7 +23,7 @@ import torch
 from ...format.names import tensor_name
 from ...kernels.ec import deflate_size
 from ...quant.coders.deflate import deflate_compress
-from ...quant.entropy import OWN_WIDTHS, as_u8, spread_bins
+from ...quant.entropy import OWN_WIDTHS, SPREAD_BINS_PER_OCTAVE, as_u8, spread_bins
 from ...quant.frames import frame_blob
 from ...quant.grid import level_scales, quantize_centred, stored_step_mean
 from . import quantize as qz
@@ -117,7 +117,7 @@ class PayloadSize:
                 bins = torch.empty(codes.shape[0], codes.shape[1] * codes.shape[3], dtype=torch.uint8)
                 for c in range(len(idx)):
                     peaks = np.empty(bins.shape[1], np.int64)
-                    if not deflate_size.spread_bins_exact(codes[c].numpy(), bins[c].numpy(), peaks):
+                    if not deflate_size.spread_bins_exact(codes[c].numpy(), bins[c].numpy(), peaks, SPREAD_BINS_PER_OCTAVE):
                         bins[c] = spread_bins(codes[c]).flatten()  # a spread at a bin's edge: torch's rounding
                     yield idx[c], name, codes[c], bins[c], peaks, step_bytes + self.mean_bytes[i][r][idx[c]] + \
                         bins[c].numpy().tobytes()

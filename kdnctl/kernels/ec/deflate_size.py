@@ -192,12 +192,12 @@ def _frame_blocks(codes, members, m, t, per, peak, width, hist, work):
     return close_stream(hist, n, bitpos, work)
 
 
-BIN_MARGIN = 1e-4  # (twice the log2) float32 arithmetic lands within ~5e-6 of the float64 value: 20x that
+BIN_MARGIN = 1e-4  # (bins of a log2) float32 arithmetic lands within ~5e-6 of the float64 value: 20x that
 
 
 @njit
-def spread_bins_exact(codes, bins, row_peak):
-    """``spread_bins(codes)`` (flattened to ``bins [H * D]``) for integer ``codes [H, T, D]``
+def spread_bins_exact(codes, bins, row_peak, per_octave):
+    """``spread_bins(codes, per_octave=per_octave)`` (flattened to ``bins [H * D]``) for integer ``codes [H, T, D]``
     (float32), and each row's largest ``|code|`` in ``row_peak [H * D]``: each channel's spread
     from exact integer sums, its bin in float64. False where a
     channel lies within ``BIN_MARGIN`` of a bin's edge, where float32 arithmetic could round it
@@ -230,7 +230,7 @@ def spread_bins_exact(codes, bins, row_peak):
                 spread = np.sqrt(max(var, 0.0))
             else:
                 spread = float(mx[c])
-            v = np.log2(spread + 0.25) * 2.0
+            v = np.log2(spread + 0.25) * per_octave
             f = v - np.floor(v)
             if abs(f - 0.5) < BIN_MARGIN:
                 ok = False
@@ -259,14 +259,14 @@ def warm() -> bool:
     import torch
 
     from kdnctl.kernels.feedback import cpu as feedback_cpu
-    from kdnctl.quant.entropy import encode_codes, spread_bins
+    from kdnctl.quant.entropy import SPREAD_BINS_PER_OCTAVE, encode_codes, spread_bins
 
     w = np.ones((2, 2))
     feedback_cpu.round_tokens(w, np.eye(2), np.zeros(2), np.ones((2, 2)), np.empty((2, 2)))
     codes = torch.round(torch.randn(2, 9, 4, generator=torch.Generator().manual_seed(0)) * 3)
     codes[0, 0, 0] = 300.0  # two-byte codes: the frames' widths differ between the two blobs
     bins, peaks = spread_bins(codes).flatten().numpy(), np.empty(8, np.int64)
-    spread_bins_exact(codes.numpy(), np.empty(8, np.uint8), peaks)
+    spread_bins_exact(codes.numpy(), np.empty(8, np.uint8), peaks, SPREAD_BINS_PER_OCTAVE)
     return matches_zlib() and all(
         codes_blob_bytes(codes.numpy(), bins, peaks, own) == len(encode_codes(codes, "deflate", own_widths=own)[0])
         for own in (False, True))
