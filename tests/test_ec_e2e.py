@@ -433,8 +433,10 @@ def test_backfill_loads_locally_and_remotely(lm, store, label):
 @pytest.mark.parametrize("role", [0, 1])
 def test_backfill_shift_sets_how_coarse(store, role):
     # the same kept set and cap: a smaller shift (keys 0 and values 1 against 3 and 3) spends more
-    # of it on the backfilled rows, so they come back closer to the full cache's and the kept rows
-    # further from it; with the keys' shift 0 their evicted rows are about as close as the kept ones
+    # of it on the backfilled rows, so they come back closer to the full cache's, and the kept rows
+    # no closer (each fit lands on its own scale under the cap: the kept rows' error moves by a
+    # fraction of a percent either way); with the keys' shift 0 their evicted rows are about as
+    # close as the kept ones
     doc = "faq.md"
     full = torch.cat([layer_kv(decode_bundle(store.read_object(c.object)), 16)[role]
                       for c in store.get_version(doc, "full").chunks], 1).float()
@@ -447,7 +449,7 @@ def test_backfill_shift_sets_how_coarse(store, role):
         v = torch.cat([layer_kv(decode_bundle(store.read_object(c.object)), 16)[role]
                        for c in store.get_version(doc, label).chunks], 1)
         err[label] = [float((v[:, m] - full[:, m]).norm() / full[:, m].norm()) for m in (~evicted, evicted)]
-    assert err[BACKFILL_S1][1] < err[BACKFILL][1] and err[BACKFILL_S1][0] > err[BACKFILL][0]
+    assert err[BACKFILL_S1][1] < 0.9 * err[BACKFILL][1] and err[BACKFILL_S1][0] > 0.99 * err[BACKFILL][0]
     if role == 0:
         assert err[BACKFILL_S1][1] < 2 * err[BACKFILL_S1][0]
 
