@@ -106,7 +106,7 @@ class GroupedDecode:
             raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
         self.out, self.bundles, self.starts, self.quant_meta = out, bundles, starts, quant_meta
         self.h, self.d, self.n_layers = h, d, n_layers
-        self.basis_t = _basis_t(quant_meta.get("key_basis"), n_layers, h, d)
+        self.basis_t = key_basis_t(quant_meta.get("key_basis"), n_layers, h, d)
         self.groups = [range(n_layers)] if groups is None else groups
         self.on_group = on_group
         # group by group; in a group the costlier keys first (a basis matmul and RoPE), so the last
@@ -118,7 +118,7 @@ class GroupedDecode:
         self.left = [2 * len(bundles)] * len(self.groups)  # jobs of each group not yet done
         self.lock = threading.Lock()
         self.buffers = threading.local()  # each thread's scratch
-        # (chunk, role) -> _chunk_tables of all its layers: the same positions and levels serve every
+        # (chunk, role) -> role_tables of all its layers: the same positions and levels serve every
         # layer group (made by whichever thread gets there first; two threads make the same arrays)
         self.tables: dict[tuple[int, str], tuple] = {}
 
@@ -187,7 +187,7 @@ class GroupedDecode:
             buf.zbuf = torch.empty(2 * self.n_layers * h * t * d)  # the scaled codes, then the rotated keys
         tables = self.tables.get((c, role))
         if tables is None:
-            tables = self.tables[c, role] = _chunk_tables(b.tensors, role, [tensor_name(i, role) for i in range(self.n_layers)],
+            tables = self.tables[c, role] = role_tables(b.tensors, role, [tensor_name(i, role) for i in range(self.n_layers)],
                                                           t, self.quant_meta, h, d)
         _decode_chunk_role(b, role, t, self.starts[c], self.out[ROLES.index(role)], self.quant_meta, h, d, basis,
                            buf.scratch, buf.zs, buf.state, layers, getattr(buf, "zbuf", None), tables)
@@ -213,7 +213,7 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
     room for ``2 L H t D``); one batched matmul with the basis (its columns scaled by the steps)
     and the mean, reading them transposed, rotates them into token rows in its second half (a
     BLAS matmul: several times the speed of a loop in the kernel), and a last pass RoPEs them
-    into the cache. ``chunk_tables``: ``_chunk_tables`` of every layer of the chunk's role, made once for
+    into the cache. ``chunk_tables``: ``role_tables`` of every layer of the chunk's role, made once for
     all its layer groups (else made here for ``layers``)."""
     from kdnctl.kernels.ec import cpu
 
@@ -222,7 +222,7 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
     n_layers = len(layers)
     prefixes, raw, c_off, c_len, step, mean, bins = chunk_params(b, role, layers, h * d, state)
     if chunk_tables is None:
-        lsc, cos, sin, cs_idx = _chunk_tables(tensors, role, prefixes, t, quant_meta, h, d)
+        lsc, cos, sin, cs_idx = role_tables(tensors, role, prefixes, t, quant_meta, h, d)
     else:
         lsc, cos, sin, cs_idx = chunk_tables
         lsc, cs_idx = lsc[layers.start:layers.stop], cs_idx[layers.start:layers.stop]
@@ -285,7 +285,7 @@ def chunk_params(b, role: str, layers: range, hd: int, state: np.ndarray):
     return prefixes, raw, c_off, c_len, step, mean, np.ascontiguousarray(pv[:, 4 * hd:])
 
 
-def _chunk_tables(tensors, role: str, prefixes: list[str], t: int, quant_meta: dict, h: int, d: int):
+def role_tables(tensors, role: str, prefixes: list[str], t: int, quant_meta: dict, h: int, d: int):
     """(level scales ``[L, t]``, cos, sin, RoPE table index per layer) of ``prefixes``' layers:
     ``_level_scales`` and, for keys with RoPE, ``_rope_tables`` (no RoPE: index -1)."""
     lsc = _level_scales(tensors, prefixes, t)
@@ -385,7 +385,7 @@ def _basis_t_cached(sha: str) -> torch.Tensor:
     return hit[1]
 
 
-def _basis_t(sha: str | None, n_layers: int, h: int, d: int) -> torch.Tensor | None:
+def key_basis_t(sha: str | None, n_layers: int, h: int, d: int) -> torch.Tensor | None:
     """``[L, H, D, D]`` transposed key basis (``x = (z @ B^T) * step + mean``), or None."""
     if sha is None:
         return None

@@ -102,7 +102,7 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
     n_layers, hd, device = out[0].shape[0], h * d, out[0].device
     if tuple(out[0].shape[1:2]) != (h,) or out[0].shape[3] != d:
         raise BundleFormatError(f"ec chunks of {h} heads of {d} do not fit the cache {list(out[0].shape)}")
-    basis_t = ec_batch._basis_t(quant_meta.get("key_basis"), n_layers, h, d)
+    basis_t = ec_batch.key_basis_t(quant_meta.get("key_basis"), n_layers, h, d)
     inflate_blobs = cpu.inflate_blobs()
     layers = range(n_layers)
     hosts = {role: _Host(len(bundles) * n_layers, hd) for role in ROLES}
@@ -129,7 +129,7 @@ def decode_into(out: tuple[torch.Tensor, torch.Tensor], bundles, starts: list[in
         b = bundles[c]
         t = b.layer_len(0)
         prefixes, raw, c_off, c_len, step, mean, bins = ec_batch.chunk_params(b, role, layers, hd, state())
-        lsc, cos, sin, cs_idx = ec_batch._chunk_tables(b.tensors, role, prefixes, t, quant_meta, h, d)
+        lsc, cos, sin, cs_idx = ec_batch.role_tables(b.tensors, role, prefixes, t, quant_meta, h, d)
         host = hosts[role]
         host.step[c * n_layers:(c + 1) * n_layers] = step
         host.mean[c * n_layers:(c + 1) * n_layers] = mean
