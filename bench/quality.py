@@ -4,7 +4,9 @@
                             [--limit N] [--threads 1]
                             [--device cpu|cuda] [--dtype float32|float16|bfloat16]
                             [--recipe "--budget 1 --quant int8"]... [--no-default-recipes]
-                            [--versions L,...] [--out research/results/quality.json] [--plot PNG]
+                            [--versions L,...] [--out research/results/quality.json] [--plot PNG] [--plot-kinds PNG]
+    python bench/quality.py --merge A.json B.json [--out J] [--plot-kinds PNG]   # shards of one run
+    python bench/quality.py --results A.json B.json --plot-kinds PNG [--labels L,...]   # runs of different task sets
 
 1. ingest the task contexts into a bench store (once: unchanged contexts are skipped);
 2. run every recipe as a ``kdnctl compress`` argument list (``--recipe`` may repeat; the default
@@ -179,6 +181,11 @@ def main() -> None:
                     help="model dtype for every step (default float32)")
     ap.add_argument("--out", default=str(ROOT / "research" / "results" / "quality.json"))
     ap.add_argument("--plot", default=None, help="quality-vs-bytes PNG")
+    ap.add_argument("--plot-kinds", default=None, metavar="PNG",
+                    help="the per-answer-kind plot (accuracy and median answer NLL vs the full cache, by bytes)")
+    ap.add_argument("--results", nargs="+", default=None, metavar="JSON",
+                    help="no evaluation: draw --plot-kinds from these results files (runs of different task sets)")
+    ap.add_argument("--labels", default=None, help="with --results: only these versions (comma-separated)")
     ap.add_argument("--compress-only", action="store_true", help="ingest and compress, no evaluation")
     ap.add_argument("--interleave", action="store_true",
                     help="evaluate the kinds in proportion (needle, multi-fact, continuation, ...), so a run cut "
@@ -197,6 +204,15 @@ def main() -> None:
                     help="HH:MM (machine clock) or +SECONDS: start no new task after it; the results JSON is rewritten "
                          "after every task, so a cut-off run still reports the tasks it finished")
     args = ap.parse_args()
+    if args.results:
+        if not args.plot_kinds:
+            ap.error("--results draws --plot-kinds PNG")
+        from kdnctl.evaluation.plot import plot_answer_kinds
+
+        labels = set(args.labels.split(",")) if args.labels else None
+        results = [json.loads(Path(f).read_text()) for f in args.results]
+        print(f"plot: {plot_answer_kinds(results, args.plot_kinds, labels)}")
+        return
     if args.merge:
         return merge(args)
 
@@ -305,10 +321,17 @@ def main() -> None:
     per = {v["label"]: v.get("eval_seconds") for v in result["versions"]}
     print(f"\neval: {eval_s:.1f}s for {len(tasks)} tasks x {len(result['versions'])} versions "
           f"(per version: {', '.join(f'{k} {s:.0f}s' for k, s in per.items() if s is not None)}); results: {out_path}")
-    if args.plot:
-        from kdnctl.evaluation.plot import plot_quality_vs_bytes
+    plots(result, args)
 
+
+def plots(result: dict, args) -> None:
+    """The PNGs asked for (``--plot``, ``--plot-kinds``) of one run's ``result``."""
+    from kdnctl.evaluation.plot import plot_answer_kinds, plot_quality_vs_bytes
+
+    if args.plot:
         print(f"plot: {plot_quality_vs_bytes(result, args.plot)}")
+    if args.plot_kinds:
+        print(f"plot: {plot_answer_kinds([result], args.plot_kinds)}")
 
 
 def merge(args) -> None:
@@ -335,10 +358,7 @@ def merge(args) -> None:
     print("\n" + paired_markdown(result))
     print("\n" + answer_kind_markdown(result))
     print(f"\nmerged {len(parts)} parts: {result['n_tasks']} tasks; results: {out_path}")
-    if args.plot:
-        from kdnctl.evaluation.plot import plot_quality_vs_bytes
-
-        print(f"plot: {plot_quality_vs_bytes(result, args.plot)}")
+    plots(result, args)
 
 
 if __name__ == "__main__":

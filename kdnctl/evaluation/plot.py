@@ -91,3 +91,63 @@ def plot_quality_vs_bytes(result: dict, out: str | Path) -> Path:
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
+
+
+ANSWER_KIND_PANELS = (("accuracy_vs_full", "accuracy / full cache's", ("digits", "words")),
+                      ("median_nll_ratio", "median NLL / full cache's", ("digits", "words", "continuation")))
+
+
+def answer_kind_points(results: list[dict], labels: set[str] | None = None
+                       ) -> dict[tuple[str, str], list[tuple[str, float, float, int]]]:
+    """``(metric, answer kind) -> [(version label, stored fp16 fraction, value, tasks)]`` of every
+    version but the full cache in ``results`` (runs of ``bench/quality.py``, each paired against
+    its own full cache: ``by_answer_kind``), only those named in ``labels`` where given. A kind
+    two runs both measured for one label is drawn once per run."""
+    points: dict[tuple[str, str], list] = defaultdict(list)
+    for result in results:
+        for v in result["versions"]:
+            x = v.get("fp16_fraction")
+            if v["label"] == "full" or x is None or (labels is not None and v["label"] not in labels):
+                continue
+            for metric, _, kinds in ANSWER_KIND_PANELS:
+                for kind in kinds:
+                    k = (v.get("by_answer_kind") or {}).get(kind) or {}
+                    if k.get(metric) is not None:
+                        points[metric, kind].append((v["label"], x, k[metric], k["n"]))
+    return points
+
+
+def plot_answer_kinds(results: list[dict], out: str | Path, labels: set[str] | None = None) -> Path:
+    """The equal-bytes plot per answer kind: x = stored K/V bytes as a fraction of fp16, one
+    panel for accuracy and one for the median answer NLL, each as a ratio to the full cache of
+    the same run (1 = no loss, the dashed line), a marker per kind, each point labelled with its
+    version and task count; the versions named in ``labels``, else all."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = answer_kind_points(results, labels)
+    markers = {"digits": "o", "words": "s", "continuation": "^"}
+    lift = {"digits": 4, "words": -6, "continuation": -16}  # labels of points at one spot stay apart
+    fig, axes = plt.subplots(1, len(ANSWER_KIND_PANELS), figsize=(6.5 * len(ANSWER_KIND_PANELS), 4.4), squeeze=False)
+    for ax, (metric, title, kinds) in zip(axes[0], ANSWER_KIND_PANELS):
+        for kind in kinds:
+            pts = points.get((metric, kind), [])
+            if not pts:
+                continue
+            ax.scatter([p[1] for p in pts], [p[2] for p in pts], marker=markers[kind], label=kind)
+            for label, x, y, n in pts:
+                ax.annotate(f"{label} ({kind}, n={n})", (x, y), fontsize=6, xytext=(4, lift[kind]),
+                            textcoords="offset points")
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1, label="full cache")
+        ax.set_xscale("log")
+        ax.set_xlabel("stored K/V bytes / fp16 K/V bytes")
+        ax.set_ylabel(title)
+        ax.set_title(f"{title}, by answer kind")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
