@@ -33,6 +33,16 @@ def _series(versions: list[dict], full: dict, metric: str) -> dict[str, list[tup
     return {n: sorted(p) + [(1.0, full[metric])] for n, p in series.items() if len(p) > 1}
 
 
+def _save(fig, out: str | Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    out = Path(out)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_quality(result: dict, out: str | Path, metrics: tuple[str, ...] = METRICS) -> Path:
     import matplotlib
 
@@ -50,11 +60,7 @@ def plot_quality(result: dict, out: str | Path, metrics: tuple[str, ...] = METRI
         ax.set_ylabel(metric if metric != "kl" else "KL(full || version)")
         ax.set_title(f"{metric} vs budget")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 TASK_METRICS = (("needle", "accuracy", "needle accuracy"), ("multifact", "accuracy", "multi-fact accuracy"),
@@ -86,11 +92,7 @@ def plot_quality_vs_bytes(result: dict, out: str | Path) -> Path:
         ax.set_ylabel(title + (f" (n={full[kind]['n']})" if full[kind].get("n") else ""))
         ax.set_title(f"{title} vs bytes")
     axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
 
 
 ANSWER_KIND_PANELS = (("accuracy_vs_full", "accuracy / full cache's", ("digits", "words")),
@@ -146,8 +148,4 @@ def plot_answer_kinds(results: list[dict], out: str | Path, labels: set[str] | N
         ax.set_ylabel(title)
         ax.set_title(f"{title}, by answer kind")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = Path(out)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _save(fig, out)
