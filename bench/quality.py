@@ -185,7 +185,9 @@ def main() -> None:
                     help="the per-answer-kind plot (accuracy and median answer NLL vs the full cache, by bytes)")
     ap.add_argument("--results", nargs="+", default=None, metavar="JSON",
                     help="no evaluation: draw --plot-kinds from these results files (runs of different task sets)")
-    ap.add_argument("--labels", default=None, help="with --results: only these versions (comma-separated)")
+    ap.add_argument("--labels", default=None,
+                    help="with --results: only these versions (comma-separated); LABEL=SHOWN draws LABEL as SHOWN "
+                         "(a variant that has become the default since its run)")
     ap.add_argument("--compress-only", action="store_true", help="ingest and compress, no evaluation")
     ap.add_argument("--interleave", action="store_true",
                     help="evaluate the kinds in proportion (needle, multi-fact, continuation, ...), so a run cut "
@@ -209,7 +211,7 @@ def main() -> None:
             ap.error("--results draws --plot-kinds PNG")
         from kdnctl.evaluation.plot import plot_answer_kinds
 
-        labels = set(args.labels.split(",")) if args.labels else None
+        labels = dict((x.split("=", 1) + [x])[:2] for x in args.labels.split(",")) if args.labels else None
         results = [json.loads(Path(f).read_text()) for f in args.results]
         print(f"plot: {plot_answer_kinds(results, args.plot_kinds, labels)}")
         return

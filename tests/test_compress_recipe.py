@@ -35,8 +35,11 @@ def test_recipe_has_at_most_twelve_fields():
     assert not set(names) & set(OPTIONS)  # each setting in one place
 
 
-# What the defaults record now: 0.083 lifts by the better rank of literals and its eviction scorer
-RECORDS = {0.25: OLD_RECORDS[0.25], 0.083: {**OLD_RECORDS[0.083], "lift": "literals+sentences-gap"}}
+# The 0.083 default's record before its steps came from the model's Fisher profile: its lift
+# already took the better rank of literals and its eviction scorer
+EVEN_RECORD = {**OLD_RECORDS[0.083], "lift": "literals+sentences-gap"}
+# What the defaults record now
+RECORDS = {0.25: OLD_RECORDS[0.25], 0.083: {**EVEN_RECORD, "layers": "fisher"}}
 
 
 @pytest.mark.parametrize("budget", sorted(RECORDS))
@@ -53,7 +56,15 @@ def test_the_earlier_0083_default_reads_back_under_its_spelled_out_name():
     back as itself, named by its recipe, so a store's version of it is never taken for b0.083."""
     old = CompressRecipe.from_dict(OLD_RECORDS[0.083])
     assert old.as_dict() == OLD_RECORDS[0.083]
-    assert old.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-rf0.01hdf-sentences-gap"
+    assert old.default_label() == "ec-b0.083-k0.5-p32-lliterals0.3x2k-even-rf0.01hdf-sentences-gap"
+
+
+def test_the_even_step_0083_default_reads_back_under_its_spelled_out_name():
+    """The 0.083 default's record before its steps came from the Fisher profile: itself, and never
+    taken for b0.083 (a store holding it under that name refuses the new default's compress)."""
+    even = CompressRecipe.from_dict(EVEN_RECORD)
+    assert even.as_dict() == EVEN_RECORD
+    assert even.default_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-even-rf0.01hdf-sentences-gap"
 
 
 def test_names_short_for_a_budget_spelled_out_otherwise():
@@ -71,7 +82,8 @@ def test_old_recipe_files_parse(tmp_path):
     old.write_text('name = "old"\n[compress]\nbudget = 0.083\nquant = "ec"\nkeep = 0.5\nprotect = 32\nmethod = "kvcrush"\n'
                    'scorer = "sentences-gap"\ngroup_size = 32\nlift = "literals"\nlift_share = 0.3\nlift_level = 2\n'
                    'lift_role = "keys"\nrefit = 0.01\nrefit_hold = true\nrefit_decoded = true\nrefit_feedback = true\n')
-    assert load_recipe(old).compress_recipe().as_dict() == OLD_RECORDS[0.083]
+    # a file that leaves a field out takes today's default for it (the steps' split: fisher)
+    assert load_recipe(old).compress_recipe().as_dict() == {**OLD_RECORDS[0.083], "layers": "fisher"}
     evict = tmp_path / "evict.toml"
     evict.write_text('name = "e"\n[compress]\nkeep = 0.5\nmethod = "kvcrush"\n[compress.options]\nratio = 0.5\n')
     r = load_recipe(evict).compress_recipe()

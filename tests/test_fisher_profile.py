@@ -130,7 +130,8 @@ def test_without_a_profile_each_document_runs_its_own_probe(tiny_lm, store, monk
 
     calls = _count_probes(monkeypatch)
     assert not wants_profile(CompressRecipe(budget=0.25, layers="even"))
-    assert wants_profile(CompressRecipe(budget=0.25)) and not wants_profile(CompressRecipe(budget=0.083))
+    assert wants_profile(CompressRecipe(budget=0.25)) and wants_profile(CompressRecipe(budget=0.083))
+    assert not wants_profile(CompressRecipe(budget=0.083, quant="ec", keep=0.5, backfill="12-23"))
     _compress(store, tiny_lm, "faq.md", layers="even")
     assert calls == [] and profile_record(store, tiny_lm.fingerprint) is None
     assert ensure_profile(store, tiny_lm, wanted=False) is None

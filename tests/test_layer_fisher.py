@@ -104,10 +104,9 @@ def test_damage_and_multipliers_match_loops():
     assert float(mult.max()) == lf.CLIP and float(mult.min()) < 1  # the spread of 1e6 reaches the clip
 
 
-def test_recipe_uses_the_fisher_split_only_where_every_token_is_kept():
-    """The probe repeats the document over its cache; with eviction most of it is gone, and on the
-    130-task acceptance run the Fisher split lost 4 of 60 needles at 0.083 (0 gained), so the split
-    defaults to ``even`` when tokens are evicted and to ``fisher`` otherwise."""
+def test_recipe_uses_the_fisher_split_at_every_budget_but_backfill():
+    """Steps per layer and role come from the model's Fisher profile by default, also where tokens
+    are evicted; backfill's coarse rows need even steps, so a backfill recipe defaults to even."""
     import pytest
 
     from kdnctl.compress.document import CompressRecipe
@@ -117,11 +116,15 @@ def test_recipe_uses_the_fisher_split_only_where_every_token_is_kept():
     assert (full.quant, full.keep, full.layers) == ("ec", 1.0, "fisher")
     assert full.default_label() == "b0.25" and full.as_dict()["layers"] == "fisher"
     evicting = CompressRecipe(budget=0.083)
-    assert evicting.keep < 1 and evicting.layers == "even" and evicting.as_dict()["layers"] == "even"
+    assert evicting.keep < 1 and evicting.layers == "fisher" and evicting.as_dict()["layers"] == "fisher"
     assert evicting.default_label() == "b0.083"
     # the non-default split is spelled out in the label, so the two never share a version
-    assert CompressRecipe(budget=0.083, layers="fisher").default_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-fisher-rf0.01hdf-sentences-gap"
+    assert CompressRecipe(budget=0.083, layers="even").default_label() == "ec-b0.083-k0.5-p32-lliterals+sentences-gap0.3x2k-even-rf0.01hdf-sentences-gap"
     assert CompressRecipe(budget=0.25, quant="ec", protect=64, layers="even").default_label() == "ec-b0.25-p64-even"
-    assert CompressRecipe(budget=0.25, quant="ec", keep=0.5, scorer="sentences").layers == "even"
+    assert CompressRecipe(budget=0.25, quant="ec", keep=0.5, scorer="sentences").layers == "fisher"
+    backfill = CompressRecipe(budget=0.083, quant="ec", keep=0.5, backfill="12-23")
+    assert backfill.layers == "even" and "-even" not in backfill.default_label()
+    with pytest.raises(UsageError, match="option backfill"):
+        CompressRecipe(budget=0.083, quant="ec", keep=0.5, backfill="12-23", layers="fisher")
     with pytest.raises(UsageError, match="option layers must be"):
         CompressRecipe(budget=0.25, layers="uneven")

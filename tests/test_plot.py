@@ -53,3 +53,6 @@ def test_answer_kind_points_pair_each_kind_with_its_run(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
     only = answer_kind_points([digits, words], labels={"b0.083"})
     assert {label for v in only.values() for label, *_ in v} == {"b0.083"}
+    # a dict picks and renames: a variant drawn under the name it has as the default now
+    renamed = answer_kind_points([digits, words], labels={"b0.083": "b0.083-old", "b0.25": "b0.25"})
+    assert renamed["accuracy_vs_full", "words"] == [("b0.25", 0.221, 0.979, 60), ("b0.083-old", 0.082, 0.854, 60)]

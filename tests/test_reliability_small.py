@@ -36,7 +36,7 @@ def test_long_label_is_refused_before_any_object_is_written(small_store):
         proc = run_cli(*cmd, store=small_store)
         assert proc.returncode == 2 and "--label" in proc.stderr, proc.stderr
     # a recipe whose own spelled-out name passes the limit: the hint says to name it
-    proc = run_cli("compress", "doc-a", "--budget", "0.083", "--option", "layers=fisher", store=small_store)
+    proc = run_cli("compress", "doc-a", "--budget", "0.083", "--option", "layers=even", store=small_store)
     assert proc.returncode == 2 and "name the version with --label NAME" in proc.stderr, proc.stderr
     assert _objects(small_store) == before
 

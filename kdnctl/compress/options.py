@@ -111,7 +111,7 @@ OPTIONS: dict[str, Option] = {
     "lift_role": Option(None, _choice("keys"), "precision", "with lift: keys lifts the keys alone (default: both roles)"),
     "key_weight": Option(KEY_WEIGHT, _positive, "ladder, quantize", "a key error's damage relative to a value error's"),
     "layers": Option(None, _choice("fisher", "even"), "quantize", "fisher: steps per layer and role scaled by a Fisher "
-                     "estimate of their damage (default where every token is kept); even: the same relative error"),
+                     "estimate of their damage (default, but with backfill); even: the same relative error"),
     "backfill": Option(None, _text, "precision, quantize, encode", "with keep < 1: layers A-B, L or KV heads L.H (joined by +) also keep "
                        "the evicted tokens, at coarser steps"),
     "backfill_shift": Option(BACKFILL_SHIFT, _int_range(0, MAX_BACKFILL_SHIFT), "precision",

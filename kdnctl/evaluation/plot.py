@@ -99,27 +99,30 @@ ANSWER_KIND_PANELS = (("accuracy_vs_full", "accuracy / full cache's", ("digits",
                       ("median_nll_ratio", "median NLL / full cache's", ("digits", "words", "continuation")))
 
 
-def answer_kind_points(results: list[dict], labels: set[str] | None = None
+def answer_kind_points(results: list[dict], labels: set[str] | dict[str, str] | None = None
                        ) -> dict[tuple[str, str], list[tuple[str, float, float, int]]]:
     """``(metric, answer kind) -> [(version label, stored fp16 fraction, value, tasks)]`` of every
     version but the full cache in ``results`` (runs of ``bench/quality.py``, each paired against
-    its own full cache: ``by_answer_kind``), only those named in ``labels`` where given. A kind
-    two runs both measured for one label is drawn once per run."""
+    its own full cache: ``by_answer_kind``), only those named in ``labels`` where given (a dict
+    also renames: label -> the name drawn). A kind two runs both measured for one label is drawn
+    once per run."""
+    shown = dict(zip(labels, labels)) if isinstance(labels, (set, frozenset, list, tuple)) else labels
     points: dict[tuple[str, str], list] = defaultdict(list)
     for result in results:
         for v in result["versions"]:
             x = v.get("fp16_fraction")
-            if v["label"] == "full" or x is None or (labels is not None and v["label"] not in labels):
+            if v["label"] == "full" or x is None or (shown is not None and v["label"] not in shown):
                 continue
+            name = v["label"] if shown is None else shown[v["label"]]
             for metric, _, kinds in ANSWER_KIND_PANELS:
                 for kind in kinds:
                     k = (v.get("by_answer_kind") or {}).get(kind) or {}
                     if k.get(metric) is not None:
-                        points[metric, kind].append((v["label"], x, k[metric], k["n"]))
+                        points[metric, kind].append((name, x, k[metric], k["n"]))
     return points
 
 
-def plot_answer_kinds(results: list[dict], out: str | Path, labels: set[str] | None = None) -> Path:
+def plot_answer_kinds(results: list[dict], out: str | Path, labels: set[str] | dict[str, str] | None = None) -> Path:
     """The equal-bytes plot per answer kind: x = stored K/V bytes as a fraction of fp16, one
     panel for accuracy and one for the median answer NLL, each as a ratio to the full cache of
     the same run (1 = no loss, the dashed line), a marker per kind, each point labelled with its

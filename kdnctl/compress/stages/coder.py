@@ -8,7 +8,7 @@ prompt header and the last ``protect`` tokens always among them; with the ``sent
 whole sentences), is kept and quantized. Each channel's step follows from how much attention depends on it
 (``kdnctl.quant.sensitivity``: query energy for keys, the output projection's column norms for values) and
 one scale per document is fitted so the encoded bundles fill the byte cap
-(``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default where every token is kept)
+(``kdnctl.allocate.rate``); with ``layers="fisher"`` (the default, but with ``backfill``)
 each layer's and role's steps are first scaled by how much its error costs the model
 (``kdnctl.allocate.layer_fisher``, the model's profile where the store has one); ``key_weight``
 W makes every key step ``1/sqrt(W)`` of its value-relative size. The prompt header and the last ``protect`` tokens are
