@@ -211,7 +211,7 @@ def main() -> None:
             ap.error("--results draws --plot-kinds PNG")
         from kdnctl.evaluation.plot import plot_answer_kinds
 
-        labels = dict((x.split("=", 1) + [x])[:2] for x in args.labels.split(",")) if args.labels else None
+        labels = dict(x.split("=", 1) if "=" in x else (x, x) for x in args.labels.split(",")) if args.labels else None
         results = [json.loads(Path(f).read_text()) for f in args.results]
         print(f"plot: {plot_answer_kinds(results, args.plot_kinds, labels)}")
         return
