@@ -277,6 +277,17 @@ def _run(fn, items, workers: int) -> list:
         return list(pool.map(fn, items))
 
 
+def bundle_of(lm: LoadedModel, version, ref, data) -> KVBundle:
+    """The bundle in ``data`` (checked bytes of ``ref``'s object), refused where its own metadata
+    does not match the record that points at it (a record aimed at another document's chunk)."""
+    b = decode_bundle(data, expect_fingerprint=lm.fingerprint)
+    why = bundle_mismatch(version, ref, b.meta)
+    if why:
+        raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
+                                hint="run `kdnctl verify`; the version record is damaged or was tampered with")
+    return b
+
+
 def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
                   profile: LoadProfile | None = None) -> tuple[list[KVBundle], int]:
     """Read, check (every byte, before decoding) and decode the chunks of ``hits`` ((version,
@@ -312,11 +323,7 @@ def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
         else:  # a remote store: its read_object verifies
             data = store.read_object(ref.object)
             t0 = prof.add("read", t0)
-        b = decode_bundle(data, expect_fingerprint=lm.fingerprint)
-        why = bundle_mismatch(version, ref, b.meta)
-        if why:
-            raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
-                                    hint="run `kdnctl verify`; the version record is damaged or was tampered with")
+        b = bundle_of(lm, version, ref, data)
         t0 = prof.add("decode", t0)
         if device.type == "cuda":  # one transfer per object; placement is then on the device
             from .gpu_transfer import bundle_to_device
@@ -381,8 +388,21 @@ def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full",
         # wait on the network: fetch those in parallel.
         workers = 1 if isinstance(store, LocalObjects) else _default_workers(len(hits))
     direct = _load_placed(lm, store, hits, profile) if isinstance(store, LocalObjects) else None
+    streamed = None
+    if direct is None and profile is None and hits:
+        from . import streamed as st  # (a remote ec version: decoded as its chunks arrive)
+
+        if st.applies(lm, store):
+            streamed = st.load_streamed(lm, store, hits, label=label, doc_id=doc_id, workers=workers,
+                                        overlap=overlap, room=CACHE_ROOM)
+            if streamed.ctx is not None:
+                streamed.ctx.load_s, streamed.ctx.nbytes = time.perf_counter() - t, streamed.nbytes
+                return streamed.ctx
     if direct is not None:
         bundles, bufs, nbytes = direct
+    elif streamed is not None:  # fetched already, not for the streamed decode: placed the usual way
+        bufs, bundles, nbytes = None, streamed.bundles, streamed.nbytes
+        provide_store_bases(store, basis_shas(b.meta for b in bundles))
     else:
         bufs = None
         bundles, nbytes = _read_bundles(lm, store, hits, workers=workers, profile=profile)

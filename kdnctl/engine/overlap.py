@@ -78,6 +78,12 @@ class LayersReady:
         if self._error is not None:
             raise self._error
 
+    def join(self) -> None:
+        """Wait for the background decode's thread to end, without its error (a load that gave
+        the decode up, or failed for another reason, raises its own)."""
+        if self._thread is not None:
+            self._thread.join()
+
     def _help(self, g: int) -> None:
         """Take jobs of group ``g`` or earlier while any is left and the group is not written; an
         error in one is the decode's error (every waiter gets it)."""

@@ -113,10 +113,14 @@ class GroupedDecode:
         # jobs left are short ones
         self.jobs = [(g, c, role) for g in range(len(self.groups)) for role in sorted(ROLES, key=lambda r: r != "keys")
                      for c in range(len(bundles))]
-        self.next = 0
+        self.next = 0  # the first job not yet taken
+        self.taken = [False] * len(self.jobs)
         self.failed = False
         self.left = [2 * len(bundles)] * len(self.groups)  # jobs of each group not yet done
-        self.lock = threading.Lock()
+        # chunks whose bundle is here: all of them, or, in a load that decodes chunks as they
+        # arrive (``kdnctl.engine.streamed``), those ``arrive`` has handed over so far
+        self.arrived = [b is not None for b in bundles]
+        self.lock = threading.Condition()
         self.buffers = threading.local()  # each thread's scratch
         # (chunk, role) -> role_tables of all its layers: the same positions and levels serve every
         # layer group (made by whichever thread gets there first; two threads make the same arrays)
@@ -152,23 +156,54 @@ class GroupedDecode:
             self._do(job)
         return True
 
+    def arrive(self, c: int, bundle) -> None:
+        """Chunk ``c``'s bundle is here (read and checked): its jobs may run."""
+        with self.lock:
+            self.bundles[c] = bundle
+            self.arrived[c] = True
+            self.lock.notify_all()
+
+    def abort(self) -> None:
+        """No thread takes another job (the load has failed or goes another way)."""
+        with self.lock:
+            self.failed = True
+            self.lock.notify_all()
+
     def _run_all(self) -> None:
         with torch.inference_mode():  # (thread-local: a worker does not inherit the caller's)
-            while (job := self._take(None)) is not None:
+            while (job := self._take(None, wait=True)) is not None:
                 self._do(job)
 
-    def _take(self, up_to: int | None):
+    def _take(self, up_to: int | None, wait: bool = False):
+        """The first job not yet taken, in order, of a chunk that is here (of ``up_to``'s group or
+        an earlier one); None when there is none. ``wait``: while jobs remain whose chunks are
+        still on their way, wait for them instead."""
         with self.lock:
-            if self.failed or self.next >= len(self.jobs) or (up_to is not None and self.jobs[self.next][0] > up_to):
-                return None
-            self.next += 1
-            return self.jobs[self.next - 1]
+            while not self.failed:
+                waiting = False
+                for i in range(self.next, len(self.jobs)):
+                    g, c, _ = self.jobs[i]
+                    if up_to is not None and g > up_to:
+                        break
+                    if self.taken[i]:
+                        continue
+                    if not self.arrived[c]:
+                        waiting = True
+                        continue
+                    self.taken[i] = True
+                    while self.next < len(self.jobs) and self.taken[self.next]:
+                        self.next += 1
+                    return self.jobs[i]
+                if not (wait and waiting):
+                    return None
+                self.lock.wait()
+            return None
 
     def _do(self, job) -> None:
         try:
             self._decode(job)
         except BaseException:
-            self.failed = True  # no thread takes another job: the load has failed
+            self.abort()  # no thread takes another job: the load has failed
             raise
 
     def _decode(self, job) -> None:
