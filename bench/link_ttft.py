@@ -10,21 +10,29 @@ the server sends leaves the relay no sooner than a link of ``--gbits`` Gbit/s wo
 (one link shared by every connection, as a NIC is; the relay forwards the other direction as it
 comes). Each question opens a fresh ``RemoteStore`` through the relay (version listing, every
 chunk fetched in parallel and checked against the BLAKE3 the listing records), the loader
-decodes, and the time to the question's first token is taken: the path of ``kdnctl ask --store
-URL``. In the same run: each version read from the local store (no link) and a full prefill of
-the same tokens, and each version fetched from the server straight over loopback (no relay:
-the HTTP fetch and its checks without a link). Medians of ``--repeats``, interleaved (every repetition runs every link and
-version once); ratios against ``full`` over the same link.
+decodes, and the time to the question's first token is taken: the path of ``kdnctl ask
+--remote URL``. Each compressed version is also timed with its chunks fetched before any is decoded
+(the loader's streamed decode turned off: ``kdnctl/engine/streamed.py``). In the same run: each
+version fetched from the server straight over loopback (no relay: the HTTP fetch and its checks
+without a link), read from the local store, and a full prefill of the same tokens. Before each
+question the version's object files are read once, off the clock, so that every row reads a hot
+store (the page cache) whatever the machine's memory reclaim did in between. Medians of
+``--repeats``, interleaved (every repetition runs every link and version once); ratios against
+``full`` over the same link.
 
-The relay is Python: with each link the run prints how much later, on average, its blocks left
-than the link would have sent them; where that is not small beside the times in the table, the
-rate asked for is above what the relay reaches, and the row measures the relay, not a link.
+The relay moves the bytes inside the kernel (``splice``). With each link the run prints how much
+later, on average, its blocks left than the link would have sent them; where that is not small
+beside the times in the table, the rate asked for is above what the relay reaches, and the row
+measures the relay, not a link.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
+import os
 import socket
 import statistics
 import subprocess
@@ -43,6 +51,7 @@ from serve import start_kdnctl  # noqa: E402
 from ttft import QUESTION, corpus_text  # noqa: E402
 
 from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.engine import streamed  # noqa: E402
 from kdnctl.engine.generate import generate  # noqa: E402
 from kdnctl.engine.hf import load_document  # noqa: E402
 from kdnctl.engine.prefill import bare_prefill_seconds  # noqa: E402
@@ -53,7 +62,7 @@ from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 from kdnctl.store.client import RemoteStore  # noqa: E402
 
-BLOCK = 1 << 18  # bytes per relay read: 0.2 ms of a 10 Gbit/s link
+BLOCK = 1 << 20  # bytes per relay step (the pipe's size, the kernel's default limit): 0.8 ms of a 10 Gbit/s link
 
 
 class PacedRelay:
@@ -96,10 +105,16 @@ class PacedRelay:
         return due
 
     def _pump(self, src: socket.socket, dst: socket.socket, paced: bool) -> None:
+        """Move ``src``'s bytes to ``dst`` block by block; the bytes go socket -> pipe -> socket
+        inside the kernel (``splice``: no copy through Python, the GIL released), so the relay
+        itself keeps up with the links it stands for."""
+        rd, wr = os.pipe()
         try:
-            while data := src.recv(BLOCK):
-                due = self._wait(len(data)) if paced else None
-                dst.sendall(data)
+            fcntl.fcntl(wr, fcntl.F_SETPIPE_SZ, BLOCK)
+            while n := os.splice(src.fileno(), wr, BLOCK):
+                due = self._wait(n) if paced else None
+                while n:
+                    n -= os.splice(rd, dst.fileno(), n)
                 if due is not None:
                     late = time.perf_counter() - due
                     with self.lock:
@@ -108,6 +123,8 @@ class PacedRelay:
         except OSError:
             pass
         finally:
+            os.close(rd)
+            os.close(wr)
             for s in (src, dst):
                 try:
                     s.shutdown(socket.SHUT_RDWR)
@@ -140,14 +157,40 @@ def relay_stats(proc: subprocess.Popen) -> tuple[float, ...]:
     return tuple(float(x) for x in proc.stdout.readline().split())
 
 
+def warm_objects(root: Path, store, doc_id: str, label: str) -> None:
+    """Read a version's object files once (off the clock): the server and a local load find them
+    in the page cache, as a store's hot versions are, and not wherever the machine's memory
+    reclaim (here a DAMON ``pageout`` scheme) last left them."""
+    for c in store.get_version(doc_id, label).chunks:
+        with open(root / "objects" / c.object[:2] / c.object, "rb") as f:
+            while f.read(1 << 24):
+                pass
+
+
+@contextlib.contextmanager
+def fetched_first(on: bool):
+    """With ``on``, the loader without its streamed decode (``kdnctl.engine.streamed``): every
+    chunk fetched before any is decoded, as remote loads went before it, for this run's comparison."""
+    real = streamed.applies
+    if on:
+        streamed.applies = lambda lm, store: False
+    try:
+        yield
+    finally:
+        streamed.applies = real
+
+
 @torch.inference_mode()
-def ttft(lm, store, doc_id: str, label: str, question: list[int], url: str | None) -> tuple[float, int]:
+def ttft(lm, store, doc_id: str, label: str, question: list[int], url: str | None,
+         first: bool = False) -> tuple[float, int]:
     """(seconds to the first token, bytes read) of one question over ``doc_id``'s ``label``:
-    through a fresh RemoteStore at ``url``, or from the local ``store`` where ``url`` is None."""
+    through a fresh RemoteStore at ``url``, or from the local ``store`` where ``url`` is None;
+    ``first``: every chunk fetched before any is decoded."""
     t0 = time.perf_counter()
     remote = RemoteStore(url) if url else None
     try:
-        ctx = load_document(lm, remote or store, doc_id, label, overlap=True)
+        with fetched_first(first):
+            ctx = load_document(lm, remote or store, doc_id, label, overlap=True)
         return generate(lm, ctx, question, max_new_tokens=1, t0=t0).ttft_s, ctx.nbytes
     finally:
         if remote is not None:
@@ -191,6 +234,9 @@ def main() -> None:
         try:
             links = [(f"{g:g} Gbit/s", f"http://127.0.0.1:{relays[g][1]}") for g in rates] + [
                 ("loopback, no relay", f"http://127.0.0.1:{port}"), ("local store", None)]
+            # (name, label, fetched first): the stored versions, and each compressed one with its
+            # chunks fetched before any is decoded (over a link; a local load has no such choice)
+            runs = [(lb, lb, False) for lb in labels] + [(f"{lb}, fetched first", lb, True) for lb in labels[1:]]
             for name, url in links:  # first calls off the clock (numba, the key basis, the connections)
                 for label in labels:
                     ttft(lm, store, docs[sizes[0]][0], label, question, url)
@@ -202,9 +248,13 @@ def main() -> None:
                 for size in sizes:
                     doc_id, ids = docs[size]
                     for name, url in links:
-                        for label in labels:
-                            s, n = ttft(lm, store, doc_id, label, question, url)
-                            times.setdefault((size, name, label), []).append(s)
+                        for run, label, first in runs:
+                            if first and url is None:
+                                continue
+                            warm_objects(root, store, doc_id, label)
+                            s, n = ttft(lm, store, doc_id, label, question, url, first)
+                            print(f"{size} tokens, {name}, {run}: {s:.3f} s", file=sys.stderr, flush=True)
+                            times.setdefault((size, name, run), []).append(s)
                             nbytes[size, label] = n
                     prefill.setdefault(size, []).append(bare_prefill_seconds(lm.model, ids + question))
             after = {g: relay_stats(p) for g, (p, _) in relays.items()}
@@ -220,16 +270,21 @@ def main() -> None:
         print(f"link {g:g} Gbit/s: {sent / 1e6:.0f} MB paced, {busy:.2f} s of link time; each block left the "
               f"relay {1e3 * late / max(blocks, 1):.2f} ms after the link would have sent it, on average (the relay's own delay)")
     base = labels[0]
-    head = " | ".join(f"`{lb}`" for lb in labels)
-    ratio_head = " | ".join(f"`{lb}` / `{base}`" for lb in labels[1:])
+    names = [r[0] for r in runs]
+    head = " | ".join(f"`{n}`" for n in names)
+    ratio_head = " | ".join(f"`{lb}` / `{base}`" for lb in labels[1:]) + " | " + " | ".join(
+        f"`{lb}` / fetched first" for lb in labels[1:])
+    n_cols = len(names) + 2 * (len(labels) - 1) + 1
     print(f"\n| context tokens | link | {head} | {ratio_head} | full prefill |")
-    print("|---:|---|" + "---:|" * (2 * len(labels)) + "")
+    print("|---:|---|" + "---:|" * n_cols)
     for size in sizes:
         pre = statistics.median(prefill[size])
         for name, _ in links:
-            med = {lb: statistics.median(times[size, name, lb]) for lb in labels}
-            cells = " | ".join(f"{med[lb]:.3f}" for lb in labels)
-            ratios = " | ".join(f"{med[lb] / med[base]:.2f}" for lb in labels[1:])
+            med = {n: statistics.median(times[size, name, n]) for n in names if (size, name, n) in times}
+            cells = " | ".join(f"{med[n]:.3f}" if n in med else "-" for n in names)
+            ratios = " | ".join(f"{med[lb] / med[base]:.2f}" for lb in labels[1:]) + " | " + " | ".join(
+                f"{med[lb] / med[f'{lb}, fetched first']:.2f}" if f"{lb}, fetched first" in med else "-"
+                for lb in labels[1:])
             print(f"| {size} | {name} | {cells} | {ratios} | {pre:.2f} |")
     print("\nMB read per question: " + ", ".join(
         f"{size} tokens: " + " / ".join(f"`{lb}` {nbytes[size, lb] / 1e6:.1f}" for lb in labels) for size in sizes))

@@ -232,3 +232,11 @@ def _run_in_process(argv, env):
 def cli_json(*args, store=None, **kw):
     proc = run_cli(*args, "--json", store=store, check=True, **kw)
     return json.loads(proc.stdout)
+
+
+def damage_object(root: Path, sha: str) -> None:
+    """Flip the middle byte of object ``sha`` in the store at ``root`` (on disk, as rot would)."""
+    path = Path(root) / "objects" / sha[:2] / sha
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))

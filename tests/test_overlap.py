@@ -174,3 +174,32 @@ def test_a_corrupt_frame_found_behind_the_forward_raises_in_it(lm, store):
             forward_suffix(lm, ctx, question, last_only=True)
         with pytest.raises(BundleFormatError):
             ctx.settle()
+
+
+@pytest.mark.model
+def test_an_answered_overlapped_load_leaves_its_memory_to_the_next_load(lm, store):
+    """Once a context loaded behind the forward has answered and is dropped, its pooled cache
+    memory is free for the next load at once: nothing of the finished decode refers to it (no
+    cycle for the garbage collector's next full pass to find first)."""
+    import gc
+
+    from kdnctl.engine.hf import generate, load_document
+    from kdnctl.store.arena import POOL, _address
+
+    question = lm.tokenizer("How long does charging take?", add_special_tokens=False).input_ids
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.inference_mode():
+            ctx = load_document(lm, store, "faq.md", "b0.25", overlap=True)
+            assert ctx.pending is not None
+            arena = ctx.buffers[0][0].untyped_storage().data_ptr()
+            generate(lm, ctx, question, max_new_tokens=2)
+            del ctx
+        states = POOL._states()
+        mine = [ok for a, ok in states if a and _address(a) <= arena < _address(a) + len(a)]
+        assert mine == [True]
+    finally:
+        if enabled:
+            gc.enable()

@@ -20,7 +20,7 @@ import time
 import httpx
 import pytest
 
-from conftest import EXAMPLES, REPO, run_cli
+from conftest import EXAMPLES, REPO, damage_object, run_cli
 from httpkit import ThreadServer, free_port
 
 from kdnctl.ingest.chunking import chain_hashes
@@ -414,10 +414,7 @@ def test_corrupted_object_on_the_server_is_refused(served, tmp_path):
     with Store(root, create=False) as st:
         ver = st.get_version("acme/manual.md")
     sha = ver.chunks[1].object
-    path = root / "objects" / sha[:2] / sha
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x01
-    path.write_bytes(bytes(raw))
+    damage_object(root, sha)
     srv = ThreadServer(root)
     try:
         cache = tmp_path / "cache"

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from conftest import EXAMPLES
+from conftest import EXAMPLES, damage_object
 from httpkit import ThreadServer
 
 from kdnctl.compress.document import CompressRecipe, compress_document
@@ -127,10 +127,7 @@ def test_a_damaged_object_ends_the_load_with_no_decode_left(lm, store_root, tmp_
     with Store(root, create=False) as st:
         version = st.get_version(DOC, "b0.25")
     sha = version.chunks[-1].object  # the last: earlier chunks are being decoded when it fails
-    path = root / "objects" / sha[:2] / sha
-    raw = bytearray(path.read_bytes())
-    raw[len(raw) // 2] ^= 0x01
-    path.write_bytes(bytes(raw))
+    damage_object(root, sha)
     srv = ThreadServer(root)
     try:
         with RemoteStore(srv.url, retries=0) as remote:

@@ -25,92 +25,24 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from ..format.bundle import KVBundle, decode_bundle
+from ..format.bundle import KVBundle
 
 from ..format.names import tensor_name
 from ..errors import NotFoundError, StoreCorruptError
 from ..models import adapter_for
 from kdnctl.quant.store_basis import basis_shas, provide_store_bases
 from ..store import LocalObjects, ReadStore, bundle_mismatch
-from .attention import AttentionState
 from .dequant import INTO_SCHEMES, dequantize_into, dequantize_layers_into, ec_batch_into, ec_device_into, ec_staged_into
 from .generate import GenerationResult, forward_suffix, full_prefill_generate, generate, stop_ids  # noqa: F401
 from ..quant import layer_kv
+from .context import CACHE_ROOM, LoadedContext, bundle_of
 from .overlap import LayersReady, layer_groups
+from . import streamed
 
-CACHE_ROOM = 256  # spare tokens behind a loaded context: the question and the answer go there
-
-
-@dataclass
-class LoadedContext:
-    keys: list[torch.Tensor]  # per layer [1, H_kv, T_l, D]
-    values: list[torch.Tensor]
-    next_position: int  # first position for new tokens (= original context length)
-    token_ids: list[int]  # original context tokens (what a full prefill would run)
-    bias: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [H_q, T_l]
-    label: str = "full"
-    doc_id: str | None = None
-    load_s: float = 0.0
-    nbytes: int = 0
-    # Per layer (kbuf, vbuf) [1, H_kv, T_l + room, D] of which keys[l]/values[l] are the first
-    # T_l tokens (set by the loader); the first cache built over them writes new tokens in place.
-    buffers: list[tuple[torch.Tensor, torch.Tensor]] | None = field(default=None, repr=False)
-    # sliding-window layers: original positions of the cached keys (int64 [T_l])
-    positions: dict[int, torch.Tensor] = field(default_factory=dict)
-    # a decode still writing the buffers (``load_document(..., overlap=True)``): the first cache
-    # waits layer by layer, anything else calls ``settle`` first
-    pending: LayersReady | None = field(default=None, repr=False)
-
-    def settle(self) -> None:
-        """Wait until every layer's K/V is written (raises the decode's error, if any)."""
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            pending.wait_all()
-
-    def attention_state(self) -> AttentionState:
-        return AttentionState(bias=dict(self.bias), layer_positions=dict(self.positions),
-                              next_position=self.next_position)
-
-    @property
-    def n_tokens(self) -> int:
-        return self.next_position
-
-    @property
-    def kept_tokens(self) -> float:
-        return sum(k.shape[2] for k in self.keys) / len(self.keys)
-
-    def make_cache(self, config, room: int = CACHE_ROOM):
-        """A cache over this context. The first one built uses the loader's buffers directly
-        (no copy); later ones (another question over the same context) copy once into fresh
-        buffers, so two caches never write into the same memory."""
-        from .kvcache import cache_over, prealloc_buffers
-
-        layers = []
-        claim = self.buffers is not None
-        if not claim:
-            self.settle()  # (copies below read the buffers)
-        for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            own = self.buffers[i] if claim else None
-            if own is not None and _is_prefix_view(own, k, v):
-                layers.append((own[0], own[1], k.shape[2]))
-            else:
-                self.settle()
-                kb, vb = prealloc_buffers(k, v, room)
-                layers.append((kb, vb, k.shape[2]))
-        self.buffers = None  # handed out: the next cache copies
-        return cache_over(config, layers, None if self.pending is None else self.pending.wait)
-
-
-def _is_prefix_view(own, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """``k``/``v`` are exactly the first tokens of the buffers ``own`` (nobody replaced them)."""
-    kb, vb = own
-    return (k.data_ptr() == kb.data_ptr() and v.data_ptr() == vb.data_ptr() and k.shape[:2] == kb.shape[:2]
-            and k.shape[3] == kb.shape[3] and k.stride() == kb.stride() and v.stride() == vb.stride()
-            and k.shape == v.shape and k.shape[2] <= kb.shape[2])
 
 
 @dataclass
@@ -277,17 +209,6 @@ def _run(fn, items, workers: int) -> list:
         return list(pool.map(fn, items))
 
 
-def bundle_of(lm: LoadedModel, version, ref, data) -> KVBundle:
-    """The bundle in ``data`` (checked bytes of ``ref``'s object), refused where its own metadata
-    does not match the record that points at it (a record aimed at another document's chunk)."""
-    b = decode_bundle(data, expect_fingerprint=lm.fingerprint)
-    why = bundle_mismatch(version, ref, b.meta)
-    if why:
-        raise StoreCorruptError(f"catalog record does not match its bundle: {why}",
-                                hint="run `kdnctl verify`; the version record is damaged or was tampered with")
-    return b
-
-
 def _read_bundles(lm: LoadedModel, store: ReadStore, hits, *, workers: int = 1,
                   profile: LoadProfile | None = None) -> tuple[list[KVBundle], int]:
     """Read, check (every byte, before decoding) and decode the chunks of ``hits`` ((version,
@@ -388,20 +309,18 @@ def load_chunks(lm: LoadedModel, store: ReadStore, hits, *, label: str = "full",
         # wait on the network: fetch those in parallel.
         workers = 1 if isinstance(store, LocalObjects) else _default_workers(len(hits))
     direct = _load_placed(lm, store, hits, profile) if isinstance(store, LocalObjects) else None
-    streamed = None
-    if direct is None and profile is None and hits:
-        from . import streamed as st  # (a remote ec version: decoded as its chunks arrive)
-
-        if st.applies(lm, store):
-            streamed = st.load_streamed(lm, store, hits, label=label, doc_id=doc_id, workers=workers,
-                                        overlap=overlap, room=CACHE_ROOM)
-            if streamed.ctx is not None:
-                streamed.ctx.load_s, streamed.ctx.nbytes = time.perf_counter() - t, streamed.nbytes
-                return streamed.ctx
+    fetched = None
+    if direct is None and profile is None and hits and streamed.applies(lm, store):
+        # a remote ec version that keeps every token: decoded as its chunks arrive
+        fetched = streamed.load_streamed(lm, store, hits, label=label, doc_id=doc_id, workers=workers,
+                                         overlap=overlap, room=CACHE_ROOM)
+        if fetched.ctx is not None:
+            fetched.ctx.load_s, fetched.ctx.nbytes = time.perf_counter() - t, fetched.nbytes
+            return fetched.ctx
     if direct is not None:
         bundles, bufs, nbytes = direct
-    elif streamed is not None:  # fetched already, not for the streamed decode: placed the usual way
-        bufs, bundles, nbytes = None, streamed.bundles, streamed.nbytes
+    elif fetched is not None:  # fetched already, not for the streamed decode: placed the usual way
+        bufs, bundles, nbytes = None, fetched.bundles, fetched.nbytes
         provide_store_bases(store, basis_shas(b.meta for b in bundles))
     else:
         bufs = None

@@ -58,6 +58,11 @@ class LayersReady:
             else:
                 for e in self._events:  # (a decode that wrote everything without reporting a group)
                     e.set()
+            finally:
+                # the decode (and through it the cache's buffers) no longer hangs off this object:
+                # the two referenced each other, which kept a context's pooled memory from reuse
+                # until the garbage collector's next full pass, and the next load allocated afresh
+                self._helper = None
 
         self._thread = threading.Thread(target=run, name="kdnctl-decode", daemon=True)
         self._thread.start()
@@ -87,9 +92,9 @@ class LayersReady:
     def _help(self, g: int) -> None:
         """Take jobs of group ``g`` or earlier while any is left and the group is not written; an
         error in one is the decode's error (every waiter gets it)."""
-        while self._helper is not None and self._error is None and not self._events[g].is_set():
+        while (helper := self._helper) is not None and self._error is None and not self._events[g].is_set():
             try:
-                if not self._helper(g):
+                if not helper(g):
                     return
             except BaseException as exc:  # noqa: BLE001 (raised to this waiter and every other)
                 self.fail(exc)

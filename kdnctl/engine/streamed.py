@@ -27,6 +27,7 @@ from ..format.names import tensor_name
 from ..quant import ec_batch
 from ..quant.store_basis import basis_shas, provide_store_bases
 from ..store import LocalObjects
+from .context import LoadedContext, bundle_of
 from .overlap import LayersReady, layer_groups
 
 
@@ -64,7 +65,6 @@ def load_streamed(lm, store, hits, *, label: str, doc_id: str | None, workers: i
     """Fetch ``hits`` ((version, chunk) pairs, in order) from ``store`` on ``workers`` threads,
     decoding each chunk into a cache allocated from the records' token ranges as it arrives."""
     from ..store.arena import kv_arena
-    from .hf import LoadedContext, bundle_of
 
     n_layers, h_kv, d = (int(lm.summary[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
     lens = [int(ref.token_end) - int(ref.token_start) for _, ref in hits]

@@ -81,7 +81,7 @@ class RemoteStore:
             headers["authorization"] = f"Bearer {token.strip()}"
         # TLS settings only for an https URL: every request goes to this base URL and no redirect is
         # followed, so a plain-http client never makes a TLS connection, and building the CA
-        # bundle's context (~20 ms) is the largest fixed cost of a `kdnctl ask --store URL`
+        # bundle's context (~20 ms) is the largest fixed cost of a `kdnctl ask --remote URL`
         verify = _tls_context() if self.url.startswith("https://") else False
         self._client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout, verify=verify,
                                     limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
