@@ -84,7 +84,6 @@ def _is_prefix_view(own, k: torch.Tensor, v: torch.Tensor) -> bool:
             and k.shape == v.shape and k.shape[2] <= kb.shape[2])
 
 
-
 def bundle_of(lm, version, ref, data) -> KVBundle:
     """The bundle in ``data`` (checked bytes of ``ref``'s object), refused where its own metadata
     does not match the record that points at it (a record aimed at another document's chunk)."""

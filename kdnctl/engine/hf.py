@@ -44,7 +44,6 @@ from .overlap import LayersReady, layer_groups
 from . import streamed
 
 
-
 @dataclass
 class LoadProfile:
     """Seconds spent in each step of a load, summed over chunks (with ``workers=1`` the sum is

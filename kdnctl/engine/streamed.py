@@ -44,7 +44,7 @@ class Streamed:
 
     bundles: list
     nbytes: int
-    ctx: object | None
+    ctx: LoadedContext | None
 
 
 def _fits(b, n_layers: int, n_tokens: int, quant: dict) -> bool:
@@ -109,15 +109,19 @@ def load_streamed(lm, store, hits, *, label: str, doc_id: str | None, workers: i
                 return
             state["decoder"].arrive(c, b)
 
+    pool = ThreadPoolExecutor(max(1, min(workers, len(hits))))
     try:
-        with ThreadPoolExecutor(max(1, min(workers, len(hits)))) as pool:
-            for f in [pool.submit(one, c) for c in range(len(hits))]:
-                f.result()
+        for f in [pool.submit(one, c) for c in range(len(hits))]:
+            f.result()
     except BaseException:
+        # the first failure ends the load: the downloads not started are dropped, the decode stops
         with lock:
             give_up()
+        pool.shutdown(wait=True, cancel_futures=True)
         ready.join()
         raise
+    finally:
+        pool.shutdown(wait=True)
     if state["off"]:
         ready.join()  # (a decode given up: its thread stops at its next job)
         return Streamed(bundles, sum(sizes), None)
