@@ -6,7 +6,7 @@
 #   kernels    every Triton kernel compiled for the GPU vs its torch reference, the ec device decoder vs the CPU reference (pytest -m gpu)
 #   e2e        the real SmolLM2 on CUDA: load == prefill, int8 dequantized on device (pytest)
 #   ttft       bench/ttft.py --device cuda --profile (the README's GPU table)
-#   kbench     bench/kernels.py (Triton vs torch reference timings on the GPU)
+#   kbench     bench/kernel_timings.py (Triton vs torch reference timings on the GPU)
 #   ecdecode   bench/ec_decode.py --device cuda (where an ec load's host time goes; threads 1-16)
 #   quality    bench/quality.py on CUDA with $QUALITY_ARGS
 #   qshards    the same split over $SHARDS processes (--shard I/N, one store each; the host CPU,
@@ -51,7 +51,7 @@ for s in "$@"; do
     kernels) stage kernels python3 -m pytest -q -p no:cacheprovider -m gpu -k "${KERNELS_K:-gpu}" tests/test_kernels_gpu.py tests/test_kernels_attention.py tests/test_ec_device.py ;;
     e2e) stage e2e python3 -m pytest -q -p no:cacheprovider tests/test_gpu_e2e.py ;;
     ttft) stage ttft python3 bench/ttft.py --device cuda --profile --sizes "${TTFT_SIZES:-1024,2048,4096,8000}" --repeats 5 ;;
-    kbench) stage kbench python3 bench/kernels.py ;;
+    kbench) stage kbench python3 bench/kernel_timings.py ;;
     ecdecode) stage ecdecode python3 bench/ec_decode.py --device cuda --tokens 8000 --repeats 3 --threads 1,4,8,16 ;;
     quality) stage quality python3 bench/quality.py --device cuda ${QUALITY_ARGS:-} ;;
     qshards)

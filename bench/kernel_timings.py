@@ -1,8 +1,8 @@
 """Kernel micro-benchmarks at the KV sizes of a 7-8B model (32 layers, 8 KV heads, 32 query heads,
 head_dim 128, float16 cache), printed as a markdown table.
 
-    python bench/kernels.py [--tokens 4096,16384,32768] [--layers 32] [--out results.json]
-    python bench/kernels.py --threads 1     # CPU: reference only, 4k tokens, 4 layers
+    python bench/kernel_timings.py [--tokens 4096,16384,32768] [--layers 32] [--out results.json]
+    python bench/kernel_timings.py --threads 1     # CPU: reference only, 4k tokens, 4 layers
 
 On a CUDA machine every kernel runs through its dispatcher (-> Triton) and through its torch
 reference on the same GPU; the table gives the kernel's time, its achieved bandwidth (bytes it
