@@ -67,6 +67,43 @@ def test_a_fit_to_the_keys_the_tokens_are_read_with_equals_the_naive_solve(n, t,
     torch.testing.assert_close(refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold, k[:, kept]), plain)
 
 
+@pytest.mark.parametrize("n,t,s", [(7, 37, 11), (29, 41, 13)])  # both spaces of the solve
+def test_the_blocked_cholesky_solve_equals_the_naive_normal_equations(n, t, s, monkeypatch):
+    """Systems of ``SPD_MIN`` unknowns and more take the Gram's lower blocks and a Cholesky solve:
+    with the thresholds lowered to these sizes (blocks of 4: a last block narrower than the
+    others) the refit still equals the normal equations summed query by query."""
+    import kdnctl.compress.refit as rf
+
+    q, k, v = _case(3, 3, n, t, 17, seed=5 * n + t)
+    kept = torch.randperm(t, generator=torch.Generator().manual_seed(s))[:s].sort().values
+    hold = torch.zeros(s, dtype=torch.bool)
+    hold[: s // 4] = True
+    small = refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold)
+    monkeypatch.setattr(rf, "SPD_MIN", 5)
+    monkeypatch.setattr(rf, "SPD_BLOCK", 4)
+    blocked = refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold)
+    torch.testing.assert_close(blocked, naive_refit_values(q, k, v, kept, 17 ** -0.5, 0.01, hold), **TOL)
+    assert not torch.equal(blocked, small)  # (the other path ran: its sums round otherwise)
+    torch.testing.assert_close(blocked, small, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("s", [5, 9, 12])
+def test_ridge_solve_reads_every_block_and_falls_back_where_cholesky_fails(s, monkeypatch):
+    """The blocked Gram fills every block of the lower triangle (against the float64 system,
+    blocks of 4: ragged where ``s`` is not a multiple); a matrix rounding or a negative weight
+    leaves indefinite goes to the LU solve of the whole matrix."""
+    import kdnctl.compress.refit as rf
+
+    monkeypatch.setattr(rf, "SPD_MIN", 5)
+    monkeypatch.setattr(rf, "SPD_BLOCK", 4)
+    g = torch.Generator().manual_seed(s)
+    m, rhs = torch.randn(3 * s, s, generator=g), torch.randn(s, 6, generator=g)
+    for lam in (0.5, -2.0 * float(torch.linalg.eigvalsh((m.T @ m).double())[0]) - 1.0):  # PD, then indefinite
+        want = torch.linalg.solve(m.double().T @ m.double() + lam * torch.eye(s, dtype=torch.float64), rhs.double())
+        torch.testing.assert_close(rf.ridge_solve(m, lam, rhs).double(), want, rtol=1e-3, atol=1e-4)
+    assert int(torch.linalg.cholesky_ex(m.T @ m + lam * torch.eye(s))[1]) != 0  # (the second did fall back)
+
+
 def test_keeping_every_token_changes_nothing():
     q, k, v = _case(2, 3, 9, 23, 8, seed=3)
     out = refit_values(q, k, v, torch.arange(23), 8 ** -0.5, 0.1)

@@ -1,7 +1,10 @@
-"""A `b0.25` compress of every example document under two kdnctl trees, alternating, in one run:
-seconds against a bare prefill of the same tokens, and whether the two store the same tensors.
+"""A size-budgeted compress (`--budget`, 0.25 by default) of every document in a folder under two
+kdnctl trees, alternating, in one run: seconds against a bare prefill of the same tokens, and
+whether the two store the same tensors (where not: the largest gap between their loaded values,
+in units of the values' spread).
 
-    python research/probes/compress_time.py --trees OLD_TREE,NEW_TREE [--docs examples/corpus] [--repeats 3] [--out DIR]
+    python research/probes/compress_time.py --trees OLD_TREE,NEW_TREE [--docs examples/corpus] [--budget 0.25]
+        [--repeats 3] [--out DIR]
 
 A tree is a checkout of this repository (``git worktree add DIR COMMIT``). The documents are
 ingested once into a temporary store by the last tree, which also records the model's key basis
@@ -27,7 +30,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 
 
-def worker(tree: str, store_dir: str, docs_dir: str, label: str, prepare: bool) -> None:
+def worker(tree: str, store_dir: str, docs_dir: str, label: str, prepare: bool, budget: float) -> None:
     sys.path.insert(0, tree)
     import torch
 
@@ -65,7 +68,7 @@ def worker(tree: str, store_dir: str, docs_dir: str, label: str, prepare: bool) 
         forget_key_weights()
         t = time.perf_counter()
         with st.writer():
-            compress_document(st, d.doc_id, CompressRecipe(budget=0.25), lm=lm, label=label)
+            compress_document(st, d.doc_id, CompressRecipe(budget=budget), lm=lm, label=label)
         out[d.doc_id] = {"tokens": len(ids), "bare": bare, "compress": time.perf_counter() - t}
     st.close()
     print(json.dumps(out), flush=True)
@@ -84,10 +87,36 @@ def tensors_of(store_dir: str, tree: str, doc_id: str, label: str) -> list[dict[
         st.close()
 
 
+def values_gap(store_dir: str, tree: str, doc_id: str, label_a: str, label_b: str) -> dict:
+    """The two versions loaded as the loader rebuilds them: whether their keys are equal, the
+    largest gap between their values over the values' standard deviation (per layer), and the
+    share of value elements that differ."""
+    sys.path.insert(0, tree)
+    from kdnctl.engine.hf import load_document
+    from kdnctl.models.load import load_model
+    from kdnctl.store import Store
+
+    lm = load_model(dtype="float32")
+    st = Store(store_dir, create=False)
+    try:
+        a, b = load_document(lm, st, doc_id, label_a), load_document(lm, st, doc_id, label_b)
+        keys_equal = all(torch_equal(x, y) for x, y in zip(a.keys, b.keys))
+        gap = max(float((x - y).abs().max() / x.std()) for x, y in zip(a.values, b.values))
+        moved = sum(int((x != y).sum()) for x, y in zip(a.values, b.values)) / sum(x.numel() for x in a.values)
+        return {"keys_equal": keys_equal, "max_gap": gap, "share_moved": moved}
+    finally:
+        st.close()
+
+
+def torch_equal(x, y) -> bool:
+    return x.shape == y.shape and bool((x == y).all())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--trees", help="OLD,NEW: two checkouts")
     ap.add_argument("--docs", default=str(HERE.parents[2] / "examples" / "corpus"))
+    ap.add_argument("--budget", type=float, default=0.25)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -96,13 +125,13 @@ def main() -> None:
     ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        worker(args.worker, args.store, args.docs, args.label, args.prepare)
+        worker(args.worker, args.store, args.docs, args.label, args.prepare, args.budget)
         return
     trees = [str(Path(t).resolve()) for t in args.trees.split(",")]
     names = ["old", "new"]
 
     def run(tree: str, *extra: str) -> str:
-        cmd = [sys.executable, str(HERE), "--worker", tree, "--docs", args.docs, *extra]
+        cmd = [sys.executable, str(HERE), "--worker", tree, "--docs", args.docs, "--budget", str(args.budget), *extra]
         return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
 
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -118,6 +147,7 @@ def main() -> None:
         docs = list(runs[names[0]][0])
         same = {d: tensors_of(store, trees[-1], d, f"t-{names[0]}-0") == tensors_of(store, trees[-1], d, f"t-{names[1]}-0")
                 for d in docs}
+        gaps = {d: values_gap(store, trees[-1], d, f"t-{names[0]}-0", f"t-{names[1]}-0") for d in docs if not same[d]}
     table = {}
     for name in names:
         per_doc = {d: {k: statistics.median(run_[d][k] for run_ in runs[name]) for k in ("bare", "compress")}
@@ -138,10 +168,14 @@ def main() -> None:
               f"{t['compress_over_bare']:.2f}x |")
     print(f"\nnew / old compress seconds, median of the repetitions' ratios: {paired:.2f}; "
           f"the same tensors in every document: {all(same.values())} {same}")
+    for d, g in gaps.items():
+        print(f"{d}: loaded keys equal: {g['keys_equal']}; values: largest gap {g['max_gap']:.2e} of their spread, "
+              f"{g['share_moved']:.2e} of the elements moved")
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "results.json").write_text(json.dumps({"trees": trees, "table": table, "runs": runs,
-                                                                  "same_tensors": same, "new_over_old": paired},
+                                                                  "same_tensors": same, "values_gap": gaps,
+                                                                  "new_over_old": paired},
                                                                  indent=1) + "\n")
 
 
