@@ -345,3 +345,40 @@ def test_key_basis_registered_for_a_new_model(built, tmp_path, monkeypatch):
     ctx = load_document(mlm, st, DOC.name, label=json_rows(proc.stdout)[0]["label"])
     got, _ = forward_suffix(mlm, ctx, mlm.tokenizer(SUFFIX, add_special_tokens=False).input_ids, last_only=True)
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_refit_queries_read_from_the_stored_cache_equal_the_forwards(name, built, tmp_path):
+    """The value refit's queries of a long document come from a pass over the picked rows alone
+    that reads the stored K/V (``cached_queries``): for every architecture (sliding windows,
+    soft-capping, RoPE per layer type, fused and interleaved projections, partial rotary) they
+    equal those a forward over the whole document captures, on rows spread over the document
+    (its first and last token among them, windows spanned)."""
+    from kdnctl.compress.refit import cached_queries, picked_queries, query_rows
+    from kdnctl.engine.hf import load_document
+    from kdnctl.models import adapter_for
+    from kdnctl.store import Store
+
+    _, mlm, store = ingested(name, built, tmp_path)
+    st = Store(store, create=False)
+    ctx = load_document(mlm, st, DOC.name)
+    st.close()
+    ids = ctx.token_ids
+    pick = query_rows(len(ids), 37)
+    assert pick[0] == 0 and pick[-1] == len(ids) - 1 and len(pick) == 37
+    adapter = adapter_for(mlm.model)
+    want: list = [None] * adapter.n_layers
+
+    def on(i, _role, q):
+        want[i] = picked_queries(q, pick)
+
+    with adapter.capture(("q",), on=on), torch.no_grad():
+        adapter.decoder(torch.tensor([ids]), use_cache=False)
+    got = cached_queries(mlm, ids, [k[0] for k in ctx.keys], [v[0] for v in ctx.values], pick)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4 * float(w.abs().max()))
+    # the rows read their stored K/V: with the values' channels reversed (a change no norm after
+    # attention undoes) the last layer's queries move
+    moved = cached_queries(mlm, ids, [k[0] for k in ctx.keys], [v[0].flip(-1) for v in ctx.values], pick)
+    assert not torch.allclose(moved[-1], want[-1], rtol=1e-2, atol=1e-2 * float(want[-1].abs().max()))

@@ -401,3 +401,71 @@ def test_the_refit_reads_its_queries_from_the_key_weights_forward(tiny_lm, tmp_p
     finally:
         handle.remove()
     assert passes == [1, 1] and objects[0] == objects[1]
+
+
+def test_a_long_documents_refit_reads_its_queries_from_the_stored_cache(tiny_lm, tmp_path_factory, monkeypatch):
+    """Where the picked query rows are at most half of the document, the refit stage reads their
+    queries from the stored K/V instead of a forward over the whole document (no key-weight
+    forward runs; the key weights are ingest's recorded ones), and fits to the same queries as
+    that forward gives."""
+    from budgetkit import fp16_size, trimmed_store
+
+    import kdnctl.compress.stages.refit as ce
+    from kdnctl.compress.document import CompressRecipe, compress_document
+    from kdnctl.compress.refit import query_rows as rows_of
+    from kdnctl.engine.hf import load_document
+    from kdnctl.quant.sensitivity import forget_key_weights
+
+    st = trimmed_store(tmp_path_factory, tiny_lm, {"faq.md": 300})
+    monkeypatch.setattr(ce, "query_rows", lambda n: rows_of(n, 64))  # 64 rows of 300 tokens
+    seen: dict = {}
+    real_refit_queries, real_key_weights = ce.refit_queries, ce.key_weights
+
+    def spy_queries(*args, **kw):
+        out = real_refit_queries(*args, **kw)
+        seen.setdefault("queries", []).append(out[0])
+        return out
+
+    def spy_weights(*args, **kw):
+        seen["forward"] = seen.get("forward", 0) + 1
+        return real_key_weights(*args, **kw)
+
+    monkeypatch.setattr(ce, "refit_queries", spy_queries)
+    monkeypatch.setattr(ce, "key_weights", spy_weights)
+    base = {"budget": 0.3, "quant": "ec", "keep": 0.5, "protect": 16, "scorer": "sentences", "refit": 0.01}
+    with st.writer():
+        cached = compress_document(st, "faq.md", CompressRecipe(**base), lm=tiny_lm, label="cached")
+        assert "forward" not in seen
+        monkeypatch.setattr(ce, "reads_stored_cache", lambda job, pick: False)
+        forget_key_weights()  # (the forward runs and reads the picked rows, whatever ran before)
+        forward = compress_document(st, "faq.md", CompressRecipe(**base), lm=tiny_lm, label="forward")
+        assert seen["forward"] == 1
+    from_cache, from_forward = seen["queries"]
+    assert len(from_cache) == len(from_forward) == 2 and from_cache[0].shape[1] == 64
+    for a, b in zip(from_cache, from_forward):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
+    cap = 0.3 * fp16_size(st, "faq.md")
+    assert cached.bytes <= cap and forward.bytes <= cap
+    a, b = load_document(tiny_lm, st, "faq.md", "cached"), load_document(tiny_lm, st, "faq.md", "forward")
+    assert a.keys[0].shape == b.keys[0].shape
+
+
+def test_the_stored_cache_is_read_only_from_a_prefill_in_the_models_dtype(tiny_lm, tmp_path_factory, monkeypatch):
+    """K/V stored in another dtype (``--kv-dtype``) or a document shorter than twice the picked
+    rows: the refit's queries come from the forward."""
+    import kdnctl.compress.stages.refit as ce
+    from kdnctl.compress.refit import query_rows as rows_of
+    from kdnctl.compress.stages.base import Job
+
+    def job(dtype, n):
+        k = torch.zeros(2, n, 16, dtype=dtype)
+        return Job(src=type("V", (), {"mode": "prefix"})(), label="x", step={}, recipe=None, bundles=[], keys=[k],
+                   values=[k], token_ids=list(range(n)), local_bounds=[(0, n)], fp16=0, lm=tiny_lm,
+                   dense=[[(k, k)]], all_keys=[k.float()], all_values=[k.float()])
+
+    # (no recorded key weights in these made-up jobs: even the eligible shape falls back)
+    assert not ce.reads_stored_cache(job(torch.float32, 300), rows_of(300, 64))
+    monkeypatch.setattr(ce, "recorded_key_weights", lambda *a, **k: torch.zeros(1))
+    assert ce.reads_stored_cache(job(torch.float32, 300), rows_of(300, 64))
+    assert not ce.reads_stored_cache(job(torch.float16, 300), rows_of(300, 64))
+    assert not ce.reads_stored_cache(job(torch.float32, 100), rows_of(100, 64))

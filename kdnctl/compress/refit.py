@@ -42,6 +42,39 @@ def picked_queries(q: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
     return q[pick.to(q.device)].float().transpose(0, 1).cpu()
 
 
+def cached_queries(lm, token_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor],
+                   pick: torch.Tensor) -> list[torch.Tensor]:
+    """The ``pick`` rows' queries before RoPE per layer (``[Hq, N, D]``, as :func:`picked_queries`
+    reads them from a forward over the whole document), from a pass over those rows alone that
+    reads the document's stored K/V (``keys``/``values`` ``[H, T, D]`` per layer, as ingest's
+    prefill stored them: after RoPE, every token): each row attends, by position, to the stored
+    keys up to its own, its own stored key and value among them, as it did in that prefill. Its
+    hidden states are the prefill's to float rounding, for ``N`` tokens' projections instead of
+    ``T``'s. The rows' own keys, which the pass appends to the cache, are hidden from every row."""
+    from ..engine.attention import AttentionState, kdn_attention
+    from ..models.cache_args import cache_arg
+
+    model = lm.model
+    adapter = adapter_for(model)
+    param = next(model.parameters())
+    n = len(token_ids)
+    pick = pick.to(torch.long)
+    cache = adapter.full_cache([(k[None].to(param.device, param.dtype), v[None].to(param.device, param.dtype))
+                                for k, v in zip(keys, values)])
+    key_pos = torch.cat([torch.arange(n), torch.full((pick.numel(),), n)])  # n: after every row
+    raw: list = [None] * adapter.n_layers
+
+    def on(i, _role, q):  # [N, Hq, D], before RoPE
+        raw[i] = q.float().transpose(0, 1).cpu()
+
+    ids = torch.tensor(token_ids, dtype=torch.long)[pick]
+    state = AttentionState(query_positions=pick.to(param.device), key_positions=key_pos.to(param.device))
+    with adapter.capture(("q",), on=on), kdn_attention(model, state), torch.no_grad():
+        adapter.decoder(input_ids=ids[None].to(param.device), position_ids=pick[None].to(param.device),
+                        **cache_arg(adapter.decoder, cache), use_cache=True)
+    return raw
+
+
 def document_queries(lm, token_ids: list[int], n_layers: int, position: int,
                      max_tokens: int = MAX_QUERY_TOKENS, raw: list[torch.Tensor] | None = None
                      ) -> tuple[list[torch.Tensor], list[float]]:

@@ -50,8 +50,10 @@ class Job:
     hold: torch.Tensor | None = None
     all_keys: list[torch.Tensor] = field(default_factory=list)
     all_values: list[torch.Tensor] = field(default_factory=list)
-    # refit: the document's own queries and attention scales the values are fitted to
+    # refit: the document's own queries and attention scales the values are fitted to, and
+    # whether they were read from the stored K/V (no forward measured the key weights)
     fit_queries: tuple | None = None
+    queries_read_cache: bool = False
     # precision: per-token levels (by role), backfilled layers and their levels, channel weights
     positions: torch.Tensor | None = None
     all_positions: torch.Tensor | None = None

@@ -69,9 +69,9 @@ class AllocatePrecision(Stage):
         n_heads, d = job.all_keys[0].shape[0], job.all_keys[0].shape[2]
         rope = job.theta is not None
         # from ingest's own prefill where its chunks recorded them, else one forward now; a refit
-        # has run that forward for its queries already and keeps the weights it measured
+        # that ran that forward for its queries keeps the weights it measured
         job.key_weights = recorded_key_weights(job.lm, job.bundles, len(job.token_ids), rope) \
-            if job.fit_queries is None else None
+            if job.fit_queries is None or job.queries_read_cache else None
         if job.key_weights is None:
             job.key_weights = key_weights(job.lm, job.token_ids, job.n_layers, n_heads, d, rope=rope)
         job.value_weights = value_weights(job.lm, job.n_layers, n_heads, d)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 from ...format.bundle import KVBundle
-from ...quant.sensitivity import key_weights
-from ..refit import QUESTION_OFFSET, document_queries, picked_queries, query_rows, refit_values
+from ...quant.sensitivity import key_weights, recorded_key_weights
+from ..refit import QUESTION_OFFSET, cached_queries, document_queries, picked_queries, query_rows, refit_values
 from .base import Job, Stage
 
 
@@ -34,12 +34,32 @@ def refitted(rho: float, queries: list[torch.Tensor], scales: list[float], keys:
             for q, k, v, s, kk in zip(queries, keys, values, scales, kept_keys)]
 
 
+def reads_stored_cache(job: Job, pick: torch.Tensor) -> bool:
+    """Whether the refit's queries come from a pass over the picked rows alone that reads the
+    source's K/V (``cached_queries``): the rows are at most half of the document (2,048 tokens and
+    more), the source is a prefix prefill's K/V as the model computed them (every token, the
+    model's dtype), and its chunks recorded the key weights the skipped forward would measure."""
+    if 2 * pick.numel() > len(job.token_ids) or getattr(job.src, "mode", "prefix") != "prefix":
+        return False
+    dtype = next(job.lm.model.parameters()).dtype
+    if any(k.dtype != dtype or v.dtype != dtype for chunk in job.dense for k, v in chunk):
+        return False
+    if any(k.shape[1] != len(job.token_ids) for k in job.all_keys):
+        return False
+    return recorded_key_weights(job.lm, job.bundles, len(job.token_ids)) is not None
+
+
 def first_pass_queries(job: Job) -> list[torch.Tensor] | None:
-    """The refit's picked queries per layer, read from the forward that measures the key weights
-    (``kdnctl.quant.sensitivity``; the precision stage reads them from there, kept), or None where
-    the key weights of this document are already known: one decoder pass serves both."""
+    """The refit's picked queries per layer: from the stored K/V where :func:`reads_stored_cache`
+    (``job.queries_read_cache``: the precision stage takes the recorded key weights), else from
+    the forward that measures the key weights (``kdnctl.quant.sensitivity``; the precision stage
+    reads them from there, kept), or None where the key weights of this document are already
+    known: one decoder pass serves both."""
     n_heads, _, d = job.all_keys[0].shape
     pick = query_rows(len(job.token_ids))
+    if reads_stored_cache(job, pick):
+        job.queries_read_cache = True
+        return cached_queries(job.lm, job.token_ids, job.all_keys, job.all_values, pick)
     raw: list = [None] * job.n_layers
 
     def keep(i: int, q: torch.Tensor) -> None:
