@@ -104,6 +104,50 @@ def test_ridge_solve_reads_every_block_and_falls_back_where_cholesky_fails(s, mo
     assert int(torch.linalg.cholesky_ex(m.T @ m + lam * torch.eye(s))[1]) != 0  # (the second did fall back)
 
 
+def _overfit_case(seed, n=6):
+    """One KV head, two query heads: ``n`` fitted queries per head against 40 kept tokens (more
+    free values than queries, a light ridge), and 30 held-out queries per head."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, n, 8, generator=g) * 2
+    k, v = torch.randn(1, 60, 8, generator=g), torch.randn(1, 60, 8, generator=g)
+    check = torch.randn(2, 30, 8, generator=g) * 2
+    kept = torch.randperm(60, generator=g)[:40].sort().values
+    return q, k, v, check, kept
+
+
+def _check_error(check, k, v, kept, x, scale) -> float:
+    qc = check.reshape(-1, check.shape[-1])
+    full = torch.softmax(qc @ k[0].T * scale, -1) @ v[0]
+    return float((torch.softmax(qc @ k[0, kept].T * scale, -1) @ x[0] - full).pow(2).sum())
+
+
+# cases whose fit leaves the held-out queries worse off, and which of the two serves them better
+@pytest.mark.parametrize("n,seed,best", [(6, 0, "plain"), (6, 9, "plain"), (16, 10, "heavier"), (20, 17, "heavier")])
+def test_a_fit_that_leaves_held_out_queries_worse_off_is_redone_heavier_or_dropped(n, seed, best):
+    """With held-out queries (``check``) a head whose fit serves them worse than the kept values
+    as they are takes the better of the fit at ``RIDGE_RETRY`` times the weight and no fit."""
+    import kdnctl.compress.refit as rf
+
+    q, k, v, check, kept = _overfit_case(seed, n)
+    scale = 8 ** -0.5
+    plain, fit = v[:, kept].float(), refit_values(q, k, v, kept, scale, 1e-4)
+    assert _check_error(check, k, v, kept, fit, scale) > _check_error(check, k, v, kept, plain, scale)
+    got = refit_values(q, k, v, kept, scale, 1e-4, check=check)
+    heavier = refit_values(q, k, v, kept, scale, 1e-4 * rf.RIDGE_RETRY)
+    errors = {name: _check_error(check, k, v, kept, x, scale) for name, x in (("heavier", heavier), ("plain", plain))}
+    assert min(errors, key=errors.get) == best
+    assert torch.equal(got, heavier if best == "heavier" else plain)
+
+
+@pytest.mark.parametrize("seed", [3, 5, 10])  # seeds whose fit serves the held-out queries better
+def test_a_fit_that_serves_held_out_queries_better_stands(seed):
+    q, k, v, check, kept = _overfit_case(seed)
+    scale = 8 ** -0.5
+    fit = refit_values(q, k, v, kept, scale, 1e-4)
+    assert _check_error(check, k, v, kept, fit, scale) < _check_error(check, k, v, kept, v[:, kept].float(), scale)
+    assert torch.equal(refit_values(q, k, v, kept, scale, 1e-4, check=check), fit)
+
+
 def test_keeping_every_token_changes_nothing():
     q, k, v = _case(2, 3, 9, 23, 8, seed=3)
     out = refit_values(q, k, v, torch.arange(23), 8 ** -0.5, 0.1)
@@ -440,8 +484,11 @@ def test_a_long_documents_refit_reads_its_queries_from_the_stored_cache(tiny_lm,
         forget_key_weights()  # (the forward runs and reads the picked rows, whatever ran before)
         forward = compress_document(st, "faq.md", CompressRecipe(**base), lm=tiny_lm, label="forward")
         assert seen["forward"] == 1
-    from_cache, from_forward = seen["queries"]
+    # the cached run read its fit's queries and the held-out ones that check each head's fit;
+    # the forward's run only the fit's
+    from_cache, held_out, from_forward = seen["queries"]
     assert len(from_cache) == len(from_forward) == 2 and from_cache[0].shape[1] == 64
+    assert held_out[0].shape == from_cache[0].shape and not torch.allclose(held_out[0], from_cache[0])
     for a, b in zip(from_cache, from_forward):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * float(b.abs().max()))
     cap = 0.3 * fp16_size(st, "faq.md")

@@ -54,6 +54,7 @@ class Job:
     # whether they were read from the stored K/V (no forward measured the key weights)
     fit_queries: tuple | None = None
     queries_read_cache: bool = False
+    check_queries: list | None = None  # per layer: held-out queries each head's fit is checked on
     # precision: per-token levels (by role), backfilled layers and their levels, channel weights
     positions: torch.Tensor | None = None
     all_positions: torch.Tensor | None = None

@@ -140,7 +140,7 @@ class Encode(Stage):
                                              job.kept_bounds, None if job.basis is None else job.basis[i], job.positions,
                                              job.theta) for i in range(job.n_layers)]
                 job.values = refitted(recipe.refit, *job.fit_queries, job.all_keys, job.all_values, rows, job.hold,
-                                      kept_keys)
+                                      kept_keys, job.check_queries)
                 job.xs = [(x[0], v.float()) for x, v in zip(job.xs, job.values)]  # ec's transform leaves values as they are
                 job.base = [(b[0], relative_steps(x[1], job.value_weights[i]) * (1.0 if job.mult is None else job.mult[i, 1]))
                             for i, (b, x) in enumerate(zip(job.base, job.xs))]

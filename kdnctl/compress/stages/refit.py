@@ -3,7 +3,8 @@
 The kept tokens' values are refitted (``kdnctl.compress.refit``) so that attention over the kept
 keys alone gives the document's own queries, placed after it, the full cache's output. With
 ``refit_decoded`` the fit waits for the keys' steps: the encode stage calls ``refitted`` again
-with the keys as the loader will decode them.
+with the keys as the loader will decode them. A long document (its queries read from the stored
+K/V) also gets held-out queries that check each head's fit.
 """
 
 from __future__ import annotations
@@ -25,13 +26,22 @@ def refit_queries(lm, token_ids: list[int], bundles: list[KVBundle], n_layers: i
 
 def refitted(rho: float, queries: list[torch.Tensor], scales: list[float], keys: list[torch.Tensor],
              values: list[torch.Tensor], rows: torch.Tensor, hold: torch.Tensor | None = None,
-             kept_keys: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+             kept_keys: list[torch.Tensor] | None = None, checks: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """The kept ``rows``' values per layer, refitted to the full attention; the kept tokens
     ``hold`` marks keep theirs; ``kept_keys`` per layer: the keys they are read with (default:
-    ``keys``' rows)."""
+    ``keys``' rows); ``checks`` per layer: held-out queries each head's fit is checked on
+    (``refit_values``)."""
     kept_keys = kept_keys or [None] * len(keys)
-    return [refit_values(q, k, v, rows, s, rho, hold, kk).to(v.dtype)
-            for q, k, v, s, kk in zip(queries, keys, values, scales, kept_keys)]
+    checks = checks or [None] * len(keys)
+    return [refit_values(q, k, v, rows, s, rho, hold, kk, c).to(v.dtype)
+            for q, k, v, s, kk, c in zip(queries, keys, values, scales, kept_keys, checks)]
+
+
+def held_out_rows(n_tokens: int, pick: torch.Tensor) -> torch.Tensor:
+    """The rows half a spacing after each picked row: none of them picked where the picked rows
+    are at most half the document (``reads_stored_cache``)."""
+    spacing = (n_tokens - 1) / max(pick.numel() - 1, 1)
+    return (pick.double() + spacing / 2).round().long().clamp_max(n_tokens - 1).unique()
 
 
 def reads_stored_cache(job: Job, pick: torch.Tensor) -> bool:
@@ -80,7 +90,13 @@ class RefitValues(Stage):
         if job.rows is None or not recipe.refit:
             return
         job.fit_queries = refit_queries(job.lm, job.token_ids, job.bundles, job.n_layers, first_pass_queries(job))
+        if job.queries_read_cache:
+            # a long document: other rows of it, read the same way, check each head's fit
+            rows = held_out_rows(len(job.token_ids), query_rows(len(job.token_ids)))
+            job.check_queries = refit_queries(job.lm, job.token_ids, job.bundles, job.n_layers, cached_queries(
+                job.lm, job.token_ids, job.all_keys, job.all_values, rows))[0]
         if recipe.refit_decoded:  # after the keys' steps are known (the encode stage)
             job.values = [v[:, job.rows] for v in job.values]
         else:
-            job.values = refitted(recipe.refit, *job.fit_queries, job.all_keys, job.all_values, job.rows, job.hold)
+            job.values = refitted(recipe.refit, *job.fit_queries, job.all_keys, job.all_values, job.rows, job.hold,
+                                  checks=job.check_queries)
