@@ -19,7 +19,6 @@ queries that made it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import statistics
 import sys
 import tempfile
@@ -29,19 +28,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "research" / "probes"))
 
-from ttft import corpus_text  # noqa: E402
+from long_document import ingested  # noqa: E402
 
 import kdnctl.compress.refit as rf  # noqa: E402
 import kdnctl.compress.stages.refit as stage  # noqa: E402
 from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.format.bundle import decode_bundle  # noqa: E402
-from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
-from kdnctl.quant import layer_kv  # noqa: E402
-from kdnctl.store import Store  # noqa: E402
 
 
 def head_error(q, k, v, kept, kept_keys, fitted, scale) -> float:
@@ -60,18 +54,10 @@ def main() -> None:
     weights = [float(w) for w in args.weights.split(",")]
     torch.set_num_threads(2)
     lm = load_model(dtype="float32")
-    text = corpus_text(lm.tokenizer, args.tokens)
-    doc = Document("probe.txt", text, "probe", hashlib.sha256(text.encode()).hexdigest())
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "store")
-        ingest_documents(store, lm, [doc], IngestOptions())
-        bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc.doc_id, "full").chunks]
-        n_layers = bundles[0].n_layers
-        dense = [[layer_kv(b, i) for i in range(n_layers)] for b in bundles]
-        keys = [torch.cat([d[i][0] for d in dense], 1).float() for i in range(n_layers)]
-        values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(n_layers)]
-        ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
+        store, doc_id, ids, keys, values = ingested(lm, args.tokens, Path(tmp))
+        n_layers = len(keys)
         n = len(ids)
         pick = rf.query_rows(n)
         spacing = (n - 1) / max(len(pick) - 1, 1)
@@ -114,7 +100,7 @@ def main() -> None:
         stage.refit_values = probe
         try:
             with store.writer():
-                compress_document(store, doc.doc_id, CompressRecipe(budget=0.083), lm=lm, label="probe")
+                compress_document(store, doc_id, CompressRecipe(budget=0.083), lm=lm, label="probe")
         finally:
             stage.refit_values = real
         store.close()

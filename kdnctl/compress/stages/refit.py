@@ -37,11 +37,16 @@ def refitted(rho: float, queries: list[torch.Tensor], scales: list[float], keys:
             for q, k, v, s, kk, c in zip(queries, keys, values, scales, kept_keys, checks)]
 
 
-def held_out_rows(n_tokens: int, pick: torch.Tensor) -> torch.Tensor:
-    """The rows half a spacing after each picked row: none of them picked where the picked rows
-    are at most half the document (``reads_stored_cache``)."""
+CHECK_ROWS = 256  # held-out rows a long document's fit is checked on (a choice per head, not a fit)
+
+
+def held_out_rows(n_tokens: int, pick: torch.Tensor, count: int = CHECK_ROWS) -> torch.Tensor:
+    """Up to ``count`` rows spread over the document, each half a spacing after a picked row and
+    not picked itself."""
     spacing = (n_tokens - 1) / max(pick.numel() - 1, 1)
-    return (pick.double() + spacing / 2).round().long().clamp_max(n_tokens - 1).unique()
+    rows = (pick.double() + spacing / 2).round().long().clamp_max(n_tokens - 1).unique()
+    rows = rows[~torch.isin(rows, pick)]
+    return rows[torch.linspace(0, rows.numel() - 1, min(rows.numel(), count)).round().long().unique()]
 
 
 def reads_stored_cache(job: Job, pick: torch.Tensor) -> bool:
