@@ -36,3 +36,23 @@ def ingested(lm, n_tokens: int, folder: Path):
     values = [torch.cat([d[i][1] for d in dense], 1).float() for i in range(n_layers)]
     ids = [int(t) for b in bundles for t in b.token_ids.tolist()]
     return store, doc.doc_id, ids, keys, values
+
+
+def compress_watching_refit(store, doc_id: str, lm, watch) -> None:
+    """A 0.083 compress of ``doc_id`` whose refit calls ``watch`` instead, with the arguments
+    ``refit_values`` gets (``watch`` returns what the refit is to use)."""
+    import kdnctl.compress.stages.refit as stage
+    from kdnctl.compress.document import CompressRecipe, compress_document
+
+    real = stage.refit_values
+    stage.refit_values = watch
+    try:
+        with store.writer():
+            compress_document(store, doc_id, CompressRecipe(budget=0.083), lm=lm, label="probe")
+    finally:
+        stage.refit_values = real
+    store.close()
+
+
+def print_row(row: dict) -> None:
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)

@@ -30,11 +30,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "research" / "probes"))
 
-from long_document import ingested  # noqa: E402
+from long_document import compress_watching_refit, ingested, print_row  # noqa: E402
 
 import kdnctl.compress.refit as rf  # noqa: E402
 import kdnctl.compress.stages.refit as stage  # noqa: E402
-from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
 
 
@@ -94,16 +93,10 @@ def main() -> None:
                 row["picked"] = best
                 row["judge_picked"] = row[f"judge_{best}"]
                 rows.append(row)
-                print(" ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in row.items()), flush=True)
+                print_row(row)
             return product
 
-        stage.refit_values = probe
-        try:
-            with store.writer():
-                compress_document(store, doc_id, CompressRecipe(budget=0.083), lm=lm, label="probe")
-        finally:
-            stage.refit_values = real
-        store.close()
+        compress_watching_refit(store, doc_id, lm, probe)
     names = ["none"] + [f"x{w:g}" for w in weights] + ["picked", "product"]
     print(f"\n{n} tokens; {len(rows)} (layer, KV head) fits of the 0.083 default; held-out attention error "
           "(squared, over the full output's energy) on the judging queries\n")

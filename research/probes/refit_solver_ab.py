@@ -33,11 +33,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "research" / "probes"))
 
-from long_document import ingested  # noqa: E402
+from long_document import compress_watching_refit, ingested, print_row  # noqa: E402
 
 import kdnctl.compress.refit as rf  # noqa: E402
 import kdnctl.compress.stages.refit as stage  # noqa: E402
-from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
 
 
@@ -78,14 +77,14 @@ def main() -> None:
         real = stage.refit_values
         layer = [0]
 
-        def both(q, k, v, kept, scale, rho, hold=None, kept_keys=None):
+        def both(q, k, v, kept, scale, rho, hold=None, kept_keys=None, check=None):
             i = layer[0]
             layer[0] += 1
-            new = real(q, k, v, kept, scale, rho, hold, kept_keys)
+            new = real(q, k, v, kept, scale, rho, hold, kept_keys, check)
             saved = rf.SPD_MIN
             rf.SPD_MIN = 1 << 30  # every system the full product and LU
             try:
-                old = real(q, k, v, kept, scale, rho, hold, kept_keys)
+                old = real(q, k, v, kept, scale, rho, hold, kept_keys, check)
             finally:
                 rf.SPD_MIN = saved
             plain = v[:, kept].float()
@@ -96,16 +95,10 @@ def main() -> None:
                 for sol, vals in (("none", plain), ("lu", old), ("chol", new)):
                     row[f"{name}_{sol}"] = attention_error(qs, k, v, kept, kept_keys, vals, scale)
             rows.append(row)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            print_row(row)
             return new
 
-        stage.refit_values = both
-        try:
-            with store.writer():
-                compress_document(store, doc_id, CompressRecipe(budget=0.083), lm=lm, label="probe")
-        finally:
-            stage.refit_values = real
-        store.close()
+        compress_watching_refit(store, doc_id, lm, both)
     print(f"\n{n} tokens, {len(rows)} layers; the 0.083 default's refit solved both ways on the same inputs\n")
     print("| query set | no refit | full product + LU | lower blocks + Cholesky | Cholesky / LU (median over layers) |")
     print("|---|---:|---:|---:|---:|")
