@@ -122,6 +122,50 @@ def test_a_corrupt_frame_met_by_the_waiting_thread_reaches_every_waiter():
     assert all(o[2:].isnan().all() for o in out)  # the failed load's later group: no thread decoded it
 
 
+@pytest.mark.parametrize("cores,threads,inside", [(2, 2, 1), (8, 8, 7), (8, 2, 2), (1, 1, 1)])
+def test_the_forward_leaves_the_decode_a_core_while_it_runs(monkeypatch, cores, threads, inside):
+    """Around the forward, while the decode runs, torch runs on the cores the decode thread leaves
+    (a forward that already leaves one is not touched); the threads come back at the first wait
+    after the decode is done, or when the block ends, whatever it raised."""
+    import threading
+
+    from kdnctl.engine import overlap
+
+    monkeypatch.setattr(overlap, "usable_cores", lambda: cores)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ready = LayersReady(layer_groups(4, 2))
+        release = threading.Event()
+
+        def decode(r):
+            r.done(0)
+            release.wait(5)
+            r.done(1)
+
+        ready.start(decode)
+        with ready.sharing_cores():
+            assert torch.get_num_threads() == inside
+            ready.wait(0)  # group 0 written, group 1 not: still shared
+            assert torch.get_num_threads() == inside
+            release.set()
+            ready.wait(3)
+            assert torch.get_num_threads() == threads  # taken back inside the forward
+        assert torch.get_num_threads() == threads
+        failed, hold = LayersReady(layer_groups(4, 2)), threading.Event()
+        failed.start(lambda r: hold.wait(5))
+        with pytest.raises(RuntimeError, match="stopped"), failed.sharing_cores():
+            assert torch.get_num_threads() == inside
+            raise RuntimeError("forward stopped")
+        assert torch.get_num_threads() == threads
+        hold.set()
+        failed.join()
+        with failed.sharing_cores():  # a decode that is done shares nothing
+            assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def store(lm, tmp_path_factory):
     from budgetkit import trimmed_store

@@ -4,6 +4,7 @@ with kdnctl's attention, or with the model's own for the full-prefill reference.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -53,7 +54,9 @@ def forward_suffix(lm: LoadedModel, ctx: LoadedContext | None, suffix_ids: list[
         DynamicCache(config=model.config) if own_attention else adapter_for(model).full_cache()
     ids = torch.tensor([suffix_ids], device=lm.device)
     pos = torch.arange(start, start + len(suffix_ids), device=lm.device)[None]
-    with _attention(model, ctx, own_attention):
+    pending = ctx.pending if ctx is not None else None
+    with _attention(model, ctx, own_attention), \
+            pending.sharing_cores() if pending is not None and lm.device.type == "cpu" else nullcontext():
         out = model(input_ids=ids, **cache_arg(model, cache), position_ids=pos, use_cache=True,
                     logits_to_keep=1 if last_only else 0)
     return out.logits[0].float(), cache_out(out)

@@ -12,10 +12,22 @@ cores. The K/V, hence the logits, are those of a load that decodes first and ans
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
+from contextlib import contextmanager
+
+import torch
 
 GROUPS = 6  # layer groups: the forward waits for the first ~1/6 of the decode, not all of it
+SHARE_CORES = True  # the forward leaves the decode's core to it while the decode runs (``sharing_cores``)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def layer_groups(n_layers: int, n_groups: int = GROUPS) -> list[range]:
@@ -37,6 +49,7 @@ class LayersReady:
         # helper(g): decode one more job of group g or an earlier one in the calling thread; False
         # when none is left to take there
         self._helper: Callable[[int], bool] | None = None
+        self._threads: int | None = None  # the forward's torch threads to restore once the decode is done
 
     def done(self, g: int) -> None:
         self._events[g].set()
@@ -73,8 +86,34 @@ class LayersReady:
         g = self._group_of.get(layer, len(self.groups) - 1)
         self._help(g)
         self._events[g].wait()
+        if self._threads is not None and all(e.is_set() for e in self._events):
+            self._give_back_cores()
         if self._error is not None:
             raise self._error
+
+    @contextmanager
+    def sharing_cores(self, decode_threads: int = 1):
+        """Around the forward that waits on this decode: while the decode runs, the forward's torch
+        threads leave ``decode_threads`` of the process's cores to it, and take them back at the
+        first layer after the decode is done (or when the block ends). A forward whose threads
+        already leave that room is not touched. On two cores, a two-thread forward beside the
+        decode thread stalls at every parallel region the decode preempts."""
+        n = torch.get_num_threads()
+        fewer = max(1, min(n, usable_cores() - decode_threads))
+        if not SHARE_CORES or fewer >= n or all(e.is_set() for e in self._events):
+            yield
+            return
+        self._threads = n
+        torch.set_num_threads(fewer)
+        try:
+            yield
+        finally:
+            self._give_back_cores()
+
+    def _give_back_cores(self) -> None:
+        if self._threads is not None:
+            n, self._threads = self._threads, None
+            torch.set_num_threads(n)
 
     def wait_all(self) -> None:
         self._help(len(self.groups) - 1)
