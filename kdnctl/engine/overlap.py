@@ -6,8 +6,9 @@ the forward waits at each layer until that layer's group is written (``LayersRea
 the cache layer's first update): the decode of the last layers overlaps the forward of the first
 ones. A thread that waits does not idle: it decodes jobs of the group it waits for beside the
 background thread (``helper``), so the forward's wait for the first group is cut by about 40% on two
-cores. The K/V, hence the logits, are those of a load that decodes first and answers after
-(``tests/test_overlap.py``).
+cores; and while the decode runs, the forward's torch threads leave it a core
+(``LayersReady.sharing_cores``). The K/V, hence the logits, are those of a load that decodes
+first and answers after (``tests/test_overlap.py``).
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ class LayersReady:
         threads leave ``decode_threads`` of the process's cores to it, and take them back at the
         first layer after the decode is done (or when the block ends). A forward whose threads
         already leave that room is not touched. On two cores, a two-thread forward beside the
-        decode thread stalls at every parallel region the decode preempts."""
+        decode thread stalls at every parallel region the decode preempts. (torch's thread count
+        is the process's: other torch work of the process runs on the fewer threads meanwhile.)"""
         n = torch.get_num_threads()
         fewer = max(1, min(n, usable_cores() - decode_threads))
         if not SHARE_CORES or fewer >= n or all(e.is_set() for e in self._events):
