@@ -20,16 +20,23 @@ from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 
+def default_store(lm, n_tokens: int, folder: Path):
+    """``(store, doc_id)``: ``n_tokens`` tokens of the example corpus (as ``bench/ttft.py`` builds
+    them) ingested into a store in ``folder`` and compressed with no options (``--budget 0.25``)
+    as the version ``default``."""
+    store = Store(Path(folder) / "store")
+    text = corpus_text(lm.tokenizer, n_tokens)
+    doc = Document("bench.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
+    ingest_documents(store, lm, [doc], IngestOptions())
+    with store.writer():
+        compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="default")
+    return store, doc.doc_id
+
+
 def default_bundles(lm, n_tokens: int) -> list:
-    """The chunk bundles of ``n_tokens`` tokens of the example corpus (as ``bench/ttft.py`` builds
-    them), ingested and compressed with no options (``--budget 0.25``) in a temporary store."""
+    """The chunk bundles of ``default_store``'s version, read into memory (the store is gone after)."""
     with tempfile.TemporaryDirectory() as tmp:
-        store = Store(Path(tmp) / "store")
-        text = corpus_text(lm.tokenizer, n_tokens)
-        doc = Document("bench.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
-        ingest_documents(store, lm, [doc], IngestOptions())
-        with store.writer():
-            compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="default")
-        bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc.doc_id, "default").chunks]
+        store, doc_id = default_store(lm, n_tokens, Path(tmp))
+        bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc_id, "default").chunks]
         store.close()
     return bundles

@@ -6,7 +6,6 @@ interleaved repetitions, one torch thread (``bench/ttft.py``'s setting).
     python research/probes/overlap_help.py --sizes 1024,2048,4096,8000 --repeats 7
 """
 import argparse
-import hashlib
 import statistics
 import sys
 import tempfile
@@ -16,17 +15,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "research" / "probes"))
 
 import torch  # noqa: E402
 
 import ttft  # noqa: E402
-from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from default_version import default_store  # noqa: E402
 from kdnctl.engine import overlap  # noqa: E402
-from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
-from kdnctl.store import Store  # noqa: E402
 
 WAITS: list[float] = []
 _wait = overlap.LayersReady.wait
@@ -62,24 +59,19 @@ def main():
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in [int(s) for s in args.sizes.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
-            st = Store(Path(tmp) / "s")
-            text = ttft.corpus_text(lm.tokenizer, size)
-            doc = Document("d.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
-            ingest_documents(st, lm, [doc], IngestOptions())
-            with st.writer():
-                compress_document(st, "d.txt", CompressRecipe(), lm=lm, label="default")
-            n_tok = st.get_version("d.txt", "full").n_tokens if hasattr(st.get_version("d.txt", "full"), "n_tokens") else size
+            st, doc_id = default_store(lm, size, Path(tmp))
+            n_tok = st.get_version(doc_id, "full").n_tokens
             for name in ("full", "default"):
-                ttft.stored_ttft(lm, st, "d.txt", name, q)
+                ttft.stored_ttft(lm, st, doc_id, name, q)
             res = {"full": [], "idle": [], "help": []}
             waits = {"idle": [], "help": []}
             for rep in range(args.repeats):
                 order = ["idle", "help"] if rep % 2 == 0 else ["help", "idle"]
-                res["full"].append(ttft.stored_ttft(lm, st, "d.txt", "full", q))
+                res["full"].append(ttft.stored_ttft(lm, st, doc_id, "full", q))
                 for mode in order:
                     HELP["on"] = mode == "help"
                     WAITS.clear()
-                    res[mode].append(ttft.stored_ttft(lm, st, "d.txt", "default", q))
+                    res[mode].append(ttft.stored_ttft(lm, st, doc_id, "default", q))
                     waits[mode].append(sum(WAITS))
             m = {k: statistics.median(v) for k, v in res.items()}
             paired = statistics.median(h / i for h, i in zip(res["help"], res["idle"]))

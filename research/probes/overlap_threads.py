@@ -7,7 +7,6 @@ repetitions, the modes' order rotating from one repetition to the next.
     python research/probes/overlap_threads.py --sizes 1024,2048,4096,8000 --repeats 7 --threads 2
 """
 import argparse
-import hashlib
 import statistics
 import sys
 import tempfile
@@ -16,25 +15,23 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "research" / "probes"))
 
 import torch  # noqa: E402
 
 import ttft  # noqa: E402
-from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from default_version import default_store  # noqa: E402
 from kdnctl.engine import overlap  # noqa: E402
-from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.ingest.corpus import Document  # noqa: E402
 from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
-from kdnctl.store import Store  # noqa: E402
 
 MODES = ("full", "shared", "plain", "first")
 
 
-def timed(lm, st, q, mode: str) -> float:
+def timed(lm, st, doc_id: str, q, mode: str) -> float:
     overlap.SHARE_CORES = mode != "plain"
     label = "full" if mode == "full" else "default"
-    return ttft.stored_ttft(lm, st, "d.txt", label, q, overlap=mode != "first")
+    return ttft.stored_ttft(lm, st, doc_id, label, q, overlap=mode != "first")
 
 
 def main():
@@ -55,20 +52,15 @@ def main():
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in [int(s) for s in args.sizes.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
-            st = Store(Path(tmp) / "s")
-            text = ttft.corpus_text(lm.tokenizer, size)
-            doc = Document("d.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
-            ingest_documents(st, lm, [doc], IngestOptions())
-            with st.writer():
-                compress_document(st, "d.txt", CompressRecipe(), lm=lm, label="default")
-            n_tok = st.get_version("d.txt", "full").n_tokens
+            st, doc_id = default_store(lm, size, Path(tmp))
+            n_tok = st.get_version(doc_id, "full").n_tokens
             for mode in MODES:  # warm
-                timed(lm, st, q, mode)
+                timed(lm, st, doc_id, q, mode)
             res = {m: [] for m in MODES}
             for rep in range(args.repeats):
                 k = rep % len(MODES)
                 for mode in MODES[k:] + MODES[:k]:
-                    res[mode].append(timed(lm, st, q, mode))
+                    res[mode].append(timed(lm, st, doc_id, q, mode))
             overlap.SHARE_CORES = True
             m = {k: statistics.median(v) for k, v in res.items()}
             sp = statistics.median(a / b for a, b in zip(res["shared"], res["plain"]))
