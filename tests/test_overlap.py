@@ -166,6 +166,38 @@ def test_the_forward_leaves_the_decode_a_core_while_it_runs(monkeypatch, cores, 
         torch.set_num_threads(before)
 
 
+def test_forwards_that_share_at_once_restore_the_threads_when_the_last_is_done(monkeypatch):
+    """Two forwards over two decodes (threads of one process asking at once): the first lowers
+    torch's threads, the second finds them lowered and changes nothing, and they come back to what
+    the first found only when both are done, in either order."""
+    import threading
+
+    from kdnctl.engine import overlap
+
+    monkeypatch.setattr(overlap, "usable_cores", lambda: 2)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for first_done in (0, 1):
+            holds = [threading.Event(), threading.Event()]
+            ready = [LayersReady(layer_groups(2, 2)) for _ in holds]
+            for r, hold in zip(ready, holds):
+                r.start(lambda _r, hold=hold: hold.wait(5))
+            with ready[0].sharing_cores():
+                with ready[1].sharing_cores():
+                    assert torch.get_num_threads() == 1
+                    holds[first_done].set()
+                    ready[first_done].join()
+                    ready[first_done].wait(1)  # that forward's decode is done: it gives its share back
+                    assert torch.get_num_threads() == 1  # the other still shares
+                    holds[1 - first_done].set()
+                    ready[1 - first_done].join()
+                assert torch.get_num_threads() == (2 if first_done == 0 else 1)
+            assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def store(lm, tmp_path_factory):
     from budgetkit import trimmed_store

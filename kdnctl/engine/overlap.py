@@ -50,7 +50,7 @@ class LayersReady:
         # helper(g): decode one more job of group g or an earlier one in the calling thread; False
         # when none is left to take there
         self._helper: Callable[[int], bool] | None = None
-        self._threads: int | None = None  # the forward's torch threads to restore once the decode is done
+        self._sharing = False  # this decode's forward runs on fewer torch threads (``sharing_cores``)
 
     def done(self, g: int) -> None:
         self._events[g].set()
@@ -87,7 +87,7 @@ class LayersReady:
         g = self._group_of.get(layer, len(self.groups) - 1)
         self._help(g)
         self._events[g].wait()
-        if self._threads is not None and all(e.is_set() for e in self._events):
+        if self._sharing and all(e.is_set() for e in self._events):
             self._give_back_cores()
         if self._error is not None:
             raise self._error
@@ -98,24 +98,43 @@ class LayersReady:
         threads leave ``decode_threads`` of the process's cores to it, and take them back at the
         first layer after the decode is done (or when the block ends). A forward whose threads
         already leave that room is not touched. On two cores, a two-thread forward beside the
-        decode thread stalls at every parallel region the decode preempts. (torch's thread count
-        is the process's: other torch work of the process runs on the fewer threads meanwhile.)"""
-        n = torch.get_num_threads()
-        fewer = max(1, min(n, usable_cores() - decode_threads))
-        if not SHARE_CORES or fewer >= n or all(e.is_set() for e in self._events):
+        decode thread stalls at every parallel region the decode preempts. torch's thread count
+        is the process's: other torch work of the process runs on the fewer threads meanwhile,
+        and forwards that share at the same time (threads of one process asking at once) leave
+        it lowered once and restore it when the last of them is done."""
+        if self._take_cores(decode_threads):
+            try:
+                yield
+            finally:
+                self._give_back_cores()
+        else:
             yield
-            return
-        self._threads = n
-        torch.set_num_threads(fewer)
-        try:
-            yield
-        finally:
-            self._give_back_cores()
+
+    def _take_cores(self, decode_threads: int) -> bool:
+        """Lower torch's threads for this forward (or count it beside a forward that already did);
+        False where nothing is to be shared."""
+        with _SHARED_LOCK:
+            if not SHARE_CORES or all(e.is_set() for e in self._events):
+                return False
+            if _SHARED["users"] == 0:
+                n = torch.get_num_threads()
+                fewer = max(1, min(n, usable_cores() - decode_threads))
+                if fewer >= n:
+                    return False
+                _SHARED["threads"] = n
+                torch.set_num_threads(fewer)
+            _SHARED["users"] += 1
+            self._sharing = True
+            return True
 
     def _give_back_cores(self) -> None:
-        if self._threads is not None:
-            n, self._threads = self._threads, None
-            torch.set_num_threads(n)
+        with _SHARED_LOCK:
+            if not self._sharing:
+                return
+            self._sharing = False
+            _SHARED["users"] -= 1
+            if _SHARED["users"] == 0:
+                torch.set_num_threads(_SHARED["threads"])
 
     def wait_all(self) -> None:
         self._help(len(self.groups) - 1)
@@ -139,3 +158,8 @@ class LayersReady:
                     return
             except BaseException as exc:  # noqa: BLE001 (raised to this waiter and every other)
                 self.fail(exc)
+
+
+# the torch threads the first of the forwards sharing their cores found, restored by the last
+_SHARED_LOCK = threading.Lock()
+_SHARED = {"users": 0, "threads": 0}
