@@ -15,14 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "research" / "probes"))
 
-from default_version import default_bundles  # noqa: E402
+from default_version import decode_target, default_bundles  # noqa: E402
 
 from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import ec_batch, transforms  # noqa: E402
@@ -32,11 +31,7 @@ def main() -> None:
     torch.set_num_threads(1)
     lm = load_model(dtype="float32")
     bundles = default_bundles(lm, int(sys.argv[1]))
-    q = bundles[0].meta["quant"]
-    n_layers, h, d = bundles[0].n_layers, q["n_heads"], q["head_dim"]
-    lens = [b.layer_len(0) for b in bundles]
-    starts = [int(x) for x in np.cumsum([0] + lens[:-1])]
-    out = (torch.zeros(n_layers, h, sum(lens), d), torch.zeros(n_layers, h, sum(lens), d))
+    q, starts, out = decode_target(bundles)
     shipped = transforms._COS_SIN.limit
 
     def run(workers: int, limit: int) -> float:

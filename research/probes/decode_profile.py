@@ -9,22 +9,18 @@ compiled kernels, the key basis's matmul and the Python around them, by internal
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "research" / "probes"))
 
-from default_version import default_bundles  # noqa: E402
+from default_version import decode_target, default_bundles, print_profile  # noqa: E402
 
 from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import ec_batch  # noqa: E402
@@ -33,11 +29,7 @@ from kdnctl.quant import ec_batch  # noqa: E402
 def main() -> None:
     torch.set_num_threads(1)
     bundles = default_bundles(load_model(dtype="float32"), int(sys.argv[1]))
-    q = bundles[0].meta["quant"]
-    n_layers, h, d = bundles[0].n_layers, q["n_heads"], q["head_dim"]
-    lens = [b.layer_len(0) for b in bundles]
-    starts = [int(x) for x in np.cumsum([0] + lens[:-1])]
-    out = (torch.zeros(n_layers, h, sum(lens), d), torch.zeros(n_layers, h, sum(lens), d))
+    q, starts, out = decode_target(bundles)
 
     def run(w: int) -> float:
         t = time.perf_counter()
@@ -48,14 +40,7 @@ def main() -> None:
     for w in (1, 2, 1, 2):
         xs = [run(w) for _ in range(5)]
         print(f"workers {w}: median {statistics.median(xs):.4f} s  {gb / statistics.median(xs):.2f} GB/s")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(5):
-        ec_batch.decode_into(out, bundles, starts, q, workers=1)
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
-    print(s.getvalue())
+    print_profile(lambda: ec_batch.decode_into(out, bundles, starts, q, workers=1))
 
 
 if __name__ == "__main__":

@@ -40,3 +40,32 @@ def default_bundles(lm, n_tokens: int) -> list:
         bundles = [decode_bundle(store.read_object(c.object)) for c in store.get_version(doc_id, "default").chunks]
         store.close()
     return bundles
+
+
+def decode_target(bundles) -> tuple[dict, list[int], tuple]:
+    """``(quant meta, each chunk's first token, a zeroed float32 cache per role [L, H, T, D])``:
+    what ``ec_batch`` decodes ``default_bundles`` into."""
+    import numpy as np
+    import torch
+
+    q = bundles[0].meta["quant"]
+    n_layers, h, d = bundles[0].n_layers, q["n_heads"], q["head_dim"]
+    lens = [b.layer_len(0) for b in bundles]
+    starts = [int(x) for x in np.cumsum([0] + lens[:-1])]
+    return q, starts, tuple(torch.zeros(n_layers, h, sum(lens), d) for _ in range(2))
+
+
+def print_profile(fn, times: int = 5, top: int = 12) -> None:
+    """A cProfile of ``fn()`` called ``times`` times, its ``top`` functions by internal time."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(times):
+        fn()
+    pr.disable()
+    s = io.StringIO()
+    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(top)
+    print(s.getvalue())

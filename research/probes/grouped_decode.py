@@ -8,21 +8,17 @@ Medians of 7, twice, alternating; then a cProfile of five grouped decodes by int
 
 from __future__ import annotations
 
-import cProfile
-import io
-import pstats
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "research" / "probes")]
 
-from default_version import default_bundles  # noqa: E402
+from default_version import decode_target, default_bundles, print_profile  # noqa: E402
 
 from kdnctl.engine.overlap import layer_groups  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
@@ -32,11 +28,7 @@ from kdnctl.quant import ec_batch  # noqa: E402
 def main() -> None:
     torch.set_num_threads(1)
     bundles = default_bundles(load_model(dtype="float32"), int(sys.argv[1]))
-    q = bundles[0].meta["quant"]
-    n_layers, h, d = bundles[0].n_layers, q["n_heads"], q["head_dim"]
-    lens = [b.layer_len(0) for b in bundles]
-    starts = [int(x) for x in np.cumsum([0] + lens[:-1])]
-    out = (torch.zeros(n_layers, h, sum(lens), d), torch.zeros(n_layers, h, sum(lens), d))
+    q, starts, out = decode_target(bundles)
 
     def run(groups) -> float:
         t = time.perf_counter()
@@ -45,18 +37,11 @@ def main() -> None:
                                    on_group=(lambda g: None) if groups else None).run(1)
         return time.perf_counter() - t
 
-    groups = layer_groups(n_layers)
+    groups = layer_groups(out[0].shape[0])
     for _ in range(2):
         for name, g in (("whole", None), (f"{len(groups)} groups", groups)):
             print(f"{name}: median {statistics.median(run(g) for _ in range(7)):.4f} s")
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(5):
-        run(groups)
-    pr.disable()
-    s = io.StringIO()
-    pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(12)
-    print(s.getvalue())
+    print_profile(lambda: run(groups))
 
 
 if __name__ == "__main__":
