@@ -220,8 +220,8 @@ class GroupedDecode:
             buf.zs = (np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16))
             buf.state = _cpu_state()
         basis = None if role != "keys" or self.basis_t is None else self.basis_t[layers.start:layers.stop]
-        if basis is not None and (getattr(buf, "zbuf", None) is None or buf.zbuf.numel() < 2 * len(layers) * h * t * d):
-            buf.zbuf = torch.empty(2 * self.n_layers * h * t * d)  # the scaled codes, then the rotated keys
+        if basis is not None and (getattr(buf, "zbuf", None) is None or buf.zbuf.numel() < basis_scratch(len(layers), h, t, d)):
+            buf.zbuf = torch.empty(basis_scratch(self.n_layers, h, t, d))
         tables = self.tables.get((c, role))
         if tables is None:
             params = chunk_params(b, role, range(self.n_layers), h * d, buf.state)
@@ -235,6 +235,13 @@ class GroupedDecode:
             self.on_group(g)
 
 
+def basis_scratch(n_layers: int, h: int, t: int, d: int) -> int:
+    """Elements of a thread's scratch for keys in a key basis: the scaled codes, the rotated keys
+    and the basis scaled by the steps. Reused job after job: a fresh tensor of that size is
+    memory mapped and faulted in anew by every job."""
+    return n_layers * h * d * (2 * t + d)
+
+
 def _cpu_state() -> np.ndarray:
     from kdnctl.kernels.ec import cpu
 
@@ -246,8 +253,8 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
                        layers: range, zbuf: torch.Tensor | None = None, chunk_params_all=None, chunk_tables=None) -> None:
     """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``, the ``layers`` (``basis_t``:
     theirs) in one kernel call that writes each token row once, dequantized and RoPE'd. In a key basis the kernel writes
-    the scaled codes channel by channel (``[L, H, D, t]``) to the first half of ``zbuf`` (flat,
-    room for ``2 L H t D``); one batched matmul with the basis (its columns scaled by the steps)
+    the scaled codes channel by channel (``[L, H, D, t]``) to the start of ``zbuf`` (flat, room for
+    ``basis_scratch``); one batched matmul with the basis (its columns scaled by the steps)
     and the mean, reading them transposed, rotates them into token rows in its second half (a
     BLAS matmul: several times the speed of a loop in the kernel), and a last pass RoPEs them
     into the cache. ``chunk_params_all`` and ``chunk_tables``: ``chunk_params`` and ``role_tables`` of
@@ -275,15 +282,16 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
         decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out.numpy(), layer_idx, tok, True,
                      cos, sin, cs_idx, tables, scratch, *zs, state, err)
     else:
-        zy = zbuf[:2 * n_layers * h * t * d]
-        z, y = zy[:n_layers * h * d * t].view(n_layers, h, d, t), zy[n_layers * h * t * d:].view(n_layers, h, t, d)
+        n = n_layers * h * t * d
+        z, y = zbuf[:n].view(n_layers, h, d, t), zbuf[n:2 * n].view(n_layers, h, t, d)
+        m = zbuf[2 * n:2 * n + n_layers * h * d * d].view(n_layers, h, d, d)
         decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, z.numpy(), layer_idx, 0, False,
                      cos, sin, cs_idx, tables, scratch, *zs, state, err)
     if err.any():
         i = int(np.flatnonzero(err)[0])
         raise BundleFormatError(f"{prefixes[i]}.{cpu.MESSAGES[int(err[i])]}")
     if basis_t is not None and t:
-        m = basis_t * torch.from_numpy(step).view(n_layers, h, 1, d)
+        torch.mul(basis_t, torch.from_numpy(step).view(n_layers, h, 1, d), out=m)
         # the codes lie channel by channel: the matmul reads them transposed (no gather into token rows)
         torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, d, t).transpose(1, 2),
                       m.view(n_layers * h, d, d), out=y.view(n_layers * h, t, d))
@@ -482,5 +490,5 @@ def warm() -> bool:
     keys = torch.zeros(n_layers, h, t, d)
     _decode_chunk_role(b, "keys", t, 0, keys, quant, h, d, torch.eye(d).expand(n_layers, h, d, d).contiguous(),
                        np.empty(2 * h * d * t, np.uint8), (np.empty(h * d * t + 8, np.int8), np.empty(h * d * t + 8, np.int16)),
-                       cpu.new_state(), range(n_layers), torch.empty(2 * n_layers * h * t * d))
+                       cpu.new_state(), range(n_layers), torch.empty(basis_scratch(n_layers, h, t, d)))
     return all(torch.allclose(got, w, rtol=1e-5, atol=1e-4) for got, w in zip((*out, keys), (*want, want[0])))
