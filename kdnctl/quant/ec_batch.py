@@ -124,8 +124,9 @@ class GroupedDecode:
         self.buffers = threading.local()  # each thread's scratch
         # (chunk, role) -> (chunk_params, role_tables) of all its layers, made once for every layer
         # group: the params of all layers inflated in one call, the same positions and levels (made
-        # by whichever thread gets there first; two threads make the same arrays). Made per group,
-        # the Python around them cost ~10% of a grouped decode's CPU time.
+        # by whichever thread gets there first; two threads make the same arrays). Once per chunk,
+        # not per group: the numpy work around them holds the interpreter's lock, which the
+        # question's forward beside the decode needs too.
         self.tables: dict[tuple[int, str], tuple] = {}
 
     def run(self, workers: int | None = None) -> None:
@@ -237,8 +238,7 @@ class GroupedDecode:
 
 def basis_scratch(n_layers: int, h: int, t: int, d: int) -> int:
     """Elements of a thread's scratch for keys in a key basis: the scaled codes, the rotated keys
-    and the basis scaled by the steps. Reused job after job: a fresh tensor of that size is
-    memory mapped and faulted in anew by every job."""
+    and the basis scaled by the steps, one buffer reused job after job."""
     return n_layers * h * d * (2 * t + d)
 
 
@@ -255,7 +255,7 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
     theirs) in one kernel call that writes each token row once, dequantized and RoPE'd. In a key basis the kernel writes
     the scaled codes channel by channel (``[L, H, D, t]``) to the start of ``zbuf`` (flat, room for
     ``basis_scratch``); one batched matmul with the basis (its columns scaled by the steps)
-    and the mean, reading them transposed, rotates them into token rows in its second half (a
+    and the mean, reading them transposed, rotates them into token rows after them (a
     BLAS matmul: several times the speed of a loop in the kernel), and a last pass RoPEs them
     into the cache. ``chunk_params_all`` and ``chunk_tables``: ``chunk_params`` and ``role_tables`` of
     every layer of the chunk's role, made once for all its layer groups (else made here for ``layers``)."""
