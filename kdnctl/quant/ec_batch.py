@@ -237,9 +237,9 @@ class GroupedDecode:
 
 
 def basis_scratch(n_layers: int, h: int, t: int, d: int) -> int:
-    """Elements of a thread's scratch for keys in a key basis: the scaled codes, the rotated keys
-    and the basis scaled by the steps, one buffer reused job after job."""
-    return n_layers * h * d * (2 * t + d)
+    """Elements of a thread's scratch for keys in a key basis: the scaled codes and the rotated
+    keys, one buffer reused job after job."""
+    return 2 * n_layers * h * d * t
 
 
 def _cpu_state() -> np.ndarray:
@@ -254,10 +254,11 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
     """One role of chunk ``b`` into ``out[:, :, tok:tok + t]``, the ``layers`` (``basis_t``:
     theirs) in one kernel call that writes each token row once, dequantized and RoPE'd. In a key basis the kernel writes
     the scaled codes channel by channel (``[L, H, D, t]``) to the start of ``zbuf`` (flat, room for
-    ``basis_scratch``); one batched matmul with the basis (its columns scaled by the steps)
-    and the mean, reading them transposed, rotates them into token rows after them (a
-    BLAS matmul: several times the speed of a loop in the kernel), and a last pass RoPEs them
-    into the cache. ``chunk_params_all`` and ``chunk_tables``: ``chunk_params`` and ``role_tables`` of
+    ``basis_scratch``); one batched matmul with the basis, reading them transposed, rotates them
+    into token rows after them (a BLAS matmul: several times the speed of a loop in the kernel),
+    and a last pass scales those by the steps, adds the means and RoPEs them into the cache (the
+    steps and means there, where the pass is bound by its writes, rather than in the matmul: a
+    scaled copy of the basis and a bias per job cost more). ``chunk_params_all`` and ``chunk_tables``: ``chunk_params`` and ``role_tables`` of
     every layer of the chunk's role, made once for all its layer groups (else made here for ``layers``)."""
     from kdnctl.kernels.ec import cpu
 
@@ -284,18 +285,16 @@ def _decode_chunk_role(b, role: str, t: int, tok: int, out: torch.Tensor, quant_
     else:
         n = n_layers * h * t * d
         z, y = zbuf[:n].view(n_layers, h, d, t), zbuf[n:2 * n].view(n_layers, h, t, d)
-        m = zbuf[2 * n:2 * n + n_layers * h * d * d].view(n_layers, h, d, d)
         decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, z.numpy(), layer_idx, 0, False,
                      cos, sin, cs_idx, tables, scratch, *zs, state, err)
     if err.any():
         i = int(np.flatnonzero(err)[0])
         raise BundleFormatError(f"{prefixes[i]}.{cpu.MESSAGES[int(err[i])]}")
     if basis_t is not None and t:
-        torch.mul(basis_t, torch.from_numpy(step).view(n_layers, h, 1, d), out=m)
         # the codes lie channel by channel: the matmul reads them transposed (no gather into token rows)
-        torch.baddbmm(torch.from_numpy(mean).view(n_layers * h, 1, d), z.reshape(n_layers * h, d, t).transpose(1, 2),
-                      m.view(n_layers * h, d, d), out=y.view(n_layers * h, t, d))
-        rope_blobs(y.numpy(), out.numpy(), layer_idx, tok, t, cos, sin, cs_idx)  # (the cache written once)
+        torch.bmm(z.reshape(n_layers * h, d, t).transpose(1, 2), basis_t.reshape(n_layers * h, d, d),
+                  out=y.view(n_layers * h, t, d))
+        rope_blobs(y.numpy(), out.numpy(), layer_idx, tok, t, step, mean, cos, sin, cs_idx)  # (the cache written once)
 
 
 def chunk_params(b, role: str, layers: range, hd: int, state: np.ndarray):

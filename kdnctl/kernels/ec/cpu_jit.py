@@ -309,26 +309,32 @@ def decode_blobs(raw, c_off, c_len, step, mean, bins, t, lsc, out, layer, tok, p
             dequant_rows(zs16, slot, t, step[b], mean[b], lsc[b], out, lay, tok, cos, sin, cs_idx[b], z, y, ct, False)
 
 @njit
-def rope_blobs(src, out, layer, tok, t, cos, sin, cs_idx):
-    """``out[layer[b], :, tok:tok + t] = src[b, :, :t]`` RoPE'd by ``cos``/``sin[cs_idx[b]]``
-    (copied as they are where ``cs_idx[b] < 0``): each row of the cache written once. ``src`` is
-    not ``out``: the loops index both directly (no row copy), so the inner one vectorizes."""
+def rope_blobs(src, out, layer, tok, t, step, mean, cos, sin, cs_idx):
+    """``out[layer[b], :, tok:tok + t] = src[b, :, :t] * step[b] + mean[b]`` (``step``/``mean``
+    ``[n, H*D]``), RoPE'd by ``cos``/``sin[cs_idx[b]]`` (written as they are where ``cs_idx[b] < 0``):
+    each row of the cache written once, with ``dequantize_codes``'s arithmetic (the rotated row
+    times the step, plus the mean) and ``transforms.rope``'s. ``src`` is not ``out``: the loops
+    index both directly (no row copy), so the inner one vectorizes."""
     d = out.shape[3]
     half = d // 2
+    y = np.empty(d, np.float32)
     for b in range(layer.shape[0]):
         ci, lay = cs_idx[b], layer[b]
         for h in range(out.shape[1]):
             s2, o2 = src[b, h], out[lay, h]
+            st, mu = step[b, h * d:(h + 1) * d], mean[b, h * d:(h + 1) * d]
             if ci < 0:
                 for j in range(t):
                     for c in range(d):
-                        o2[tok + j, c] = s2[j, c]
+                        o2[tok + j, c] = s2[j, c] * st[c] + mu[c]
                 continue
             hc = h if cos.shape[1] > 1 else 0
             cr, sr = cos[ci, hc], sin[ci, hc]
-            for j in range(t):  # transforms.rope's arithmetic: each product rounded, then the sum
-                for i in range(half):
-                    a, c2 = s2[j, i], s2[j, i + half]
+            for j in range(t):
+                for c in range(d):
+                    y[c] = s2[j, c] * st[c] + mu[c]
+                for i in range(half):  # transforms.rope's arithmetic: each product rounded, then the sum
+                    a, c2 = y[i], y[i + half]
                     o2[tok + j, i] = a * cr[j, i] + (-c2) * sr[j, i]
                     o2[tok + j, i + half] = c2 * cr[j, i + half] + a * sr[j, i + half]
 
