@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..kernels.channel_stats import channel_var
+
 STEP_MIN, STEP_MAX = 1e-4, 6e4  # float16-representable steps
 CODE_MAX = 30000  # int16 codes, with room
 
@@ -24,7 +26,7 @@ def relative_steps(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Base steps ``[H, D]`` of one role of one layer (``x [H, T, D]`` transformed, ``w [H, D]``):
     ``step_c = s_h / sqrt(w_c)`` with ``s_h^2 = mean_c(w_c * var_c)``, so at scale ``alpha`` every
     head's weighted squared error is ``alpha^2 / 12`` of its weighted variance."""
-    var = x.var(1, unbiased=False) if x.shape[1] else torch.zeros_like(w)
+    var = channel_var(x) if x.shape[1] else torch.zeros_like(w)
     w = w.clamp_min(0)
     s = (w * var).mean(-1, keepdim=True).sqrt()
     base = s / w.clamp_min(1e-12).sqrt()

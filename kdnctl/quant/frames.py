@@ -56,8 +56,14 @@ def pack_digits(vals: np.ndarray, peak: int, per: int) -> bytes:
 
 
 def frame_blob(codes: torch.Tensor, bins: torch.Tensor, width: int, compress: Callable[[bytes], bytes]) -> bytes:
-    """The codes blob (header and frames) of :func:`encode_codes` where every row is stored."""
-    datas, peaks = frame_payloads(codes, bins, width)
-    frames = [compress(x) if x else b"" for x in datas]
+    """The codes blob (header and frames) of :func:`encode_codes` where every row is stored: the
+    frames cut by the compiled ``kdnctl.kernels.ec.frame_bytes`` (the bytes of
+    :func:`frame_payloads`), each compressed from a view of its bytes."""
+    from kdnctl.kernels.ec.frame_bytes import frame_bytes
+
+    buf, offsets, peaks = frame_bytes(codes.float().contiguous().numpy(), bins.flatten().to(torch.uint8).numpy(), width)
+    view, offsets = memoryview(buf), offsets.tolist()
+    frames = [compress(view[a:b]) if b > a else b"" for a, b in zip(offsets, offsets[1:])]
+    peaks = peaks.tolist()
     return bytes([width, len(frames)]) + np.array([len(f) for f in frames], "<i4").tobytes() + \
         np.array(peaks, "<i2").tobytes() + b"".join(frames)
