@@ -56,3 +56,4 @@ def test_blob_equals_the_plain_loop(own_widths):
         fast, bins = encode_codes(codes, "deflate", own_widths=own_widths)
         ref, ref_bins = encode_codes(codes, "deflate", reference=True, own_widths=own_widths)
         assert torch.equal(bins, ref_bins) and torch.equal(fast, ref)
+

@@ -1,5 +1,6 @@
-"""The 0.25 default's compress as it is against the same with its frames cut in numpy and its
-channel variances by torch (as before), in one process: seconds, and the stored objects equal.
+"""The 0.25 default's compress as it is against the code of 6c09dd2 (the scale fit's probes and
+the final encode of ``payload_size.py`` at that revision, read from git, with the frames cut in
+numpy and the channel variances by torch), in one process: seconds, and the stored tensors equal.
 
     python research/probes/compress_ab.py [--sizes 1024,2048,4096] [--repeats 5]
 
@@ -14,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -30,7 +33,7 @@ from ttft import corpus_text  # noqa: E402
 
 from kdnctl.allocate import rate  # noqa: E402
 from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
-from kdnctl.compress.stages import payload_size  # noqa: E402
+from kdnctl.compress.stages import encode  # noqa: E402
 from kdnctl.format.bundle import decode_bundle  # noqa: E402
 from kdnctl.engine.prefill import bare_prefill_seconds  # noqa: E402
 from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
@@ -61,12 +64,32 @@ def tensor_digest(store, doc_id: str, label: str) -> str:
     return h.hexdigest()
 
 
-NOW = (payload_size.frame_blob, entropy.frame_blob, rate.channel_var)
-BEFORE = (numpy_frame_blob, numpy_frame_blob, var_reference.channel_var)
+REV = "6c09dd2"
+
+
+def payload_size_of(rev: str):
+    """``kdnctl/compress/stages/payload_size.py`` at ``rev``, as a module of its own, its frames
+    cut in numpy."""
+    src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:kdnctl/compress/stages/payload_size.py"],
+                         check=True, capture_output=True, text=True).stdout
+    src = src.replace("from ...", "from kdnctl.").replace("from . import", "from kdnctl.compress.stages import")
+    src = src.replace("from .base import", "from kdnctl.compress.stages.base import")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / f"payload_size_{rev}.py"
+        path.write_text(src)
+        spec = importlib.util.spec_from_file_location(f"payload_size_{rev}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    mod.frame_blob = numpy_frame_blob
+    return mod
+
+
+NOW = (encode.PayloadSize, entropy.frame_blob, rate.channel_var)
+BEFORE = (payload_size_of(REV).PayloadSize, numpy_frame_blob, var_reference.channel_var)
 
 
 def use(side: tuple) -> None:
-    payload_size.frame_blob, entropy.frame_blob, rate.channel_var = side
+    encode.PayloadSize, entropy.frame_blob, rate.channel_var = side
 
 
 def main() -> None:
@@ -105,7 +128,7 @@ def main() -> None:
             rows.append((len(ids), bare, med["now"], med["before"], paired, same))
             store.close()
             print(f"# done {size}", file=sys.stderr, flush=True)
-    print(f"medians of {args.repeats}; now: this checkout; before: frames cut in numpy, variances by torch\n")
+    print(f"medians of {args.repeats}; now: this checkout; before: the compress of {REV}\n")
     print("| tokens | bare prefill s | compress now s | before s | now / before (paired) | now / bare | before / bare | same tensors |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     for n, bare, a, b, p, same in rows:

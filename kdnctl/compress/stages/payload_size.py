@@ -103,9 +103,10 @@ class PayloadSize:
         return [{name: t for layer in layers for name, t in layer[c]} for c in range(len(self.job.kept_bounds))]
 
     def _coded(self, alpha: float, i: int):
-        """Layer ``i``'s roles at ``alpha``, chunk by chunk in ``codes_at``'s order per chunk:
-        (chunk, blob name stem, codes ``[H, T, D]``, bins ``[H * D]``, each row's largest
-        ``|code|``, the params frame's raw bytes)."""
+        """Layer ``i``'s roles at ``alpha``, a group of chunks of one length at a time, in
+        ``codes_at``'s order per chunk: (the group's chunks, blob name stem, codes ``[G, H, T, D]``,
+        bins ``[G, H * D]``, each row's largest ``|code|`` ``[G, H * D]``, each chunk's counted
+        bytes (``own_widths`` False; -1: a code beyond int16), the step's bytes)."""
         job = self.job
         for r, (x, step) in enumerate(zip(job.xs[i], qz.steps_at(job, alpha, i))):
             name = tensor_name(i, ROLES[r])
@@ -114,22 +115,28 @@ class PayloadSize:
             step_bytes = step16.half().numpy().tobytes()
             for idx, centred, scales in self.groups[i][r]:
                 codes = quantize_centred(centred, step16, scales, basis)
-                bins = torch.empty(codes.shape[0], codes.shape[1] * codes.shape[3], dtype=torch.uint8)
-                for c in range(len(idx)):
-                    peaks = np.empty(bins.shape[1], np.int64)
-                    if not deflate_size.spread_bins_exact(codes[c].numpy(), bins[c].numpy(), peaks, SPREAD_BINS_PER_OCTAVE):
-                        bins[c] = spread_bins(codes[c]).flatten()  # a spread at a bin's edge: torch's rounding
-                    yield idx[c], name, codes[c], bins[c], peaks, step_bytes + self.mean_bytes[i][r][idx[c]] + \
-                        bins[c].numpy().tobytes()
+                g, hd = codes.shape[0], codes.shape[1] * codes.shape[3]
+                bins, peaks, exact = np.empty((g, hd), np.uint8), np.empty((g, hd), np.int64), np.empty(g, np.bool_)
+                sizes = deflate_size.group_blob_bytes(codes.numpy(), bins, peaks, exact, SPREAD_BINS_PER_OCTAVE)
+                for c in np.flatnonzero(~exact).tolist():  # a spread at a bin's edge: torch's rounding
+                    bins[c] = spread_bins(codes[c]).flatten().numpy()
+                    sizes[c] = deflate_size.codes_blob_bytes(codes[c].numpy(), bins[c], peaks[c], False)
+                yield idx, name, codes, bins, peaks, sizes, step_bytes
+
+    def _params(self, i: int, r: int, chunk: int, step_bytes: bytes, bins: np.ndarray) -> bytes:
+        """The params frame's bytes of layer ``i``'s role ``r`` in ``chunk`` (step, mean, bins)."""
+        return step_bytes + self.mean_bytes[i][r][chunk] + bins.tobytes()
 
     def _layer(self, alpha: float, i: int) -> list[list[tuple[str, int]]] | None:
         """Per chunk, layer ``i``'s (blob name, bytes) in ``codes_at``'s order."""
         out = [[] for _ in self.job.kept_bounds]
-        for c, name, codes, bins, peaks, params in self._coded(alpha, i):
-            n = deflate_size.codes_blob_bytes(codes.numpy(), bins.numpy(), peaks, False)  # (the signature warm() compiles)
-            if n < 0:
+        for idx, name, codes, bins, peaks, sizes, step_bytes in self._coded(alpha, i):
+            if (sizes < 0).any():
                 return None
-            out[c] += [(f"{name}.codes", n), (f"{name}.params", len(deflate_compress(params, huffman_only=False)))]
+            r = ROLES.index(name.rsplit(".", 1)[1])
+            for g, c in enumerate(idx):
+                params = self._params(i, r, c, step_bytes, bins[g])
+                out[c] += [(f"{name}.codes", int(sizes[g])), (f"{name}.params", len(deflate_compress(params, huffman_only=False)))]
         return out
 
     def _layer_blobs(self, alpha: float, i: int, counted: list[dict[str, int]]
@@ -139,14 +146,17 @@ class PayloadSize:
         where a code needs them; a blob of one-byte codes is the same either way, the others
         are counted again at their own widths)."""
         out = [[] for _ in self.job.kept_bounds]
-        for c, name, codes, bins, peaks, params in self._coded(alpha, i):
-            lim = int(peaks.max()) if peaks.size else 0
-            width = 1 if lim <= 127 else OWN_WIDTHS
-            h, _, d = codes.shape
-            blob = frame_blob(codes, bins.view(h, d), width, deflate_compress)
-            want = counted[c][f"{name}.codes"] if width == 1 else \
-                deflate_size.codes_blob_bytes(codes.numpy(), bins.numpy(), peaks, True)
-            if len(blob) != want:
-                return None
-            out[c] += [(f"{name}.codes", as_u8(blob)), (f"{name}.params", as_u8(deflate_compress(params, huffman_only=False)))]
+        for idx, name, codes, bins, peaks, _, step_bytes in self._coded(alpha, i):
+            r = ROLES.index(name.rsplit(".", 1)[1])
+            for g, c in enumerate(idx):
+                lim = int(peaks[g].max()) if peaks[g].size else 0
+                width = 1 if lim <= 127 else OWN_WIDTHS
+                h, _, d = codes[g].shape
+                blob = frame_blob(codes[g], torch.from_numpy(bins[g]).view(h, d), width, deflate_compress)
+                want = counted[c][f"{name}.codes"] if width == 1 else \
+                    deflate_size.codes_blob_bytes(codes[g].numpy(), bins[g], peaks[g], True)
+                if len(blob) != want:
+                    return None
+                params = self._params(i, r, c, step_bytes, bins[g])
+                out[c] += [(f"{name}.codes", as_u8(blob)), (f"{name}.params", as_u8(deflate_compress(params, huffman_only=False)))]
         return out
