@@ -75,10 +75,9 @@ class PayloadSize:
 
     def blob_sizes(self, alpha: float) -> list[dict[str, int]] | None:
         """Each chunk's blobs (``layers.i.<role>.codes``/``.params``) and their bytes at ``alpha``,
-        in ``codes_at``'s order (kept for the last few scales asked)."""
+        in ``codes_at``'s order (kept for every scale asked: the fitted scale is one the fit
+        probed, often not the last, and its counts check the blobs :meth:`blobs` writes)."""
         if alpha not in self._seen:
-            if len(self._seen) >= 4:
-                self._seen.clear()
             with qz.one_torch_thread(), ThreadPoolExecutor(qz.ENCODE_WORKERS) as pool:
                 layers = list(pool.map(lambda i: self._layer(alpha, i), range(self.job.n_layers)))
             if any(x is None for x in layers):
