@@ -161,6 +161,8 @@ def _frame_hist(codes, members, m, t, per, peak, hist, buf):
 @njit
 def _frame_blocks(codes, members, m, t, per, peak, width, hist, work):
     """One frame of more than one block: its bytes, block by block."""
+    if per == 1:
+        return _byte_rows_blocks(codes, members, m, t, width, hist, work)
     d = codes.shape[2]
     n = bitpos = 0
     radix = 2 * peak + 1
@@ -189,6 +191,41 @@ def _frame_blocks(codes, members, m, t, per, peak, width, hist, work):
         if n == BLOCK_LITERALS:
             bitpos = close_block(hist, n, work, bitpos)
             n = 0
+    return close_stream(hist, n, bitpos, work)
+
+
+@njit
+def _byte_rows_blocks(codes, members, m, t, width, hist, work):
+    """:func:`_frame_blocks` of a frame of whole-byte codes (one code per ``width`` bytes): a
+    row that ends inside the open block is counted without a check per byte, into ``COPIES``
+    histograms (a block's histogram does not depend on the order of its bytes); a row that
+    reaches the block's end goes byte by byte."""
+    d = codes.shape[2]
+    h4 = np.zeros((COPIES, 256), np.int64)
+    n = bitpos = 0
+    for i in range(m):
+        h, c = members[i] // d, members[i] % d
+        if width == 1 and n + t < BLOCK_LITERALS:
+            for j in range(t):
+                h4[j % COPIES, np.int64(codes[h, j, c]) & 0xFF] += 1
+            n += t
+            continue
+        for j in range(t):
+            q = np.int64(codes[h, j, c])
+            for _ in range(width):
+                h4[0, q & 0xFF] += 1
+                q >>= 8
+                n += 1
+                if n == BLOCK_LITERALS:
+                    for e in range(COPIES):
+                        for v in range(256):
+                            hist[v] += h4[e, v]
+                    h4[:] = 0
+                    bitpos = close_block(hist, n, work, bitpos)
+                    n = 0
+    for e in range(COPIES):
+        for v in range(256):
+            hist[v] += h4[e, v]
     return close_stream(hist, n, bitpos, work)
 
 
