@@ -365,6 +365,7 @@ class ObjectDir:
     has_object = Store.has_object
     put_object = Store.put_object
     read_object = Store.read_object
+    read_object_checked = Store.read_object_checked
     read_object_head = Store.read_object_head
     _remember_blake3 = Store._remember_blake3
 

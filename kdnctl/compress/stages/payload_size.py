@@ -101,11 +101,12 @@ class PayloadSize:
             return None
         return [{name: t for layer in layers for name, t in layer[c]} for c in range(len(self.job.kept_bounds))]
 
-    def _coded(self, alpha: float, i: int):
+    def _coded(self, alpha: float, i: int, count: bool = True):
         """Layer ``i``'s roles at ``alpha``, a group of chunks of one length at a time, in
         ``codes_at``'s order per chunk: (the group's chunks, blob name stem, codes ``[G, H, T, D]``,
         bins ``[G, H * D]``, each row's largest ``|code|`` ``[G, H * D]``, each chunk's counted
-        bytes (``own_widths`` False; -1: a code beyond int16), the step's bytes)."""
+        bytes (``own_widths`` False; -1: a code beyond int16; not counted where not ``count``),
+        the step's bytes)."""
         job = self.job
         for r, (x, step) in enumerate(zip(job.xs[i], qz.steps_at(job, alpha, i))):
             name = tensor_name(i, ROLES[r])
@@ -116,10 +117,11 @@ class PayloadSize:
                 codes = quantize_centred(centred, step16, scales, basis)
                 g, hd = codes.shape[0], codes.shape[1] * codes.shape[3]
                 bins, peaks, exact = np.empty((g, hd), np.uint8), np.empty((g, hd), np.int64), np.empty(g, np.bool_)
-                sizes = deflate_size.group_blob_bytes(codes.numpy(), bins, peaks, exact, SPREAD_BINS_PER_OCTAVE)
+                sizes = deflate_size.group_blob_bytes(codes.numpy(), bins, peaks, exact, SPREAD_BINS_PER_OCTAVE, count)
                 for c in np.flatnonzero(~exact).tolist():  # a spread at a bin's edge: torch's rounding
                     bins[c] = spread_bins(codes[c]).flatten().numpy()
-                    sizes[c] = deflate_size.codes_blob_bytes(codes[c].numpy(), bins[c], peaks[c], False)
+                    if count:
+                        sizes[c] = deflate_size.codes_blob_bytes(codes[c].numpy(), bins[c], peaks[c], False)
                 yield idx, name, codes, bins, peaks, sizes, step_bytes
 
     def _params(self, i: int, r: int, chunk: int, step_bytes: bytes, bins: np.ndarray) -> bytes:
@@ -145,7 +147,7 @@ class PayloadSize:
         where a code needs them; a blob of one-byte codes is the same either way, the others
         are counted again at their own widths)."""
         out = [[] for _ in self.job.kept_bounds]
-        for idx, name, codes, bins, peaks, _, step_bytes in self._coded(alpha, i):
+        for idx, name, codes, bins, peaks, _, step_bytes in self._coded(alpha, i, count=False):
             r = ROLES.index(name.rsplit(".", 1)[1])
             for g, c in enumerate(idx):
                 lim = int(peaks[g].max()) if peaks[g].size else 0

@@ -277,16 +277,17 @@ def spread_bins_exact(codes, bins, row_peak, per_octave):
 
 
 @njit
-def group_blob_bytes(codes, bins, row_peak, exact, per_octave):
+def group_blob_bytes(codes, bins, row_peak, exact, per_octave, count=True):
     """Chunks of one length together: for each ``codes[g] [H, T, D]`` (float32 integers),
-    :func:`spread_bins_exact` into ``bins[g]``, ``row_peak[g]`` and ``exact[g]``, then, where exact,
-    :func:`codes_blob_bytes` (``own_widths`` False). Returns each chunk's bytes (-1: a code beyond
-    int16; 0 where not exact: the caller bins that chunk with torch's ``spread_bins`` and counts
-    it). One call per group instead of two per chunk: no Python between the chunks."""
+    :func:`spread_bins_exact` into ``bins[g]``, ``row_peak[g]`` and ``exact[g]``, then, where exact
+    and ``count``, :func:`codes_blob_bytes` (``own_widths`` False). Returns each chunk's bytes (-1:
+    a code beyond int16; 0 where not exact or not counted: the caller bins an inexact chunk with
+    torch's ``spread_bins``). One call per group instead of two per chunk: no Python between the
+    chunks."""
     sizes = np.zeros(codes.shape[0], np.int64)
     for g in range(codes.shape[0]):
         exact[g] = spread_bins_exact(codes[g], bins[g], row_peak[g], per_octave)
-        if exact[g]:
+        if exact[g] and count:
             sizes[g] = codes_blob_bytes(codes[g], bins[g], row_peak[g], False)
     return sizes
 
@@ -321,6 +322,7 @@ def warm() -> bool:
     spread_bins_exact(codes.numpy(), np.empty(8, np.uint8), peaks, SPREAD_BINS_PER_OCTAVE)
     group = np.empty((1, 8), np.uint8), np.empty((1, 8), np.int64), np.empty(1, np.bool_)
     sizes = group_blob_bytes(codes.numpy()[None], *group, SPREAD_BINS_PER_OCTAVE)
+    group_blob_bytes(codes.numpy()[None], *group, SPREAD_BINS_PER_OCTAVE, False)
     return matches_zlib() and all(
         codes_blob_bytes(codes.numpy(), bins, peaks, own) == len(encode_codes(codes, "deflate", own_widths=own)[0])
         for own in (False, True)) and (not group[2][0] or int(sizes[0]) == len(encode_codes(codes, "deflate", own_widths=False)[0]))
