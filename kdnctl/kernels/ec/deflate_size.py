@@ -306,16 +306,19 @@ def matches_zlib() -> bool:
 
 
 def warm() -> bool:
-    """Compile the counting kernels now (numba keeps them on disk; ``scripts/install.sh`` and a
-    compress loading its model call this) and check them: True when this zlib is the one counted
+    """Compile the counting kernels and the encoder's (the frame cutter, the channel variances, the
+    rounding with feedback) now (numba keeps them on disk; ``scripts/install.sh`` and a compress
+    loading its model call this) and check them: True when this zlib is the one counted
     and a made-up blob counts to the encoder's bytes at either width."""
     import torch
 
+    from kdnctl.kernels.channel_stats import cpu as channel_stats_cpu
     from kdnctl.kernels.feedback import cpu as feedback_cpu
     from kdnctl.quant.entropy import SPREAD_BINS_PER_OCTAVE, encode_codes, spread_bins
 
     w = np.ones((2, 2))
     feedback_cpu.round_tokens(w, np.eye(2), np.zeros(2), np.ones((2, 2)), np.empty((2, 2)))
+    channel_stats_cpu.channel_var(np.ones((1, 2, 2), np.float32))  # (the frame cutter compiles in encode_codes below)
     codes = torch.round(torch.randn(2, 9, 4, generator=torch.Generator().manual_seed(0)) * 3)
     codes[0, 0, 0] = 300.0  # two-byte codes: the frames' widths differ between the two blobs
     bins, peaks = spread_bins(codes).flatten().numpy(), np.empty(8, np.int64)
