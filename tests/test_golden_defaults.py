@@ -30,15 +30,16 @@ DOC, N_TOKENS = "faq.md", 300
 # The digests depend on the machine's float arithmetic (its vector instructions, and whether it
 # computes bf16 natively: surprisal's vocabulary projection runs in bf16 there, fp32 elsewhere,
 # kdnctl.engine.prefill.native_bf16, and the BLAS kernels its vendor gets), so they are pinned per
-# kind of machine, with or without the vendor: a machine of another kind skips the pinned
-# comparison (pin its digests with ``python tests/test_golden_defaults.py``).
+# kind of machine (``machine_kinds``: with the CPU's family and model, with the vendor alone, or
+# without): a machine of another kind skips the pinned comparison (pin its digests with
+# ``python tests/test_golden_defaults.py``).
 # machine kind -> budget -> (sha256 of every chunk's tensors, codes as integers; sha256 of every
 # chunk's meta without name and stamps; sha256 of every chunk's code blobs)
 # Pinned after spread bins became one octave wide (every kind's stored bytes moved; the kinds
 # pinned before wait to be pinned again on a machine of their kind); 0.083 again after its steps
 # came from the model's Fisher profile.
 GOLDEN = {
-    "GenuineIntel-AVX512-bf16": {
+    "GenuineIntel-6-167-AVX512-bf16": {
         0.25: ("9bdfe68d5f0277137db52964de164170e19314d58c2627b3dab8fe4df7f309d7",
                "4941121e5323e638c46e158a16f12a351976380b4f961c2b7f9bbb64a28adbec",
                "2f1b7457220b4357cd5b80f512ff15cc3e150d83b270141c82eb34f9881642b8"),
@@ -58,18 +59,25 @@ GOLDEN = {
 BUDGETS = (0.083, 0.25)
 
 
-def machine_kinds() -> tuple[str, str]:
-    """This machine's kind with its CPU vendor and without (``AuthenticAMD-AVX2-fp32``, ``AVX2-fp32``)."""
+def machine_kinds() -> tuple[str, str, str]:
+    """This machine's kinds, the most specific first: with its CPU vendor, family and model, with
+    its vendor alone, and without (``GenuineIntel-6-167-AVX512-bf16``, ``AuthenticAMD-AVX2-fp32``,
+    ``AVX2-fp32``). Digests are pinned under the first where machines of one vendor and vector
+    width still differ in their matmuls (Intel's AMX runs bf16 where another AVX-512 part does not)."""
     from kdnctl.engine.prefill import native_bf16
 
     kind = f"{torch.backends.cpu.get_cpu_capability()}-{'bf16' if native_bf16('cpu') else 'fp32'}"
-    vendor = "unknown"
+    info = {"vendor_id": "unknown", "cpu family": "?", "model": "?"}
     try:
         with open("/proc/cpuinfo") as f:
-            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), vendor)
+            for line in f:
+                k, _, v = line.partition(":")
+                if k.strip() in info and info[k.strip()] in ("unknown", "?"):
+                    info[k.strip()] = v.strip()
     except OSError:
         pass
-    return f"{vendor}-{kind}", kind
+    vendor = info["vendor_id"]
+    return f"{vendor}-{info['cpu family']}-{info['model']}-{kind}", f"{vendor}-{kind}", kind
 
 
 def pinned_digests(budget: float):
