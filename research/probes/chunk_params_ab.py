@@ -19,7 +19,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "research" / "probes"
 import torch  # noqa: E402
 
 import ttft  # noqa: E402
-from default_version import default_store  # noqa: E402
+from default_version import default_store, rotating  # noqa: E402
 from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import ec_batch  # noqa: E402
@@ -47,7 +47,6 @@ def main() -> None:
     for size in [int(s) for s in args.sizes.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
             st, doc = default_store(lm, size, Path(tmp))
-            res = {m: [] for m in modes}
 
             def timed(mode: str) -> float:
                 ec_batch._decode_chunk_role = per_group if mode == "per group" else ONCE
@@ -56,11 +55,7 @@ def main() -> None:
                 finally:
                     ec_batch._decode_chunk_role = ONCE
 
-            for m in modes:
-                timed(m)
-            for rep in range(args.repeats):
-                for m in modes[rep % 3:] + modes[:rep % 3]:
-                    res[m].append(timed(m))
+            res = rotating(timed, modes, args.repeats)
             med = {m: statistics.median(v) for m, v in res.items()}
             paired = statistics.median(a / b for a, b in zip(res["once"], res["per group"]))
             print(f"| {st.get_version(doc, 'full').n_tokens} | {med['full']:.3f} | {med['once']:.3f} | {med['per group']:.3f} | "

@@ -55,6 +55,19 @@ def decode_target(bundles) -> tuple[dict, list[int], tuple]:
     return q, starts, tuple(torch.zeros(n_layers, h, sum(lens), d) for _ in range(2))
 
 
+def rotating(timed, modes: tuple[str, ...], repeats: int) -> dict[str, list[float]]:
+    """``timed(mode)`` of every mode once untimed (warm-up), then ``repeats`` rounds with the
+    modes in rotating order (load from other jobs falls on all alike): each mode's seconds."""
+    for m in modes:
+        timed(m)
+    res = {m: [] for m in modes}
+    for rep in range(repeats):
+        k = rep % len(modes)
+        for m in modes[k:] + modes[:k]:
+            res[m].append(timed(m))
+    return res
+
+
 def print_profile(fn, times: int = 5, top: int = 12) -> None:
     """A cProfile of ``fn()`` called ``times`` times, its ``top`` functions by internal time."""
     import cProfile

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 import ttft  # noqa: E402
 from decode_kernels_ab import kernels_of  # noqa: E402
-from default_version import decode_target, default_store  # noqa: E402
+from default_version import decode_target, default_store, rotating  # noqa: E402
 from kdnctl.format.bundle import decode_bundle  # noqa: E402
 from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.kernels.ec import cpu  # noqa: E402
@@ -102,7 +102,6 @@ def main() -> None:
             decode_rows.append((n_tokens, statistics.median(cpu_s["now"]), statistics.median(cpu_s["before"]),
                                 statistics.median(a / b for a, b in zip(cpu_s["now"], cpu_s["before"])),
                                 torch.equal(caches["now"][1], caches["before"][1]), worst))
-            res = {m: [] for m in ("full", "now", "before")}
 
             def timed(mode: str) -> float:
                 sides.use(mode if mode != "full" else "now")
@@ -111,12 +110,7 @@ def main() -> None:
                 finally:
                     sides.use("now")
 
-            modes = tuple(res)
-            for m in modes:
-                timed(m)
-            for rep in range(args.repeats):
-                for m in modes[rep % 3:] + modes[:rep % 3]:
-                    res[m].append(timed(m))
+            res = rotating(timed, ("full", "now", "before"), args.repeats)
             med = {m: statistics.median(v) for m, v in res.items()}
             ttft_rows.append((n_tokens, med["full"], med["now"], med["before"],
                               statistics.median(a / b for a, b in zip(res["now"], res["before"]))))

@@ -103,7 +103,8 @@ class PayloadSize:
 
     def _coded(self, alpha: float, i: int, count: bool = True):
         """Layer ``i``'s roles at ``alpha``, a group of chunks of one length at a time, in
-        ``codes_at``'s order per chunk: (the group's chunks, blob name stem, codes ``[G, H, T, D]``,
+        ``codes_at``'s order per chunk: (the group's chunks, the role's index in ``ROLES``, blob name
+        stem, codes ``[G, H, T, D]``,
         bins ``[G, H * D]``, each row's largest ``|code|`` ``[G, H * D]``, each chunk's counted
         bytes (``own_widths`` False; -1: a code beyond int16; not counted where not ``count``),
         the step's bytes)."""
@@ -122,7 +123,7 @@ class PayloadSize:
                     bins[c] = spread_bins(codes[c]).flatten().numpy()
                     if count:
                         sizes[c] = deflate_size.codes_blob_bytes(codes[c].numpy(), bins[c], peaks[c], False)
-                yield idx, name, codes, bins, peaks, sizes, step_bytes
+                yield idx, r, name, codes, bins, peaks, sizes, step_bytes
 
     def _params(self, i: int, r: int, chunk: int, step_bytes: bytes, bins: np.ndarray) -> bytes:
         """The params frame's bytes of layer ``i``'s role ``r`` in ``chunk`` (step, mean, bins)."""
@@ -131,10 +132,9 @@ class PayloadSize:
     def _layer(self, alpha: float, i: int) -> list[list[tuple[str, int]]] | None:
         """Per chunk, layer ``i``'s (blob name, bytes) in ``codes_at``'s order."""
         out = [[] for _ in self.job.kept_bounds]
-        for idx, name, codes, bins, peaks, sizes, step_bytes in self._coded(alpha, i):
+        for idx, r, name, codes, bins, peaks, sizes, step_bytes in self._coded(alpha, i):
             if (sizes < 0).any():
                 return None
-            r = ROLES.index(name.rsplit(".", 1)[1])
             for g, c in enumerate(idx):
                 params = self._params(i, r, c, step_bytes, bins[g])
                 out[c] += [(f"{name}.codes", int(sizes[g])), (f"{name}.params", len(deflate_compress(params, huffman_only=False)))]
@@ -147,8 +147,7 @@ class PayloadSize:
         where a code needs them; a blob of one-byte codes is the same either way, the others
         are counted again at their own widths)."""
         out = [[] for _ in self.job.kept_bounds]
-        for idx, name, codes, bins, peaks, _, step_bytes in self._coded(alpha, i, count=False):
-            r = ROLES.index(name.rsplit(".", 1)[1])
+        for idx, r, name, codes, bins, peaks, _, step_bytes in self._coded(alpha, i, count=False):
             for g, c in enumerate(idx):
                 lim = int(peaks[g].max()) if peaks[g].size else 0
                 width = 1 if lim <= 127 else OWN_WIDTHS

@@ -323,9 +323,10 @@ def warm() -> bool:
     codes[0, 0, 0] = 300.0  # two-byte codes: the frames' widths differ between the two blobs
     bins, peaks = spread_bins(codes).flatten().numpy(), np.empty(8, np.int64)
     spread_bins_exact(codes.numpy(), np.empty(8, np.uint8), peaks, SPREAD_BINS_PER_OCTAVE)
-    group = np.empty((1, 8), np.uint8), np.empty((1, 8), np.int64), np.empty(1, np.bool_)
-    sizes = group_blob_bytes(codes.numpy()[None], *group, SPREAD_BINS_PER_OCTAVE)
-    group_blob_bytes(codes.numpy()[None], *group, SPREAD_BINS_PER_OCTAVE, False)
-    return matches_zlib() and all(
-        codes_blob_bytes(codes.numpy(), bins, peaks, own) == len(encode_codes(codes, "deflate", own_widths=own)[0])
-        for own in (False, True)) and (not group[2][0] or int(sizes[0]) == len(encode_codes(codes, "deflate", own_widths=False)[0]))
+    exact = np.empty(1, np.bool_)
+    group = (np.empty((1, 8), np.uint8), np.empty((1, 8), np.int64), exact)
+    group_blob_bytes(codes.numpy()[None], *group, SPREAD_BINS_PER_OCTAVE, False)  # (the final encode's signature)
+    counted = int(group_blob_bytes(codes.numpy()[None], *group, SPREAD_BINS_PER_OCTAVE)[0])
+    encoded = {own: len(encode_codes(codes, "deflate", own_widths=own)[0]) for own in (False, True)}
+    return matches_zlib() and all(codes_blob_bytes(codes.numpy(), bins, peaks, own) == encoded[own] for own in encoded) \
+        and (not exact[0] or counted == encoded[False])
