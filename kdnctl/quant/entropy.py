@@ -177,7 +177,9 @@ def encode_codes(codes: torch.Tensor, coding: str = DEFAULT_CODING, compress: Ca
     width = 1 if lim <= 127 else OWN_WIDTHS if own_widths else 2
     bins = spread_bins(codes, stored)
     if stored is None and not reference:
-        return as_u8(frame_blob(codes, bins, width, lambda data: compress(data) if compress else compress_frame(data, coding))), bins
+        if compress is None and coding == "deflate":  # (zlib's Huffman-only bytes, compiled)
+            return as_u8(frame_blob(codes, bins, width)), bins
+        return as_u8(frame_blob(codes, bins, width, compress or (lambda data: compress_frame(data, coding)))), bins
     flat = codes.permute(0, 2, 1).reshape(h * d, t)  # channel-major rows
     keep = None if stored is None else stored.repeat_interleave(d, 0)  # [H * D, T]
     order = torch.argsort(bins.flatten(), stable=True)

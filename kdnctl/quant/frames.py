@@ -55,15 +55,22 @@ def pack_digits(vals: np.ndarray, peak: int, per: int) -> bytes:
     return acc.tobytes()
 
 
-def frame_blob(codes: torch.Tensor, bins: torch.Tensor, width: int, compress: Callable[[bytes], bytes]) -> bytes:
+def frame_blob(codes: torch.Tensor, bins: torch.Tensor, width: int, compress: Callable[[bytes], bytes] | None = None) -> bytes:
     """The codes blob (header and frames) of :func:`encode_codes` where every row is stored: the
     frames cut by the compiled ``kdnctl.kernels.ec.frame_bytes`` (the bytes of
-    :func:`frame_payloads`), each compressed from a view of its bytes."""
+    :func:`frame_payloads`), each compressed from a view of its bytes by ``compress``, or where
+    None deflated with Huffman coding only, every frame in one compiled call
+    (``kdnctl.kernels.ec.huffman_only``: the bytes ``coders.deflate.deflate_compress`` writes)."""
     from kdnctl.kernels.ec.frame_bytes import frame_bytes
 
     buf, offsets, peaks = frame_bytes(codes.float().contiguous().numpy(), bins.flatten().to(torch.uint8).numpy(), width)
-    view, offsets = memoryview(buf), offsets.tolist()
-    frames = [compress(view[a:b]) if b > a else b"" for a, b in zip(offsets, offsets[1:])]
-    peaks = peaks.tolist()
-    return bytes([width, len(frames)]) + np.array([len(f) for f in frames], "<i4").tobytes() + \
-        np.array(peaks, "<i2").tobytes() + b"".join(frames)
+    if compress is None:
+        from kdnctl.kernels.ec.huffman_only import deflate_frames
+
+        data, ends = deflate_frames(buf, offsets)
+        sizes, payload = np.diff(ends, prepend=0), data.tobytes()
+    else:
+        view, cuts = memoryview(buf), offsets.tolist()
+        frames = [compress(view[a:b]) if b > a else b"" for a, b in zip(cuts, cuts[1:])]
+        sizes, payload = [len(f) for f in frames], b"".join(frames)
+    return bytes([width, len(sizes)]) + np.asarray(sizes, "<i4").tobytes() + np.asarray(peaks, "<i2").tobytes() + payload

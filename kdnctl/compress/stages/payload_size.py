@@ -152,7 +152,7 @@ class PayloadSize:
                 lim = int(peaks[g].max()) if peaks[g].size else 0
                 width = 1 if lim <= 127 else OWN_WIDTHS
                 h, _, d = codes[g].shape
-                blob = frame_blob(codes[g], torch.from_numpy(bins[g]).view(h, d), width, deflate_compress)
+                blob = frame_blob(codes[g], torch.from_numpy(bins[g]).view(h, d), width)
                 want = counted[c][f"{name}.codes"] if width == 1 else \
                     deflate_size.codes_blob_bytes(codes[g].numpy(), bins[g], peaks[g], True)
                 if len(blob) != want:

@@ -218,10 +218,15 @@ def _scan_tree(dl, max_code, bl_freq):
             max_count, min_count = 7, 4
 
 
+STORED, STATIC, DYNAMIC = 0, 1, 2  # a block's kind, as zlib chooses it
+
+
 @njit
-def block_bits(hist, n_lit, work, bitpos):
-    """The bit position after one block of ``n_lit`` literals with byte histogram ``hist``
-    written at ``bitpos`` (a stored block aligns to a byte)."""
+def block_plan(hist, n_lit, work):
+    """zlib's ``_tr_flush_block`` choice for one block of ``n_lit`` literals with byte histogram
+    ``hist``: ``(kind, bits after the block's 3 type bits (not for a stored block), the literal
+    tree's max code, the distance tree's, the last code-length code sent)``. The dynamic trees'
+    code lengths are left in ``work`` (``dll``, ``dld``, ``dlb``): what an encoder writes."""
     fl, dll, fd, dld, fb, dlb, depth, heap, bl_count = work
     for i in range(HEAP_SIZE):
         fl[i] = 0
@@ -246,11 +251,21 @@ def block_bits(hist, n_lit, work, bitpos):
     static_lenb = (stat + 3 + 7) >> 3
     if static_lenb <= opt_lenb:
         opt_lenb = static_lenb
-    if n_lit + 4 <= opt_lenb:  # stored: the type bits, to the next byte, LEN and NLEN, the bytes
-        return ((bitpos + 3 + 7) // 8) * 8 + 32 + 8 * n_lit
+    if n_lit + 4 <= opt_lenb:
+        return STORED, 0, ml, md, max_blindex
     if static_lenb == opt_lenb:
-        return bitpos + 3 + stat
-    return bitpos + 3 + opt
+        return STATIC, stat, ml, md, max_blindex
+    return DYNAMIC, opt, ml, md, max_blindex
+
+
+@njit
+def block_bits(hist, n_lit, work, bitpos):
+    """The bit position after one block of ``n_lit`` literals with byte histogram ``hist``
+    written at ``bitpos`` (a stored block aligns to a byte)."""
+    kind, bits, _ml, _md, _mb = block_plan(hist, n_lit, work)
+    if kind == STORED:  # the type bits, to the next byte, LEN and NLEN, the bytes
+        return ((bitpos + 3 + 7) // 8) * 8 + 32 + 8 * n_lit
+    return bitpos + 3 + bits
 
 
 @njit
