@@ -25,6 +25,7 @@ from .zlib_blocks import (BL_CODES, BL_ORDER, BLOCK_LITERALS, END_BLOCK, L_CODES
 njit = functools.partial(numba.njit, nogil=True, cache=True)
 
 REP_3_6, REPZ_3_10, REPZ_11_138 = 16, 17, 18
+REVERSED = np.array([int(f"{v:08b}"[::-1], 2) for v in range(256)], np.int64)  # each byte's bits reversed
 
 
 @njit
@@ -46,11 +47,7 @@ def gen_codes(lengths, max_code, codes):
             continue
         c = next_code[ln]
         next_code[ln] += 1
-        r = 0
-        for _ in range(ln):
-            r = (r << 1) | (c & 1)
-            c >>= 1
-        codes[n] = r
+        codes[n] = ((REVERSED[c & 255] << 8) | REVERSED[(c >> 8) & 255]) >> (16 - ln)
 
 
 @njit
@@ -141,14 +138,15 @@ def _literals(data, a, b, code, length, packed, out, op, bb, bn):
         l0 = e0 >> 32
         bb |= ((e0 & 0xFFFFFFFF) | ((e1 & 0xFFFFFFFF) << l0)) << bn
         bn += l0 + (e1 >> 32)
-        if bn >= 32:
-            out[op] = bb & 255
-            out[op + 1] = (bb >> 8) & 255
-            out[op + 2] = (bb >> 16) & 255
-            out[op + 3] = (bb >> 24) & 255
-            op += 4
-            bb >>= 32
-            bn -= 32
+        # the low four bytes stored every time, kept where 32 bits were full (no branch to mispredict)
+        out[op] = bb & 255
+        out[op + 1] = (bb >> 8) & 255
+        out[op + 2] = (bb >> 16) & 255
+        out[op + 3] = (bb >> 24) & 255
+        full = bn >> 5
+        op += 4 * full
+        bb >>= 32 * full
+        bn -= 32 * full
     for i in range(b2, b):
         e = packed[data[i]]
         bb |= (e & 0xFFFFFFFF) << bn
@@ -256,7 +254,7 @@ def deflate_stream(data, a, b, out, op, work, hist, hist4, dyn, stat):
 @njit
 def stream_bound(n):
     """At most the bytes of a stream of ``n`` literals: zlib stores a block rather than grow it."""
-    return n + 5 * (n // BLOCK_LITERALS + 1) + 8
+    return n + 5 * (n // BLOCK_LITERALS + 1) + 12  # (+4: the literal loop stores four bytes ahead)
 
 
 @njit
