@@ -77,3 +77,9 @@ def test_blob_equals_the_zlib_blob(seed, h, t, d, scale):
     blob, bins = encode_codes(codes, "deflate")
     width = int(blob[0])
     assert bytes(blob.numpy()) == frame_blob(codes, bins, width, deflate_compress)
+
+
+def test_warm_checks_the_writer():
+    from kdnctl.kernels.ec import deflate_size
+
+    assert deflate_size.writes_zlib_bytes()

@@ -305,11 +305,25 @@ def matches_zlib() -> bool:
     return all(stream_bytes(s) == len(deflate_compress(s.tobytes())) for s in streams)
 
 
+def writes_zlib_bytes() -> bool:
+    """The compiled writer (``huffman_only``) writes this process's zlib's bytes (one stream of
+    each kind of block)."""
+    from kdnctl.quant.coders.deflate import deflate_compress
+
+    from .huffman_only import deflate
+
+    g = np.random.default_rng(3)
+    streams = [np.zeros(1, np.uint8), g.integers(0, 256, 300).astype(np.uint8),
+               np.minimum(g.geometric(0.2, BLOCK_LITERALS + 9), 255).astype(np.uint8)]
+    return all(deflate(s.tobytes()) == deflate_compress(s.tobytes()) for s in streams)
+
+
 def warm() -> bool:
-    """Compile the counting kernels and the encoder's (the frame cutter, the channel variances, the
-    rounding with feedback) now (numba keeps them on disk; ``scripts/install.sh`` and a compress
-    loading its model call this) and check them: True when this zlib is the one counted
-    and a made-up blob counts to the encoder's bytes at either width."""
+    """Compile the counting kernels and the encoder's (the frame cutter, the Huffman-only writer,
+    the channel variances, the rounding with feedback) now (numba keeps them on disk;
+    ``scripts/install.sh`` and a compress loading its model call this) and check them: True when
+    this zlib is the one counted, the writer writes its bytes, and a made-up blob counts to the
+    encoder's bytes at either width."""
     import torch
 
     from kdnctl.kernels.channel_stats import cpu as channel_stats_cpu
@@ -328,5 +342,5 @@ def warm() -> bool:
     group_blob_bytes(codes.numpy()[None], *group, SPREAD_BINS_PER_OCTAVE, False)  # (the final encode's signature)
     counted = int(group_blob_bytes(codes.numpy()[None], *group, SPREAD_BINS_PER_OCTAVE)[0])
     encoded = {own: len(encode_codes(codes, "deflate", own_widths=own)[0]) for own in (False, True)}
-    return matches_zlib() and all(codes_blob_bytes(codes.numpy(), bins, peaks, own) == encoded[own] for own in encoded) \
+    return matches_zlib() and writes_zlib_bytes() and all(codes_blob_bytes(codes.numpy(), bins, peaks, own) == encoded[own] for own in encoded) \
         and (not exact[0] or counted == encoded[False])
