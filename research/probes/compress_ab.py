@@ -92,6 +92,42 @@ def use(side: tuple) -> None:
     encode.PayloadSize, entropy.frame_blob, rate.channel_var = side
 
 
+def bench_document(lm, size: int, folder: Path):
+    """``(store, doc, token ids, bare prefill s)``: ``size`` tokens of the example corpus (as
+    ``bench/ttft.py`` builds them) ingested into a store in ``folder``, its bare prefill the best
+    of two."""
+    text = corpus_text(lm.tokenizer, size)
+    doc = Document(f"bench-{size}.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
+    ids = PromptFormat.for_tokenizer(lm.tokenizer).document_ids(lm.tokenizer, text)[0]
+    bare = min(bare_prefill_seconds(lm.model, ids) for _ in range(2))
+    store = Store(Path(folder) / f"s{size}")
+    ingest_documents(store, lm, [doc], IngestOptions())
+    return store, doc, ids, bare
+
+
+def alternating(store, doc, recipe, lm, sides: dict, repeats: int) -> tuple[dict[str, list[float]], bool]:
+    """``(seconds per side, whether every run of every side stored the same tensors)``: one
+    compress of ``doc`` with ``recipe`` per side and repetition, the sides' order alternating;
+    ``sides``: name -> a function that puts that side's code in place (the first side's is
+    left in place). A compress before, off the clock, pays the Fisher profile and the kernels."""
+    names = list(sides)
+    with store.writer():
+        compress_document(store, doc.doc_id, recipe, lm=lm, label=f"warm-{recipe.budget}")
+    secs, objects = {k: [] for k in names}, {}
+    for rep in range(repeats):
+        for name in (names if rep % 2 else names[::-1]):
+            sides[name]()
+            label = f"{name}-{recipe.budget}-{rep}"
+            with store.writer():
+                t = time.perf_counter()
+                compress_document(store, doc.doc_id, recipe, lm=lm, label=label)
+                secs[name].append(time.perf_counter() - t)
+            objects.setdefault(name, set()).add(tensor_digest(store, doc.doc_id, label))
+    sides[names[0]]()
+    digests = set().union(*objects.values())
+    return secs, len(digests) == 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="1024,2048,4096")
@@ -99,30 +135,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     lm = load_model(dtype="float32")
-    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in [int(s) for s in args.sizes.split(",")]:
-            text = corpus_text(lm.tokenizer, size)
-            doc = Document(f"bench-{size}.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
-            ids = fmt.document_ids(lm.tokenizer, text)[0]
-            bare = min(bare_prefill_seconds(lm.model, ids) for _ in range(2))
-            store = Store(Path(tmp) / f"s{size}")
-            ingest_documents(store, lm, [doc], IngestOptions())
-            with store.writer():  # the Fisher profile and the compiled kernels, off the clock
-                compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label="warm")
-            secs, objects = {"now": [], "before": []}, {}
-            for rep in range(args.repeats):
-                for name, side in ((("now", NOW), ("before", BEFORE)) if rep % 2 else (("before", BEFORE), ("now", NOW))):
-                    use(side)
-                    label = f"{name}-{rep}"
-                    with store.writer():
-                        t = time.perf_counter()
-                        compress_document(store, doc.doc_id, CompressRecipe(), lm=lm, label=label)
-                        secs[name].append(time.perf_counter() - t)
-                    objects.setdefault(name, set()).add(tensor_digest(store, doc.doc_id, label))
-            use(NOW)
-            same = objects["now"] == objects["before"] and len(objects["now"]) == 1
+            store, doc, ids, bare = bench_document(lm, size, Path(tmp))
+            secs, same = alternating(store, doc, CompressRecipe(), lm, {"now": lambda: use(NOW), "before": lambda: use(BEFORE)},
+                                     args.repeats)
             med = {k: statistics.median(v) for k, v in secs.items()}
             paired = statistics.median(a / b for a, b in zip(secs["now"], secs["before"]))
             rows.append((len(ids), bare, med["now"], med["before"], paired, same))

@@ -14,31 +14,24 @@ whether both sides stored the same tensors.
 from __future__ import annotations
 
 import argparse
-import hashlib
+import functools
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench"), str(ROOT / "research" / "probes")]
+sys.path[:0] = [str(ROOT), str(ROOT / "research" / "probes")]
 
 import torch  # noqa: E402
 
-from compress_ab import tensor_digest  # noqa: E402
-from ttft import corpus_text  # noqa: E402
+from compress_ab import alternating, bench_document  # noqa: E402
 
-from kdnctl.compress.document import CompressRecipe, compress_document  # noqa: E402
+from kdnctl.compress.document import CompressRecipe  # noqa: E402
 from kdnctl.compress.stages import payload_size  # noqa: E402
-from kdnctl.engine.prefill import bare_prefill_seconds  # noqa: E402
-from kdnctl.ingest import IngestOptions, ingest_documents  # noqa: E402
-from kdnctl.ingest.corpus import Document  # noqa: E402
-from kdnctl.ingest.prompting import PromptFormat  # noqa: E402
 from kdnctl.models.load import load_model  # noqa: E402
 from kdnctl.quant import entropy, frames  # noqa: E402
 from kdnctl.quant.coders.deflate import deflate_compress  # noqa: E402
-from kdnctl.store import Store  # noqa: E402
 
 
 def zlib_frame_blob(codes, bins, width, compress=None):
@@ -61,32 +54,13 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(2)
     lm = load_model(dtype="float32")
-    fmt = PromptFormat.for_tokenizer(lm.tokenizer)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for size in [int(s) for s in args.sizes.split(",")]:
-            text = corpus_text(lm.tokenizer, size)
-            doc = Document(f"bench-{size}.txt", text, "bench", hashlib.sha256(text.encode()).hexdigest())
-            ids = fmt.document_ids(lm.tokenizer, text)[0]
-            bare = min(bare_prefill_seconds(lm.model, ids) for _ in range(2))
-            store = Store(Path(tmp) / f"s{size}")
-            ingest_documents(store, lm, [doc], IngestOptions())
+            store, doc, ids, bare = bench_document(lm, size, Path(tmp))
             for budget in (float(b) for b in args.budgets.split(",")):
-                recipe = CompressRecipe(budget=budget)
-                with store.writer():  # the Fisher profile and the compiled kernels, off the clock
-                    compress_document(store, doc.doc_id, recipe, lm=lm, label=f"warm-{budget:g}")
-                secs, objects = {"writer": [], "zlib": []}, {}
-                for rep in range(args.repeats):
-                    for name in (("writer", "zlib") if rep % 2 else ("zlib", "writer")):
-                        use(name)
-                        label = f"{name}-{budget:g}-{rep}"
-                        with store.writer():
-                            t = time.perf_counter()
-                            compress_document(store, doc.doc_id, recipe, lm=lm, label=label)
-                            secs[name].append(time.perf_counter() - t)
-                        objects.setdefault(name, set()).add(tensor_digest(store, doc.doc_id, label))
-                use("writer")
-                same = objects["writer"] == objects["zlib"] and len(objects["writer"]) == 1
+                secs, same = alternating(store, doc, CompressRecipe(budget=budget), lm,
+                                         {name: functools.partial(use, name) for name in SIDES}, args.repeats)
                 med = {k: statistics.median(v) for k, v in secs.items()}
                 paired = statistics.median(a / b for a, b in zip(secs["writer"], secs["zlib"]))
                 rows.append((len(ids), budget, bare, med["writer"], med["zlib"], paired, same))

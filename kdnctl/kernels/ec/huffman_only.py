@@ -19,12 +19,11 @@ import functools
 import numba
 import numpy as np
 
-from .zlib_blocks import (BL_CODES, BL_ORDER, BLOCK_LITERALS, END_BLOCK, L_CODES, MAX_BITS, STATIC_L, STORED,
-                          STATIC, block_plan, new_work)
+from .zlib_blocks import (BL_CODES, BL_ORDER, BLOCK_LITERALS, END_BLOCK, EXTRA_BL, L_CODES, MAX_BITS, REP_3_6,
+                          STATIC_L, STORED, STATIC, block_plan, new_work, tree_runs)
 
 njit = functools.partial(numba.njit, nogil=True, cache=True)
 
-REP_3_6, REPZ_3_10, REPZ_11_138 = 16, 17, 18
 REVERSED = np.array([int(f"{v:08b}"[::-1], 2) for v in range(256)], np.int64)  # each byte's bits reversed
 
 
@@ -72,56 +71,20 @@ def _flush(out, op, bb, bn):
 
 
 @njit
-def _send_tree(lengths, max_code, bl_code, bl_len, out, op, bb, bn):
-    """zlib's ``send_tree``: one tree's code lengths, run-length coded with the code-length code
-    (the same runs ``zlib_blocks._scan_tree`` counted)."""
-    prevlen = -1
-    nextlen = lengths[0]
-    count = 0
-    max_count, min_count = 7, 4
-    if nextlen == 0:
-        max_count, min_count = 138, 3
-    for n in range(max_code + 1):
-        curlen = nextlen
-        nextlen = lengths[n + 1] if n + 1 <= max_code else 0xFFFF  # zlib's guard
-        count += 1
-        if count < max_count and curlen == nextlen:
-            continue
-        elif count < min_count:
-            for _ in range(count):
-                bb |= bl_code[curlen] << bn
-                bn += bl_len[curlen]
-                op, bb, bn = _flush(out, op, bb, bn)
-        elif curlen != 0:
-            if curlen != prevlen:
-                bb |= bl_code[curlen] << bn
-                bn += bl_len[curlen]
-                count -= 1
-            bb |= bl_code[REP_3_6] << bn
-            bn += bl_len[REP_3_6]
-            bb |= (count - 3) << bn
-            bn += 2
-            op, bb, bn = _flush(out, op, bb, bn)
-        elif count <= 10:
-            bb |= bl_code[REPZ_3_10] << bn
-            bn += bl_len[REPZ_3_10]
-            bb |= (count - 3) << bn
-            bn += 3
-            op, bb, bn = _flush(out, op, bb, bn)
-        else:
-            bb |= bl_code[REPZ_11_138] << bn
-            bn += bl_len[REPZ_11_138]
-            bb |= (count - 11) << bn
-            bn += 7
-            op, bb, bn = _flush(out, op, bb, bn)
-        count = 0
-        prevlen = curlen
-        if nextlen == 0:
-            max_count, min_count = 138, 3
-        elif curlen == nextlen:
-            max_count, min_count = 6, 3
-        else:
-            max_count, min_count = 7, 4
+def _send_trees(dll, ml, dld, md, bl_code, bl_len, runs, out, op, bb, bn):
+    """zlib's ``send_tree`` of the literal and distance trees: their code lengths as the runs
+    ``zlib_blocks.tree_runs`` walks (and the plan counted), each by the code-length code."""
+    syms, extras, unused = runs
+    k = tree_runs(dll, ml, unused, syms, extras, 0)
+    k = tree_runs(dld, md, unused, syms, extras, k)
+    for j in range(k):
+        s = syms[j]
+        bb |= bl_code[s] << bn
+        bn += bl_len[s]
+        if s >= REP_3_6:
+            bb |= extras[j] << bn
+            bn += EXTRA_BL[s]
+        op, bb, bn = _flush(out, op, bb, bn)
     return op, bb, bn
 
 
@@ -168,7 +131,7 @@ def _literals(data, a, b, code, length, packed, out, op, bb, bn):
 def _block(data, a, b, last, work, hist, dyn, stat, out, op, bb, bn):
     """One block of ``data[a:b]`` (``hist``: its byte histogram) as zlib's ``_tr_flush_block``
     writes it: (op, bb, bn) after it."""
-    l_code, l_len, bl_code, bl_len, packed = dyn
+    l_code, l_len, bl_code, bl_len, packed, runs = dyn
     kind, _bits, ml, md, max_blindex = block_plan(hist, b - a, work)
     bb |= ((kind << 1) + last) << bn
     bn += 3
@@ -207,8 +170,7 @@ def _block(data, a, b, last, work, hist, dyn, stat, out, op, bb, bn):
         bb |= bl_len[BL_ORDER[rank]] << bn
         bn += 3
         op, bb, bn = _flush(out, op, bb, bn)
-    op, bb, bn = _send_tree(dll, ml, bl_code, bl_len, out, op, bb, bn)
-    op, bb, bn = _send_tree(dld, md, bl_code, bl_len, out, op, bb, bn)
+    op, bb, bn = _send_trees(dll, ml, dld, md, bl_code, bl_len, runs, out, op, bb, bn)
     return _literals(data, a, b, l_code, l_len, packed, out, op, bb, bn)
 
 
@@ -252,6 +214,15 @@ def deflate_stream(data, a, b, out, op, work, hist, hist4, dyn, stat):
 
 
 @njit
+def _dynamic_scratch():
+    """A dynamic block's codes and lengths (literal and code-length trees), the literal loop's
+    packed table, and the trees' runs (``tree_runs``: symbols, extra bits, a count nobody reads)."""
+    runs = (np.zeros(2 * L_CODES, np.int64), np.zeros(2 * L_CODES, np.int64), np.zeros(BL_CODES, np.int64))
+    return (np.zeros(L_CODES + 2, np.int64), np.zeros(L_CODES + 2, np.int64), np.zeros(BL_CODES, np.int64),
+            np.zeros(BL_CODES, np.int64), np.zeros(256, np.int64), runs)
+
+
+@njit
 def stream_bound(n):
     """At most the bytes of a stream of ``n`` literals: zlib stores a block rather than grow it."""
     return n + 5 * (n // BLOCK_LITERALS + 1) + 12  # (+4: the literal loop stores four bytes ahead)
@@ -270,8 +241,7 @@ def deflate_frames(buf, offsets):
     ends = np.zeros(n_frames, np.int64)
     work = new_work()
     hist, hist4 = np.zeros(256, np.int64), np.zeros((4, 256), np.int64)
-    dyn = (np.zeros(L_CODES + 2, np.int64), np.zeros(L_CODES + 2, np.int64),
-           np.zeros(BL_CODES, np.int64), np.zeros(BL_CODES, np.int64), np.zeros(256, np.int64))
+    dyn = _dynamic_scratch()
     stat = static_codes()
     op = 0
     for f in range(n_frames):
@@ -285,8 +255,7 @@ def deflate_frames(buf, offsets):
 def deflate_bytes(data):
     """``deflate_compress(data)`` of one uint8 array (an empty one too: one empty block)."""
     out = np.empty(stream_bound(data.shape[0]), np.uint8)
-    dyn = (np.zeros(L_CODES + 2, np.int64), np.zeros(L_CODES + 2, np.int64),
-           np.zeros(BL_CODES, np.int64), np.zeros(BL_CODES, np.int64), np.zeros(256, np.int64))
+    dyn = _dynamic_scratch()
     op = deflate_stream(data, 0, data.shape[0], out, 0, new_work(), np.zeros(256, np.int64),
                         np.zeros((4, 256), np.int64), dyn, static_codes())
     return out[:op]

@@ -183,9 +183,15 @@ def _build_tree(freq, dl, depth, heap, bl_count, elems, slen, extra, base, max_l
     return max_code, opt, stat
 
 
+REP_3_6, REPZ_3_10, REPZ_11_138 = 16, 17, 18  # the code-length code's run symbols
+
+
 @njit
-def _scan_tree(dl, max_code, bl_freq):
-    """zlib's scan_tree: the code-length code's symbol counts for one tree's lengths."""
+def tree_runs(dl, max_code, bl_freq, syms, extras, k):
+    """zlib's walk over one tree's code lengths (``scan_tree`` counts it, ``send_tree`` sends it):
+    each code-length code symbol counted in ``bl_freq`` and, where ``syms`` has room, recorded at
+    ``syms[k]`` with its extra bits' value at ``extras[k]``. Returns ``k`` after the last."""
+    record = syms.shape[0] > 0
     prevlen = -1
     nextlen = dl[0]
     count = 0
@@ -200,14 +206,27 @@ def _scan_tree(dl, max_code, bl_freq):
             continue
         elif count < min_count:
             bl_freq[curlen] += count
-        elif curlen != 0:
-            if curlen != prevlen:
-                bl_freq[curlen] += 1
-            bl_freq[16] += 1
-        elif count <= 10:
-            bl_freq[17] += 1
+            if record:
+                for _ in range(count):
+                    syms[k], extras[k] = curlen, 0
+                    k += 1
         else:
-            bl_freq[18] += 1
+            if curlen != 0:
+                sym, extra = REP_3_6, count - 3
+                if curlen != prevlen:
+                    bl_freq[curlen] += 1
+                    extra -= 1  # (send_tree sends the length once, then repeats it count - 1 times)
+                    if record:
+                        syms[k], extras[k] = curlen, 0
+                        k += 1
+            elif count <= 10:
+                sym, extra = REPZ_3_10, count - 3
+            else:
+                sym, extra = REPZ_11_138, count - 11
+            bl_freq[sym] += 1
+            if record:
+                syms[k], extras[k] = sym, extra
+                k += 1
         count = 0
         prevlen = curlen
         if nextlen == 0:
@@ -216,6 +235,7 @@ def _scan_tree(dl, max_code, bl_freq):
             max_count, min_count = 6, 3
         else:
             max_count, min_count = 7, 4
+    return k
 
 
 STORED, STATIC, DYNAMIC = 0, 1, 2  # a block's kind, as zlib chooses it
@@ -237,8 +257,9 @@ def block_plan(hist, n_lit, work):
     fl[END_BLOCK] = 1
     ml, o1, s1 = _build_tree(fl, dll, depth, heap, bl_count, L_CODES, STATIC_L, NO_EXTRA, 257, MAX_BITS, True)
     md, o2, s2 = _build_tree(fd, dld, depth, heap, bl_count, D_CODES, STATIC_D, NO_EXTRA, 0, MAX_BITS, True)
-    _scan_tree(dll, ml, fb)
-    _scan_tree(dld, md, fb)
+    none = np.empty(0, np.int64)  # (counted, not recorded)
+    tree_runs(dll, ml, fb, none, none, 0)
+    tree_runs(dld, md, fb, none, none, 0)
     _mb, o3, _s3 = _build_tree(fb, dlb, depth, heap, bl_count, BL_CODES, STATIC_D, EXTRA_BL, 0, MAX_BL_BITS, False)
     max_blindex = BL_CODES - 1
     while max_blindex >= 3:
