@@ -45,8 +45,12 @@ from kdnctl.quant import entropy, frames  # noqa: E402
 from kdnctl.store import Store  # noqa: E402
 
 
-def numpy_frame_blob(codes, bins, width, compress):
-    """``frames.frame_blob`` with its frames cut by ``frame_payloads`` (numpy), as before."""
+def numpy_frame_blob(codes, bins, width, compress=None):
+    """``frames.frame_blob`` with its frames cut by ``frame_payloads`` (numpy) and deflated by
+    zlib one at a time, as before."""
+    from kdnctl.quant.coders.deflate import deflate_compress
+
+    compress = compress or deflate_compress
     datas, peaks = frames.frame_payloads(codes, bins, width)
     out = [compress(x) if x else b"" for x in datas]
     return bytes([width, len(out)]) + np.array([len(f) for f in out], "<i4").tobytes() + \
