@@ -4,8 +4,8 @@ The encode stage fits one scale of the steps to the byte cap by probing scales (
 What a probe needs is only the size: the codes are quantized as the encoder quantizes them
 (the same arithmetic, chunks of one length together), binned as it bins them, and the code
 frames' deflated bytes are counted from their byte histograms (``kdnctl.kernels.ec.deflate_size``,
-exact for zlib's Huffman-only blocks); only the small params frame of each blob is deflated
-(kept by its bytes: the version stores the params of a probed scale). At the fitted scale
+exact for zlib's Huffman-only blocks); only the small params frame of each blob is deflated.
+At the fitted scale
 :meth:`PayloadSize.blobs` deflates those same codes into the blobs the version stores (each
 frame at its own width, every frame of a blob in one compiled call that writes zlib's bytes,
 ``kdnctl.kernels.ec.huffman_only``) and checks every blob against its count.
@@ -42,7 +42,6 @@ class PayloadSize:
     def __init__(self, job: Job):
         self.job = job
         self._seen: dict[float, list[dict[str, int]] | None] = {}
-        self._deflated: dict[bytes, bytes] = {}  # params frame -> its deflate (``_params``)
         # per layer and role, each chunk's stored mean (float16, as the blob keeps it) and its
         # bytes, and the chunks in groups of one length (quantized and binned together)
         by_len: dict[int, list[int]] = {}
@@ -129,14 +128,8 @@ class PayloadSize:
                 yield idx, r, name, codes, bins, peaks, sizes, step_bytes
 
     def _params(self, i: int, r: int, chunk: int, step_bytes: bytes, bins: np.ndarray) -> bytes:
-        """The params frame of layer ``i``'s role ``r`` in ``chunk`` (step, mean, bins), deflated.
-        Kept by its bytes: scales probed close together round many steps to the same float16
-        (and bins), and the version stores the params of a scale the fit probed."""
-        raw = step_bytes + self.mean_bytes[i][r][chunk] + bins.tobytes()
-        frame = self._deflated.get(raw)
-        if frame is None:
-            frame = self._deflated[raw] = deflate_compress(raw, huffman_only=False)
-        return frame
+        """The params frame of layer ``i``'s role ``r`` in ``chunk`` (step, mean, bins), deflated."""
+        return deflate_compress(step_bytes + self.mean_bytes[i][r][chunk] + bins.tobytes(), huffman_only=False)
 
     def _layer(self, alpha: float, i: int) -> list[list[tuple[str, int]]] | None:
         """Per chunk, layer ``i``'s (blob name, bytes) in ``codes_at``'s order."""

@@ -1,8 +1,9 @@
 """zlib's Huffman-only deflate, compiled: the bytes ``coders.deflate.deflate_compress`` writes for
 a code frame (level 6, memLevel 9, ``Z_HUFFMAN_ONLY``, raw), for every frame of a blob in one call.
 
-A version's encode deflates every code frame of every (chunk, layer, role) blob; zlib takes
-~6.5 ns a byte plus a stream's set-up (~4.5 us) per frame. A Huffman-only stream is a function
+A version's encode deflates every code frame of every (chunk, layer, role) blob; zlib, a
+stream set up per frame, takes ~8.8 ns a byte on a compress's frames (this: ~4,
+``research/probes/huffman_writer_frames.py``). A Huffman-only stream is a function
 of its literals alone: blocks of 32767 literals, each stored, fixed-Huffman or dynamic-Huffman
 by zlib's own rule, its trees zlib's. :mod:`.zlib_blocks` already follows those steps to count a
 block's bits (``block_plan``: the kind and the code lengths); this writes them: the canonical
@@ -110,18 +111,11 @@ def _literals(data, a, b, code, length, packed, out, op, bb, bn):
         op += 4 * full
         bb >>= 32 * full
         bn -= 32 * full
-    for i in range(b2, b):
-        e = packed[data[i]]
+    if b2 < b:  # an odd last literal (at most 31 + 15 bits: _flush below empties them)
+        e = packed[data[b2]]
         bb |= (e & 0xFFFFFFFF) << bn
         bn += e >> 32
-        if bn >= 32:
-            out[op] = bb & 255
-            out[op + 1] = (bb >> 8) & 255
-            out[op + 2] = (bb >> 16) & 255
-            out[op + 3] = (bb >> 24) & 255
-            op += 4
-            bb >>= 32
-            bn -= 32
+        op, bb, bn = _flush(out, op, bb, bn)
     bb |= code[END_BLOCK] << bn
     bn += length[END_BLOCK]
     return _flush(out, op, bb, bn)
@@ -156,7 +150,6 @@ def _block(data, a, b, last, work, hist, dyn, stat, out, op, bb, bn):
     l_len[:] = 0
     l_len[:ml + 1] = dll[:ml + 1]
     gen_codes(l_len, ml, l_code)
-    bl_len[:] = 0
     bl_len[:] = dlb[:BL_CODES]
     gen_codes(bl_len, BL_CODES - 1, bl_code)
     bb |= (ml + 1 - 257) << bn
